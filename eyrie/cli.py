@@ -1,0 +1,62 @@
+"""`eyrie <stage> ...`: one entry per workflow rule. Each stage module provides
+`add_arguments(parser)` and `run(args)`; this layer only parses and reports errors."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+
+from eyrie import EyrieError
+
+# stage name -> module providing add_arguments(parser) and run(args)
+STAGES = {
+    "demo-conversations": ("eyrie.demo.conversations", "write the demo conversations (stdlib docstrings)"),
+    "demo-target": ("eyrie.demo.target", "build and train the small demo target model"),
+    "preflight": ("eyrie.preflight", "CPU checks that gate every GPU job"),
+    "tokenize": ("eyrie.tokenize", "render conversations, loss masks, shards and eval split"),
+    "vocab": ("eyrie.vocab", "draft vocabulary map (d2t/t2d)"),
+    "extract": ("eyrie.extract", "target hidden states of one tokenized shard into HDF5"),
+    "train": ("eyrie.train", "train the EAGLE-3 draft"),
+    "export": ("eyrie.export", "export the draft in the format vLLM loads"),
+    "evaluate": ("eyrie.evaluate", "acceptance length by real speculative decoding"),
+}
+
+
+def settings_arg(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--settings is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--settings must be a JSON object")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eyrie", description=__doc__)
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    for name, (module, help_text) in STAGES.items():
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    try:
+        result = importlib.import_module(args._module).run(args)
+    except EyrieError as exc:
+        # One clear line (plus detail lines, when the error carries several): no traceback.
+        print(f"eyrie {args.stage}: error: {exc}", file=sys.stderr)
+        return 2
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Atomic outputs and provenance: partial outputs never look complete."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(final: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling path; rename it to `final` only if the block succeeds.
+
+    Works for files and folders. On failure the temporary is removed and `final` untouched.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    _remove(tmp)
+    try:
+        yield tmp
+        if final.exists():
+            _remove(final)
+        os.replace(tmp, final)
+    finally:
+        _remove(tmp)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def write_json(path: str | Path, obj) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+            text=True, timeout=5,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(settings: dict | None = None) -> dict:
+    """What produced an output: command, settings, git SHA, package versions, host."""
+    versions = {}
+    for pkg in ("eyrie", "torch", "transformers", "tokenizers", "speculators", "h5py", "snakemake"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {
+        "command": sys.argv,
+        "settings": settings,
+        "git_sha": _git_sha(),
+        "versions": versions,
+        "python": sys.version.split()[0],
+        "host": platform.node(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }

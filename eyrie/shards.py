@@ -1,0 +1,258 @@
+"""The HDF5 hidden-state shard format (a contract; documented in docs/shard-format.md).
+
+One file per tokenized shard, holding every sample of that shard back to back:
+
+  input_ids     int32  [T]             token ids of all samples, concatenated
+  loss_mask     uint8  [T]             1 on assistant tokens
+  offsets       int64  [S + 1]         sample i is rows offsets[i]:offsets[i+1]
+  sample_ids    str    [S]             "<file>:<line>" of each source record
+  aux_hidden    STORE  [T, n_aux * H]  residual streams at aux_layer_ids, concatenated in id order
+  final_hidden  STORE  [T, H]          residual stream at final_layer_id (= N, before the final norm)
+
+STORE is uint16 holding the raw bfloat16 bit pattern when storage_dtype is "bfloat16" (h5py has
+no bfloat16), else float16/float32. Datasets are contiguous and uncompressed, so one sample
+reads with one slice per dataset without touching the others.
+
+Files are written under a temporary name, validated, then renamed: a file at the final path is
+always complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from eyrie import EyrieError
+
+FORMAT = "eyrie-hidden-states"
+SCHEMA_VERSION = 1
+STORAGE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
+# Fields a reader compares against what the training run expects.
+CHECKED_FIELDS = ("target_fingerprint", "tokenizer_hash", "aux_layer_ids", "final_layer_id",
+                  "hidden_size")
+
+
+class ShardError(EyrieError):
+    pass
+
+
+@dataclass
+class ShardMeta:
+    target_fingerprint: str
+    tokenizer_hash: str
+    aux_layer_ids: list[int]
+    final_layer_id: int
+    hidden_size: int
+    storage_dtype: str = "bfloat16"
+    producer: dict = field(default_factory=dict)  # settings + provenance that made the shard
+
+    def __post_init__(self):
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise ShardError(f"storage_dtype {self.storage_dtype!r}: use one of {list(STORAGE_DTYPES)}")
+        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+
+
+def to_storage(x: torch.Tensor, storage_dtype: str) -> np.ndarray:
+    """Tensor -> numpy array in the stored representation (bf16 as its 16-bit pattern)."""
+    if storage_dtype == "bfloat16":
+        return x.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+    return x.detach().to(getattr(torch, storage_dtype)).cpu().contiguous().numpy()
+
+
+def from_storage(a: np.ndarray, storage_dtype: str) -> torch.Tensor:
+    if storage_dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+class ShardWriter:
+    """Preallocates a shard for known samples; `put(i, aux, final)` fills sample i.
+
+    Use as a context manager: on a clean exit the file is validated and renamed to `path`;
+    on an exception (or a sample never written) nothing appears at `path`.
+    """
+
+    def __init__(self, path, meta: ShardMeta, sample_ids: list[str],
+                 input_ids: list[list[int]], loss_masks: list[list[int]]):
+        if not (len(sample_ids) == len(input_ids) == len(loss_masks)):
+            raise ShardError(f"{path}: sample_ids/input_ids/loss_masks lengths differ")
+        self.path = Path(path)
+        self.meta = meta
+        self.lengths = np.array([len(x) for x in input_ids], dtype=np.int64)
+        for sid, ids, mask in zip(sample_ids, input_ids, loss_masks):
+            if len(ids) != len(mask):
+                raise ShardError(f"{path}: sample {sid}: {len(ids)} ids but {len(mask)} mask values")
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        self.expected_ids = np.concatenate([np.asarray(x, dtype=np.int32) for x in input_ids]) \
+            if input_ids else np.zeros(0, np.int32)
+        self.written = np.zeros(len(sample_ids), dtype=bool)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        n_tok, H, n_aux = int(self.offsets[-1]), meta.hidden_size, len(meta.aux_layer_ids)
+        store = STORAGE_DTYPES[meta.storage_dtype]
+        self.f = h5py.File(self.tmp, "w")
+        f = self.f
+        f.create_dataset("input_ids", data=self.expected_ids)
+        masks = np.concatenate([np.asarray(m, dtype=np.uint8) for m in loss_masks]) \
+            if loss_masks else np.zeros(0, np.uint8)
+        f.create_dataset("loss_mask", data=masks)
+        f.create_dataset("offsets", data=self.offsets)
+        f.create_dataset("sample_ids", data=np.array(sample_ids, dtype=object),
+                         dtype=h5py.string_dtype())
+        self.aux = f.create_dataset("aux_hidden", shape=(n_tok, n_aux * H), dtype=store)
+        self.final = f.create_dataset("final_hidden", shape=(n_tok, H), dtype=store)
+        attrs = asdict(meta)
+        attrs["producer"] = json.dumps(meta.producer, sort_keys=True, default=str)
+        attrs.update(format=FORMAT, schema_version=SCHEMA_VERSION,
+                     num_samples=len(sample_ids), num_tokens=n_tok)
+        for k, v in attrs.items():
+            f.attrs[k] = np.asarray(v, dtype=np.int64) if k == "aux_layer_ids" else v
+
+    def put(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
+        """aux: [T_i, n_aux * H]; final: [T_i, H] for sample i (any float dtype, any device)."""
+        T = int(self.lengths[i])
+        H, n_aux = self.meta.hidden_size, len(self.meta.aux_layer_ids)
+        if tuple(aux.shape) != (T, n_aux * H) or tuple(final.shape) != (T, H):
+            raise ShardError(f"{self.path}: sample {i}: got aux {tuple(aux.shape)} final "
+                             f"{tuple(final.shape)}, expected ({T}, {n_aux * H}) and ({T}, {H})")
+        if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+            raise ShardError(f"{self.path}: sample {i}: non-finite hidden states from the target "
+                             "(check the compute dtype; float16 overflows on some models)")
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        self.aux[a:b] = to_storage(aux, self.meta.storage_dtype)
+        self.final[a:b] = to_storage(final, self.meta.storage_dtype)
+        self.written[i] = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            self.f.close()
+            if exc_type is None:
+                missing = np.flatnonzero(~self.written)
+                if len(missing):
+                    raise ShardError(f"{self.path}: {len(missing)} samples never written "
+                                     f"(first: index {missing[0]})")
+                validate_shard(self.tmp, expected_ids=self.expected_ids)
+                os.replace(self.tmp, self.path)
+        finally:
+            if self.tmp.exists():
+                self.tmp.unlink()
+        return False
+
+
+def _read_meta(f: h5py.File, path) -> ShardMeta:
+    a = f.attrs
+    if a.get("format") != FORMAT:
+        raise ShardError(f"{path}: not an eyrie hidden-state shard (attr format={a.get('format')!r})")
+    if int(a.get("schema_version", -1)) != SCHEMA_VERSION:
+        raise ShardError(f"{path}: schema_version {a.get('schema_version')} but this eyrie reads "
+                         f"{SCHEMA_VERSION}; re-extract the shard")
+    return ShardMeta(
+        target_fingerprint=str(a["target_fingerprint"]),
+        tokenizer_hash=str(a["tokenizer_hash"]),
+        aux_layer_ids=[int(i) for i in a["aux_layer_ids"]],
+        final_layer_id=int(a["final_layer_id"]),
+        hidden_size=int(a["hidden_size"]),
+        storage_dtype=str(a["storage_dtype"]),
+        producer=json.loads(a["producer"]),
+    )
+
+
+def validate_shard(path, expected_ids: np.ndarray | None = None, check_values: bool = True) -> ShardMeta:
+    """Structural checks (lengths agree, ids match, values finite); raises ShardError naming the problem."""
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise ShardError(f"{path}: unreadable HDF5 ({exc}); delete it and rebuild this shard") from exc
+    with f:
+        meta = _read_meta(f, path)
+        for name in ("input_ids", "loss_mask", "offsets", "sample_ids", "aux_hidden", "final_hidden"):
+            if name not in f:
+                raise ShardError(f"{path}: dataset {name!r} missing; rebuild this shard")
+        T = f["input_ids"].shape[0]
+        offsets = f["offsets"][:]
+        n_aux, H = len(meta.aux_layer_ids), meta.hidden_size
+        checks = [
+            (f["loss_mask"].shape == (T,), "loss_mask length"),
+            (len(offsets) == len(f["sample_ids"]) + 1, "offsets/sample_ids count"),
+            (offsets[0] == 0 and offsets[-1] == T and bool(np.all(np.diff(offsets) >= 0)), "offsets"),
+            (f["aux_hidden"].shape == (T, n_aux * H), "aux_hidden shape"),
+            (f["final_hidden"].shape == (T, H), "final_hidden shape"),
+            (f.attrs["num_tokens"] == T, "num_tokens attr"),
+        ]
+        for ok, what in checks:
+            if not ok:
+                raise ShardError(f"{path}: {what} inconsistent; delete it and rebuild this shard")
+        if expected_ids is not None and not np.array_equal(f["input_ids"][:], expected_ids):
+            raise ShardError(f"{path}: input_ids differ from the tokenized shard; rebuild this shard")
+        if check_values:
+            step = 1 << 16
+            for name in ("aux_hidden", "final_hidden"):
+                ds = f[name]
+                for a in range(0, T, step):
+                    x = from_storage(ds[a:a + step], meta.storage_dtype)
+                    if not torch.isfinite(x).all():
+                        raise ShardError(f"{path}: non-finite values in {name} rows {a}..; "
+                                         "rebuild this shard")
+    return meta
+
+
+class ShardReader:
+    """Random access to samples of one shard.
+
+    `expect` maps CHECKED_FIELDS to what the training run needs; a mismatch raises ShardError
+    naming the field, both values and the fix.
+    """
+
+    def __init__(self, path, expect: dict | None = None):
+        self.path = Path(path)
+        try:
+            self.f = h5py.File(self.path, "r")
+        except OSError as exc:
+            raise ShardError(f"{path}: unreadable HDF5 ({exc}); delete it and rebuild this shard") from exc
+        self.meta = _read_meta(self.f, path)
+        for key, want in (expect or {}).items():
+            have = getattr(self.meta, key)
+            if key == "aux_layer_ids":
+                have, want = list(have), [int(i) for i in want]
+            if have != want:
+                raise ShardError(f"{path}: {key} is {have!r} but the run expects {want!r}; "
+                                 "re-extract this shard for the current target and layers")
+        self.offsets = self.f["offsets"][:]
+        self.lengths = np.diff(self.offsets)
+        self._ids, self._mask = self.f["input_ids"], self.f["loss_mask"]
+        self._aux, self._final = self.f["aux_hidden"], self.f["final_hidden"]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def sample_ids(self) -> list[str]:
+        return [s.decode() if isinstance(s, bytes) else s for s in self.f["sample_ids"][:]]
+
+    def read(self, i: int) -> dict[str, torch.Tensor]:
+        """input_ids [T] int64, loss_mask [T] bool, aux_hidden [T, n_aux*H], final_hidden [T, H]."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        d = self.meta.storage_dtype
+        return {
+            "input_ids": torch.from_numpy(self._ids[a:b].astype(np.int64)),
+            "loss_mask": torch.from_numpy(self._mask[a:b].astype(bool)),
+            "aux_hidden": from_storage(self._aux[a:b], d),
+            "final_hidden": from_storage(self._final[a:b], d),
+        }
+
+    def close(self):
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

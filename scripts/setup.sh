@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Creates .venv with everything the workflow and its tests need (idempotent, offline-safe
+# apart from PyPI). Usage: bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=.venv/.eyrie-setup
+want=$(cat envs/train.txt envs/train-nodeps.txt pyproject.toml | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "setup: .venv is up to date"
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip setuptools wheel
+# torch first and pinned: 2.13.0 resolves to the CPU wheel on machines that have it locally.
+python -m pip install -q "torch==${EYRIE_TORCH_VERSION:-2.13.0}"
+python -m pip install -q -r envs/train.txt
+python -m pip install -q --no-deps -r envs/train-nodeps.txt
+python -m pip install -q --no-deps --no-build-isolation -e .
+python - <<'PY'
+import torch, transformers, speculators, snakemake, h5py  # noqa: F401
+print(f"setup: torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"speculators {speculators.__version__}, snakemake {snakemake.__version__}")
+PY
+echo "$want" > "$stamp"
