@@ -1,0 +1,49 @@
+"""Build the EAGLE-3 draft: speculators' own Eagle3DraftModel, constructed the way that works
+on CPU and GPU (sdpa attention; the verifier's embeddings, final norm and lm_head loaded from the
+target folder)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from eyrie import EyrieError
+
+
+def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Tensor,
+                t2d: torch.Tensor, *, num_layers: int = 1, draft_arch: str = "llama",
+                norm_before_residual: bool = True, ttt_steps: int = 3,
+                trust_remote_code: bool = False, seed: int | None = None):
+    """A fresh (untrained) draft for the target at `target_path`.
+
+    d2t: int64 [draft_vocab] offsets (target_id = i + d2t[i]); t2d: bool [target_vocab].
+    Seeded when `seed` is given, so the same call builds the same weights.
+    """
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train.cli import create_transformer_layer_config
+
+    target_path = str(Path(target_path).resolve())
+    verifier = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+    verifier = getattr(verifier, "text_config", None) or verifier
+    if int(t2d.shape[0]) != verifier.vocab_size:
+        raise EyrieError(f"vocabulary map has t2d of size {t2d.shape[0]} but the target's vocab_size "
+                         f"is {verifier.vocab_size}; rebuild the vocabulary map for this target")
+    if seed is not None:
+        torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer_config = create_transformer_layer_config(
+            verifier_name_or_path=target_path, num_layers=num_layers, draft_arch=draft_arch,
+            hidden_act=None, sliding_window=2048, full_attention_indices=list(range(num_layers)),
+            trust_remote_code=trust_remote_code,
+        )
+        model = Eagle3DraftModel.from_training_args(
+            verifier_config=layer_config, t2d=t2d, d2t=d2t, verifier_name_or_path=target_path,
+            draft_vocab_size=int(d2t.shape[0]), norm_before_residual=norm_before_residual,
+            ttt_steps=ttt_steps, target_layer_ids=list(aux_layer_ids), draft_attn_impl="sdpa",
+            trust_remote_code=trust_remote_code,
+        )
+    return model
