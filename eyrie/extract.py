@@ -1,0 +1,276 @@
+"""`eyrie extract`: target hidden states of one tokenized shard into one HDF5 shard.
+
+Backend "hf": a Hugging Face transformers forward of the target's base model (no lm_head, so no
+logits are computed) with hooks that capture the residual stream in vLLM layer-id semantics
+(eyrie.capture): aux ids k (stream entering layer k) and id N (last layer output, before the
+final norm). Samples are sorted by length and packed into right-padded batches of at most
+`extract.max_tokens_per_batch` padded tokens; each sample's unpadded rows go into a ShardWriter.
+Writing to HDF5 runs in a background thread so it overlaps the next forward pass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from eyrie import EyrieError
+from eyrie.capture import capture_hidden_states
+from eyrie.io import provenance
+from eyrie.shards import STORAGE_DTYPES, ShardMeta, ShardWriter
+from eyrie.targets import TargetInfo, inspect_target, resolve_layer_ids, tokenizer_hash
+
+log = logging.getLogger(__name__)
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+BACKENDS = ("hf",)
+PROGRESS_EVERY_S = 5.0
+
+
+class ExtractError(EyrieError):
+    pass
+
+
+@dataclass(frozen=True)
+class ExtractSettings:
+    backend: str
+    device: str  # resolved: cpu | cuda
+    dtype: torch.dtype  # compute dtype (resolved)
+    storage_dtype: str  # bfloat16 | float16 | float32
+    max_tokens_per_batch: int
+    aux_ids: list[int] | None
+    trust_remote_code: bool
+
+
+def parse_settings(settings: dict) -> ExtractSettings:
+    """Check the stage's settings (every problem at once, each naming its key) and resolve autos."""
+    problems = []
+    ext = settings.get("extract")
+    if not isinstance(ext, dict):
+        raise ExtractError("--settings: key 'extract' missing or not an object; pass the config's "
+                           "extract section")
+    allowed = {
+        "backend": BACKENDS, "device": DEVICES, "dtype": DTYPES, "storage_dtype": tuple(STORAGE_DTYPES),
+    }
+    for key, choices in allowed.items():
+        if ext.get(key) not in choices:
+            problems.append(f"extract.{key}={ext.get(key)!r}: use one of {list(choices)}")
+    mtpb = ext.get("max_tokens_per_batch")
+    if not isinstance(mtpb, int) or isinstance(mtpb, bool) or mtpb < 1:
+        problems.append(f"extract.max_tokens_per_batch={mtpb!r}: use a positive integer")
+    layers = settings.get("layers")
+    aux = layers.get("aux_ids") if isinstance(layers, dict) else "missing"
+    if not (aux is None or (isinstance(aux, list) and all(isinstance(i, int) for i in aux))):
+        problems.append(f"layers.aux_ids={aux!r}: use null or a list of integers")
+    trc = settings.get("trust_remote_code", False)
+    if not isinstance(trc, bool):
+        problems.append(f"trust_remote_code={trc!r}: use true or false")
+    if problems:
+        raise ExtractError("invalid --settings: " + "; ".join(problems))
+
+    device = ext["device"]
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ExtractError("extract.device=cuda but no CUDA device is visible; run on a GPU node "
+                           "or set extract.device to auto/cpu")
+    dtype = ext["dtype"]
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return ExtractSettings(
+        backend=ext["backend"], device=device, dtype=getattr(torch, dtype),
+        storage_dtype=ext["storage_dtype"], max_tokens_per_batch=mtpb, aux_ids=aux,
+        trust_remote_code=trc,
+    )
+
+
+def check_preflight(path: str | Path, target: TargetInfo) -> dict:
+    """The preflight report must say ok and describe the target as it is now."""
+    path = Path(path)
+    try:
+        report = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ExtractError(f"{path}: preflight report not found; run `eyrie preflight` first") from None
+    except json.JSONDecodeError as exc:
+        raise ExtractError(f"{path}: not valid JSON ({exc}); rerun `eyrie preflight`") from exc
+    if not isinstance(report, dict) or report.get("ok") is not True:
+        raise ExtractError(f"{path}: preflight did not pass (ok is not true); fix what it reports "
+                           "and rerun `eyrie preflight`")
+    have = (report.get("target") or {}).get("fingerprint")
+    if have != target.fingerprint:
+        raise ExtractError(f"{path}: preflight is stale (target.fingerprint {have!r}, but "
+                           f"{target.path}/config.json now gives {target.fingerprint!r}); rerun it")
+    return report
+
+
+def read_tokenized(path: str | Path, vocab_size: int) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
+    """Read a tokenized parquet shard: (sample_ids, input_ids int32 [T_i], loss_masks uint8 [T_i])."""
+    path = Path(path)
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as exc:  # pyarrow raises ArrowInvalid (a ValueError) on bad files
+        raise ExtractError(f"{path}: unreadable parquet ({exc}); rerun `eyrie tokenize`") from exc
+    missing = [c for c in ("sample_id", "input_ids", "loss_mask") if c not in table.column_names]
+    if missing:
+        raise ExtractError(f"{path}: column {missing[0]!r} missing; rerun `eyrie tokenize`")
+    sample_ids = [str(s) for s in table.column("sample_id").to_pylist()]
+    ids_col, mask_col = table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()
+    input_ids, loss_masks = [], []
+    for sid, ids, mask in zip(sample_ids, ids_col, mask_col):
+        ids = np.asarray(ids if ids is not None else [], dtype=np.int64)
+        mask = np.asarray(mask if mask is not None else [], dtype=np.int64)
+        if len(ids) == 0:
+            raise ExtractError(f"{path}: sample {sid}: no tokens; rerun `eyrie tokenize`")
+        if len(ids) != len(mask):
+            raise ExtractError(f"{path}: sample {sid}: {len(ids)} input_ids but {len(mask)} loss_mask "
+                               "values; rerun `eyrie tokenize`")
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise ExtractError(f"{path}: sample {sid}: token id {int(ids.max()) if ids.max() >= vocab_size else int(ids.min())} "
+                               f"outside the target's vocabulary 0..{vocab_size - 1}; tokenize with "
+                               "the target's tokenizer")
+        input_ids.append(ids.astype(np.int32))
+        loss_masks.append(mask.astype(np.uint8))
+    return sample_ids, input_ids, loss_masks
+
+
+def plan_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Sort samples by length (longest first) and group them so that each batch's padded size
+    (len(batch) * longest) is at most `max_tokens`. A sample longer than `max_tokens` forms a
+    batch of its own (it is never split: that would change its hidden states)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        # the first sample of a batch is its longest: padded size = count * that length
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def load_target(path: str | Path, device: str, dtype: torch.dtype, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ExtractError(f"{path}: cannot load the target with transformers ({exc}); check the "
+                           "model folder (and trust_remote_code if it ships its own code)") from exc
+    return model.to(device).eval()
+
+
+def forward_batch(model, batch: list[np.ndarray], aux_ids: list[int], final_id: int,
+                  device: str, storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run one right-padded batch through the target's base model.
+
+    batch: B arrays of token ids [T_b]. Returns (aux [B, T_max, n_aux*H], final [B, T_max, H]) on
+    the CPU in the storage dtype; rows past T_b are padding.
+    """
+    T = max(len(x) for x in batch)
+    ids = torch.zeros(len(batch), T, dtype=torch.long)  # [B, T] int64
+    mask = torch.zeros(len(batch), T, dtype=torch.long)  # [B, T] 1 = real token
+    for b, x in enumerate(batch):
+        ids[b, : len(x)] = torch.from_numpy(x.astype(np.int64))
+        mask[b, : len(x)] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    with capture_hidden_states(model, aux_ids + [final_id]) as captured:
+        # The base model runs every decoder layer and the final norm but not the lm_head.
+        model.base_model(input_ids=ids, attention_mask=mask, use_cache=False)
+    missing = [k for k in aux_ids + [final_id] if k not in captured]
+    if missing:
+        raise ExtractError(f"layer id {missing[0]} was not captured by the forward pass of "
+                           f"{type(model).__name__}; its architecture entry in eyrie.targets is wrong")
+    aux = torch.cat([captured[k] for k in aux_ids], dim=-1).to(storage)  # [B, T, n_aux*H]
+    final = captured[final_id].to(storage)  # [B, T, H]
+    return aux.to("cpu"), final.to("cpu")
+
+
+def extract_shard(target: str | Path, shard: str | Path, preflight: str | Path, out: str | Path,
+                  settings: dict) -> Path:
+    """Extract the hidden states of every sample of `shard` into the HDF5 shard `out`."""
+    cfg = parse_settings(settings)
+    info = inspect_target(target)
+    check_preflight(preflight, info)
+    aux_ids, final_id = resolve_layer_ids(cfg.aux_ids, info.num_hidden_layers)
+    sample_ids, input_ids, loss_masks = read_tokenized(shard, info.vocab_size)
+    meta = ShardMeta(
+        target_fingerprint=info.fingerprint,
+        tokenizer_hash=tokenizer_hash(target),
+        aux_layer_ids=aux_ids,
+        final_layer_id=final_id,
+        hidden_size=info.hidden_size,
+        storage_dtype=cfg.storage_dtype,
+        producer={"settings": settings, "provenance": provenance(settings)},
+    )
+    lengths = [len(x) for x in input_ids]
+    batches = plan_batches(lengths, cfg.max_tokens_per_batch)
+    too_long = sum(1 for b in batches if lengths[b[0]] > cfg.max_tokens_per_batch)
+    if too_long:
+        log.warning("%d samples are longer than extract.max_tokens_per_batch=%d; each runs alone",
+                    too_long, cfg.max_tokens_per_batch)
+    log.info("extract %s: %d samples, %d tokens, %d batches (<= %d padded tokens), aux ids %s, "
+             "final id %d, %s on %s -> %s", shard, len(lengths), sum(lengths), len(batches),
+             cfg.max_tokens_per_batch, aux_ids, final_id, cfg.dtype, cfg.device, cfg.storage_dtype)
+
+    model = load_target(target, cfg.device, cfg.dtype, cfg.trust_remote_code)
+    storage = getattr(torch, cfg.storage_dtype)
+    H = info.hidden_size
+    start = last_log = time.monotonic()
+    done_samples = done_tokens = 0
+    with ShardWriter(out, meta, sample_ids, input_ids, loss_masks) as writer, \
+            ThreadPoolExecutor(max_workers=1) as pool, torch.inference_mode():
+        pending: Future | None = None
+        for batch in batches:
+            aux, final = forward_batch(model, [input_ids[i] for i in batch], aux_ids, final_id,
+                                       cfg.device, storage)
+            if final.shape[-1] != H:
+                raise ExtractError(f"{target}: captured hidden size {final.shape[-1]} but "
+                                   f"config.json says hidden_size={H}")
+            if pending is not None:
+                pending.result()  # re-raises a failed write
+            pending = pool.submit(_write_batch, writer, batch, lengths, aux, final)
+            done_samples += len(batch)
+            done_tokens += sum(lengths[i] for i in batch)
+            now = time.monotonic()
+            if now - last_log >= PROGRESS_EVERY_S:
+                log.info("%d/%d samples, %d tokens, %.0f tokens/s", done_samples, len(lengths),
+                         done_tokens, done_tokens / (now - start))
+                last_log = now
+        if pending is not None:
+            pending.result()
+    elapsed = time.monotonic() - start
+    log.info("wrote %s: %d samples, %d tokens in %.1f s (%.0f tokens/s)", out, len(lengths),
+             sum(lengths), elapsed, sum(lengths) / max(elapsed, 1e-9))
+    return Path(out)
+
+
+def _write_batch(writer: ShardWriter, batch: list[int], lengths: list[int],
+                 aux: torch.Tensor, final: torch.Tensor) -> None:
+    """aux: [B, T_max, n_aux*H]; final: [B, T_max, H] (CPU, storage dtype); drop the padding rows."""
+    for b, i in enumerate(batch):
+        writer.put(i, aux[b, : lengths[i]], final[b, : lengths[i]])
+
+
+def add_arguments(parser) -> None:
+    from eyrie.cli import settings_arg
+
+    parser.add_argument("--target", required=True, help="Hugging Face model folder of the target")
+    parser.add_argument("--shard", required=True, help="tokenized shard (.parquet)")
+    parser.add_argument("--preflight", required=True, help="preflight.json that passed for this target")
+    parser.add_argument("--out", required=True, help="hidden-state shard to write (.h5)")
+    parser.add_argument("--settings", required=True, type=settings_arg,
+                        help="JSON object with the extract, layers and trust_remote_code settings")
+
+
+def run(args) -> int:
+    extract_shard(args.target, args.shard, args.preflight, args.out, args.settings)
+    return 0

@@ -1,0 +1,33 @@
+# The embedded demo: conversations from Python docstrings and a small Llama trained on them.
+# Only used when target.path is null.
+
+
+rule build_demo_conversations:
+    output:
+        "resources/{name}/conversations.jsonl",
+    params:
+        settings=settings(demo=config.get("demo", {})),
+    log:
+        "logs/{name}/build_demo_conversations.log",
+    shell:
+        "eyrie demo-conversations --out {output} --settings {params.settings:q} > {log} 2>&1"
+
+
+rule build_demo_target:
+    input:
+        "resources/{name}/conversations.jsonl",
+    output:
+        "results/{name}/target/config.json",
+        "results/{name}/target/tokenizer_config.json",
+        "results/{name}/target/model.safetensors",
+    params:
+        settings=settings(demo=config.get("demo", {})),
+        out_dir="results/{name}/target",
+    log:
+        "logs/{name}/build_demo_target.log",
+    benchmark:
+        "results/{name}/benchmarks/build_demo_target.tsv"
+    threads: workflow.cores
+    shell:
+        "eyrie demo-target --conversations {input} --out-dir {params.out_dir}"
+        " --settings {params.settings:q} > {log} 2>&1"

@@ -1,0 +1,47 @@
+# EAGLE-3 draft training (resumable state kept outside the outputs) and the vLLM export.
+
+
+rule train_draft:
+    input:
+        shards=expand("results/{{name}}/hidden/shard_{shard}.h5", shard=SHARDS),
+        vocab="results/{name}/vocab/vocab.safetensors",
+        preflight="results/{name}/preflight.json",
+        target=TARGET_FILES,
+    output:
+        draft=directory("results/{name}/train/draft"),
+        metrics="results/{name}/train/metrics.jsonl",
+        curves=report("results/{name}/train/curves.png", caption="../docs/report/curves.rst", category="Training"),
+        summary="results/{name}/train/train.json",
+    params:
+        settings=settings(train=config["train"]),
+        target=TARGET,
+        out_dir="results/{name}/train",
+        state_dir="results/{name}/train_state",
+    log:
+        "logs/{name}/train_draft.log",
+    benchmark:
+        "results/{name}/benchmarks/train_draft.tsv"
+    threads: workflow.cores
+    shell:
+        "eyrie train --target {params.target} --preflight {input.preflight} --vocab {input.vocab}"
+        " --shards {input.shards} --out-dir {params.out_dir} --state-dir {params.state_dir}"
+        " --settings {params.settings:q} > {log} 2>&1"
+
+
+rule export_draft:
+    input:
+        summary="results/{name}/train/train.json",
+        target=TARGET_FILES,
+    output:
+        "results/{name}/draft/config.json",
+        "results/{name}/draft/model.safetensors",
+    params:
+        settings=settings(train=config["train"]),
+        target=TARGET,
+        train_dir="results/{name}/train",
+        out_dir="results/{name}/draft",
+    log:
+        "logs/{name}/export_draft.log",
+    shell:
+        "eyrie export --target {params.target} --train-dir {params.train_dir}"
+        " --out-dir {params.out_dir} --settings {params.settings:q} > {log} 2>&1"

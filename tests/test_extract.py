@@ -1,0 +1,189 @@
+"""eyrie extract: stored hidden states equal a reference computed another way, and batching
+gives the same stored values as one sample at a time (tiny Llama and tiny DeepseekV3)."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig
+
+from eyrie import EyrieError
+from eyrie.cli import main as cli_main
+from eyrie.demo.tokenizer import build_chat_tokenizer
+from eyrie.extract import extract_shard, plan_batches
+from eyrie.shards import ShardReader
+from eyrie.targets import inspect_target, tokenizer_hash
+
+TEXTS = ["the quick brown fox jumps over the lazy dog", "def f(x): return x + 1",
+         "speculative decoding drafts tokens", "hidden states of the target model"] * 8
+# lengths chosen so that batches mix samples of different lengths (padding inside a batch)
+LENGTHS = [5, 23, 1, 17, 40, 9, 33, 12, 28, 2, 19]
+AUX = [1, 2, 3]
+
+
+def make_config(kind: str, vocab_size: int):
+    if kind == "llama":
+        return LlamaConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                           max_position_embeddings=256)
+    return DeepseekV3Config(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16,
+        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1,
+        topk_group=1, max_position_embeddings=256)
+
+
+def build_case(tmp_path, kind: str):
+    """A saved tiny target with tokenizer, a tokenized parquet shard and a passing preflight."""
+    tok = build_chat_tokenizer(TEXTS, vocab_size=300)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config(kind, len(tok)))
+    with torch.no_grad():  # larger random weights: hidden states that differ clearly per layer
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    target = tmp_path / f"target-{kind}"
+    model.save_pretrained(target)
+    tok.save_pretrained(target)
+
+    rng = np.random.default_rng(1)
+    ids = [rng.integers(0, len(tok), n).astype(np.int32) for n in LENGTHS]
+    masks = [(rng.random(n) < 0.5).astype(np.uint8) for n in LENGTHS]
+    shard = tmp_path / "shard_000.parquet"
+    pq.write_table(pa.table({
+        "sample_id": [f"conv.jsonl:{i + 1}" for i in range(len(ids))],
+        "input_ids": pa.array([x.tolist() for x in ids], type=pa.list_(pa.int32())),
+        "loss_mask": pa.array([m.tolist() for m in masks], type=pa.list_(pa.uint8())),
+    }), shard)
+    preflight = tmp_path / "preflight.json"
+    preflight.write_text(json.dumps({"ok": True, "target": {"fingerprint": inspect_target(target).fingerprint}}))
+    return target, shard, preflight, ids, masks
+
+
+def settings(max_tokens: int, storage: str = "bfloat16") -> dict:
+    return {"extract": {"backend": "hf", "device": "cpu", "dtype": "float32",
+                        "storage_dtype": storage, "max_tokens_per_batch": max_tokens},
+            "layers": {"aux_ids": AUX}, "trust_remote_code": False}
+
+
+def reference(target, ids: np.ndarray) -> dict[int, torch.Tensor]:
+    """Plain HF forward of one sample: output_hidden_states[k] for aux ids, the final norm's
+    input (a forward hook, not our capture code) for id N."""
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    seen = {}
+    h = model.model.norm.register_forward_hook(lambda mod, args, out: seen.setdefault("n", args[0]))
+    with torch.no_grad():
+        out = model(torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True)
+    h.remove()
+    N = model.config.num_hidden_layers
+    ref = {k: out.hidden_states[k][0] for k in AUX}
+    ref[N] = seen["n"][0]
+    return ref
+
+
+def raw(path) -> dict[str, np.ndarray]:
+    with h5py.File(path, "r") as f:
+        return {k: f[k][:] for k in ("input_ids", "loss_mask", "offsets", "aux_hidden", "final_hidden")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_batched_equals_one_by_one_and_reference(tmp_path, kind):
+    target, shard, preflight, ids, masks = build_case(tmp_path, kind)
+    # the batched plan really batches (several samples per forward, with padding)
+    assert max(len(b) for b in plan_batches(LENGTHS, 96)) >= 3
+    batched, single = tmp_path / "batched.h5", tmp_path / "single.h5"
+    rc = cli_main(["extract", "--target", str(target), "--shard", str(shard), "--preflight",
+                   str(preflight), "--out", str(batched), "--settings", json.dumps(settings(96))])
+    assert rc == 0
+    extract_shard(target, shard, preflight, single, settings(1))  # every sample alone
+
+    # Batching is exact: the stored bf16 bit patterns are identical.
+    a, b = raw(batched), raw(single)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+
+    N = 4
+    with ShardReader(batched, expect={"target_fingerprint": inspect_target(target).fingerprint,
+                                      "tokenizer_hash": tokenizer_hash(target),
+                                      "aux_layer_ids": AUX, "final_layer_id": N,
+                                      "hidden_size": 32}) as reader:
+        assert reader.sample_ids() == [f"conv.jsonl:{i + 1}" for i in range(len(ids))]
+        assert reader.meta.producer["settings"] == settings(96)
+        assert reader.meta.producer["provenance"]["versions"]["torch"]
+        for i in range(len(ids)):
+            got = reader.read(i)
+            assert torch.equal(got["input_ids"], torch.from_numpy(ids[i].astype(np.int64)))
+            assert torch.equal(got["loss_mask"], torch.from_numpy(masks[i].astype(bool)))
+            ref = reference(target, ids[i]) if i in (0, 4, 9) else None  # short, longest, 2 tokens
+            if ref is None:
+                continue
+            ref_aux = torch.cat([ref[k] for k in AUX], dim=-1).to(torch.bfloat16)
+            assert torch.equal(got["aux_hidden"], ref_aux)
+            assert torch.equal(got["final_hidden"], ref[N].to(torch.bfloat16))
+            # the layers really differ (a capture of the wrong layer would not pass unnoticed)
+            assert not torch.equal(ref[N], ref[AUX[-1]])
+
+
+def test_float32_storage_matches_reference_exactly(tmp_path):
+    target, shard, preflight, ids, _ = build_case(tmp_path, "llama")
+    out = tmp_path / "f32.h5"
+    extract_shard(target, shard, preflight, out, settings(1, storage="float32"))
+    with ShardReader(out) as reader:
+        got = reader.read(1)
+        assert got["final_hidden"].dtype == torch.float32
+    ref = reference(target, ids[1])
+    assert torch.equal(got["final_hidden"], ref[4])
+    assert torch.equal(got["aux_hidden"], torch.cat([ref[k] for k in AUX], dim=-1))
+
+
+def test_stale_or_failed_preflight_is_refused(tmp_path):
+    target, shard, preflight, _, _ = build_case(tmp_path, "llama")
+    out = tmp_path / "out.h5"
+    preflight.write_text(json.dumps({"ok": True, "target": {"fingerprint": "0123456789abcdef"}}))
+    with pytest.raises(EyrieError, match="preflight is stale.*rerun it"):
+        extract_shard(target, shard, preflight, out, settings(64))
+    preflight.write_text(json.dumps({"ok": False, "target": {"fingerprint": inspect_target(target).fingerprint}}))
+    with pytest.raises(EyrieError, match="did not pass"):
+        extract_shard(target, shard, preflight, out, settings(64))
+    assert not out.exists()
+
+
+def test_bad_settings_and_shard_are_refused(tmp_path, capsys):
+    target, shard, preflight, _, _ = build_case(tmp_path, "llama")
+    out = tmp_path / "out.h5"
+    bad = settings(0)
+    bad["extract"]["device"] = "tpu"
+    with pytest.raises(EyrieError) as err:
+        extract_shard(target, shard, preflight, out, bad)
+    assert "extract.device='tpu'" in str(err.value) and "extract.max_tokens_per_batch=0" in str(err.value)
+    bad = settings(64)
+    bad["layers"]["aux_ids"] = [1, 4]
+    with pytest.raises(EyrieError, match="layers.aux_ids.*out of range"):
+        extract_shard(target, shard, preflight, out, bad)
+    # token ids outside the vocabulary: named sample, one line through the CLI
+    pq.write_table(pa.table({"sample_id": ["x:1"], "input_ids": [[1, 2, 100000]],
+                             "loss_mask": pa.array([[0, 1, 1]], type=pa.list_(pa.uint8()))}), shard)
+    rc = cli_main(["extract", "--target", str(target), "--shard", str(shard), "--preflight",
+                   str(preflight), "--out", str(out), "--settings", json.dumps(settings(64))])
+    err_text = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and "sample x:1: token id 100000 outside" in err_text
+    assert not out.exists()
+
+
+def test_plan_batches_respects_budget():
+    lengths = [5, 23, 1, 17, 40, 9, 33, 12, 28, 2, 19, 300]
+    batches = plan_batches(lengths, 64)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        longest = max(lengths[i] for i in b)
+        assert len(b) * longest <= 64 or len(b) == 1
+        assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
+    assert [11] in batches  # longer than the budget: alone

@@ -1,0 +1,158 @@
+"""Preflight: target introspection, layer ids, tokenizer/chat template, storage, safety."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import namedtuple
+
+import pytest
+import torch
+import transformers
+
+from eyrie import preflight as pf
+from eyrie.cli import main
+from eyrie.demo.tokenizer import build_chat_tokenizer
+from eyrie.targets import TargetError, inspect_target, resolve_layer_ids
+
+TEXTS = ["What does json.dumps do? It serializes an object to a JSON string."] * 20
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    tok = build_chat_tokenizer(TEXTS, 320)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=8,
+                                   num_attention_heads=2, num_key_value_heads=1,
+                                   intermediate_size=64)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def copy_target(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def write_report(path, tokens=1000, assistant=400):
+    path.write_text(json.dumps({"train_tokens": tokens, "train_assistant_tokens": assistant}))
+    return path
+
+
+def test_ok_report_has_resolved_ids_and_storage(target, tmp_path):
+    report = pf.preflight(target, write_report(tmp_path / "r.json"), tmp_path, {})
+    assert report["ok"] is True
+    assert report["aux_layer_ids"] == [2, 4, 5] and report["final_layer_id"] == 8
+    assert report["storage"]["bytes_per_token"] == 4 * 32 * 2
+    assert report["storage"]["estimated_bytes"] == 1000 * 4 * 32 * 2
+    assert report["target"]["tokenizer_hash"]
+
+
+def test_cli_writes_report(target, tmp_path):
+    out = tmp_path / "preflight.json"
+    rc = main(["preflight", "--target", str(target), "--tokenize-report",
+               str(write_report(tmp_path / "r.json")), "--out", str(out),
+               "--settings", json.dumps({"layers": {"aux_ids": [1, 3, 6]}})])
+    assert rc == 0
+    assert json.loads(out.read_text())["aux_layer_ids"] == [1, 3, 6]
+
+
+def test_cli_failure_writes_nothing_and_one_line_per_problem(target, tmp_path, capsys):
+    out = tmp_path / "preflight.json"
+    rc = main(["preflight", "--target", str(target), "--out", str(out),
+               "--settings", json.dumps({"layers": {"aux_ids": [3, 3]}})])
+    assert rc == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert "layers.aux_ids=[3, 3]: duplicate ids" in err
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([2, 2, 5], "duplicate ids"),
+    ([2, 4, 8], "id 8 is out of range for a 8-layer target"),
+    ([0, 4, 5], "id 0 is out of range"),
+    ([5, 4, 6], "not increasing"),
+])
+def test_bad_aux_ids(ids, message):
+    with pytest.raises(TargetError, match=message):
+        resolve_layer_ids(ids, 8)
+
+
+def test_default_ids_invalid_for_tiny_targets_names_the_formula():
+    with pytest.raises(TargetError, match=r"default \[2, N//2, N-3\] = \[2, 2, 1\] for N=4"):
+        resolve_layer_ids(None, 4)
+    assert resolve_layer_ids(None, 61) == ([2, 30, 58], 61)
+
+
+def test_unknown_architecture_lists_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 8}))
+    with pytest.raises(TargetError, match=r"'mamba' is not supported; supported: deepseek_v2, .*llama"):
+        inspect_target(tmp_path)
+
+
+def test_multimodal_wrapper_reads_text_config(tmp_path):
+    kimi = {
+        "model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
+        "text_config": {"model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61,
+                        "vocab_size": 163840, "num_attention_heads": 64, "scoring_func": "sigmoid",
+                        "kv_lora_rank": 512, "q_lora_rank": 1536},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(kimi))
+    info = inspect_target(tmp_path)
+    assert (info.model_type, info.wrapper_model_type) == ("kimi_k2", "kimi_k25")
+    assert (info.num_hidden_layers, info.hidden_size) == (61, 7168)
+    assert info.needs_remote_code
+    assert resolve_layer_ids(None, info.num_hidden_layers) == ([2, 30, 58], 61)
+
+
+def test_remote_code_needs_opt_in(target, tmp_path):
+    path = copy_target(target, tmp_path / "t")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(pf.PreflightError, match="set target.trust_remote_code: true"):
+        pf.preflight(path, None, tmp_path, {})
+
+
+def test_pickle_only_weights_refused(target, tmp_path):
+    path = copy_target(target, tmp_path / "t")
+    (path / "model.safetensors").rename(path / "pytorch_model.bin")
+    with pytest.raises(pf.PreflightError, match="only in pickle files"):
+        pf.preflight(path, None, tmp_path, {})
+
+
+def test_all_zero_loss_mask_template_refused(target, tmp_path):
+    path = copy_target(target, tmp_path / "t")
+    # A template that drops assistant turns entirely: nothing for the draft to learn.
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}\n"
+        "{% endif %}{% endfor %}")
+    with pytest.raises(pf.PreflightError, match="chat template"):
+        pf.preflight(path, None, tmp_path, {})
+
+
+def test_missing_chat_template_refused(target, tmp_path):
+    path = copy_target(target, tmp_path / "t")
+    (path / "chat_template.jinja").unlink()
+    with pytest.raises(pf.PreflightError, match="no chat template"):
+        pf.preflight(path, None, tmp_path, {})
+
+
+def test_too_little_disk(target, tmp_path, monkeypatch):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(pf.shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 10**6, 10**6))
+    with pytest.raises(pf.PreflightError, match=r"need ~0\.26 GB .* only 0\.00 GB are free"):
+        pf.preflight(target, write_report(tmp_path / "r.json", tokens=1_000_000), tmp_path, {})
+
+
+def test_all_problems_reported_at_once(target, tmp_path):
+    path = copy_target(target, tmp_path / "t")
+    (path / "model.safetensors").unlink()
+    (path / "chat_template.jinja").unlink()
+    with pytest.raises(pf.PreflightError) as err:
+        pf.preflight(path, None, tmp_path, {"layers": {"aux_ids": [9]}})
+    text = str(err.value)
+    assert "3 problem(s)" in text
+    assert "out of range" in text and "no *.safetensors" in text and "no chat template" in text
