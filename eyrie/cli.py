@@ -35,20 +35,23 @@ def settings_arg(text: str) -> dict:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
+    """The CLI parser; only `stage`'s module is imported (start-up stays fast)."""
     parser = argparse.ArgumentParser(prog="eyrie", description=__doc__)
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     for name, (module, help_text) in STAGES.items():
         p = sub.add_parser(name, help=help_text)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        if name == stage:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(next((a for a in argv if a in STAGES), None)).parse_args(argv)
     try:
         result = importlib.import_module(args._module).run(args)
     except EyrieError as exc:

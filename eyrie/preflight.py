@@ -130,8 +130,8 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
     storage = None
     if tokenize_report is not None:
         report = json.loads(Path(tokenize_report).read_text())
-        tokens = int(report["train_tokens"])
-        if int(report.get("train_assistant_tokens", 1)) == 0:
+        tokens = sum(int(s["tokens"]) for s in report["shards"])
+        if sum(int(s["assistant_tokens"]) for s in report["shards"]) == 0:
             check.problem(f"{tokenize_report}: no assistant tokens in the training shards, so "
                           "nothing can be learnt; check the data and the chat template")
         dtype = extract.get("storage_dtype", "bfloat16")

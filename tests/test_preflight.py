@@ -37,7 +37,9 @@ def copy_target(src, dst):
 
 
 def write_report(path, tokens=1000, assistant=400):
-    path.write_text(json.dumps({"train_tokens": tokens, "train_assistant_tokens": assistant}))
+    shards = [{"tokens": tokens // 2, "assistant_tokens": assistant // 2},
+              {"tokens": tokens - tokens // 2, "assistant_tokens": assistant - assistant // 2}]
+    path.write_text(json.dumps({"shards": shards}))
     return path
 
 
@@ -48,6 +50,11 @@ def test_ok_report_has_resolved_ids_and_storage(target, tmp_path):
     assert report["storage"]["bytes_per_token"] == 4 * 32 * 2
     assert report["storage"]["estimated_bytes"] == 1000 * 4 * 32 * 2
     assert report["target"]["tokenizer_hash"]
+
+
+def test_no_assistant_tokens_refused(target, tmp_path):
+    with pytest.raises(pf.PreflightError, match="no assistant tokens"):
+        pf.preflight(target, write_report(tmp_path / "r.json", assistant=0), tmp_path, {})
 
 
 def test_cli_writes_report(target, tmp_path):

@@ -1,0 +1,5 @@
+import sys
+
+from eyrie.cli import main
+
+sys.exit(main())

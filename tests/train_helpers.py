@@ -1,0 +1,110 @@
+"""A tiny world for the train/export tests: a 4-layer Llama target with a chat tokenizer, its
+real hidden states in HDF5 shards, a draft vocabulary map and a preflight report."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from eyrie.capture import capture_hidden_states
+from eyrie.demo.tokenizer import build_chat_tokenizer
+from eyrie.shards import ShardMeta, ShardWriter
+from eyrie.targets import fingerprint, read_config, tokenizer_hash
+
+AUX_IDS, FINAL_ID, HIDDEN, DRAFT_VOCAB = [1, 2, 3], 4, 32, 96
+
+WORDS = ("the cat dog sat ran on a mat log red blue big small fast slow and then it was very "
+         "happy sad old new tree house car").split()
+
+
+def conversations(n: int, seed: int) -> list[list[dict]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8)))
+        # A predictable answer: the question's words repeated in order (a pattern to learn).
+        a = " ".join(q.split() * 2)
+        out.append([{"role": "user", "content": q}, {"role": "assistant", "content": a}])
+    return out
+
+
+def train_settings(**overrides) -> dict:
+    train = dict(seed=0, device="cpu", epochs=2, learning_rate=1e-2, weight_decay=0.0,
+                 warmup_steps=2, max_grad_norm=1.0, max_tokens_per_batch=128, ttt_steps=3,
+                 ttt_step_loss_decay=1.0, num_layers=1, draft_arch="llama",
+                 norm_before_residual=True, checkpoint_every=100, log_every=5)
+    train.update(overrides)
+    return {"train": train}
+
+
+def build_world(root: Path, num_conversations: int = 24, shards: int = 2) -> dict:
+    """Target folder, preflight.json, vocab.safetensors and hidden-state shards under `root`."""
+    texts = [m["content"] for conv in conversations(200, 1) for m in conv]
+    tok = build_chat_tokenizer(texts, 300)
+    config = LlamaConfig(hidden_size=HIDDEN, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, vocab_size=len(tok),
+                         max_position_embeddings=512, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    target = root / "target"
+    model.save_pretrained(target)
+    tok.save_pretrained(target)
+
+    samples = []
+    for conv in conversations(num_conversations, 2):
+        prompt = tok.apply_chat_template(conv[:1], add_generation_prompt=True, tokenize=False)
+        full = tok.apply_chat_template(conv, tokenize=False)
+        p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        ids = tok(full, add_special_tokens=False)["input_ids"]
+        # assistant tokens incl. the turn's <|end|>, not the trailing newline
+        mask = [0] * len(p_ids) + [1] * (len(ids) - len(p_ids) - 1) + [0]
+        samples.append((ids, mask))
+
+    counts = torch.zeros(len(tok), dtype=torch.long)
+    for ids, mask in samples:
+        for t, m in zip(ids, mask):
+            counts[t] += m
+    keep = torch.sort(torch.argsort(counts, descending=True, stable=True)[:DRAFT_VOCAB]).values
+    t2d = torch.zeros(len(tok), dtype=torch.bool)
+    t2d[keep] = True
+    d2t = keep - torch.arange(DRAFT_VOCAB)
+    vocab = root / "vocab.safetensors"
+    save_file({"d2t": d2t, "t2d": t2d}, str(vocab))
+
+    target_fp, tok_hash = fingerprint(read_config(target)), tokenizer_hash(target)
+    preflight = root / "preflight.json"
+    preflight.write_text(json.dumps({
+        "ok": True,
+        "target": {"path": str(target), "model_type": "llama", "num_hidden_layers": 4,
+                   "hidden_size": HIDDEN, "vocab_size": len(tok), "fingerprint": target_fp,
+                   "tokenizer_hash": tok_hash},
+        "aux_layer_ids": AUX_IDS, "final_layer_id": FINAL_ID,
+    }))
+    meta = dict(target_fingerprint=target_fp, tokenizer_hash=tok_hash, aux_layer_ids=AUX_IDS,
+                final_layer_id=FINAL_ID, hidden_size=HIDDEN)
+    shard_paths = []
+    for s in range(shards):
+        part = samples[s::shards]
+        path = root / f"shard_{s:03d}.h5"
+        write_shard(path, model, part, ShardMeta(**meta), [f"conv.jsonl:{s + 1 + shards * i}"
+                                                            for i in range(len(part))])
+        shard_paths.append(path)
+    return {"target": target, "preflight": preflight, "vocab": vocab, "shards": shard_paths,
+            "meta": meta, "model": model, "samples": samples, "tokenizer": tok}
+
+
+def write_shard(path: Path, model, samples, meta: ShardMeta, sample_ids: list[str]) -> None:
+    """Real hidden states of `model` (vLLM layer-id semantics via eyrie.capture)."""
+    ids_list, masks = [s[0] for s in samples], [s[1] for s in samples]
+    with ShardWriter(path, meta, sample_ids, ids_list, masks) as writer, torch.no_grad():
+        for i, ids in enumerate(ids_list):
+            with capture_hidden_states(model, meta.aux_layer_ids + [meta.final_layer_id]) as cap:
+                model(torch.tensor([ids]))
+            aux = torch.cat([cap[k][0] for k in meta.aux_layer_ids], dim=-1)  # [T, n_aux*H]
+            writer.put(i, aux, cap[meta.final_layer_id][0])
