@@ -84,7 +84,7 @@ def target_step(target, ids: torch.Tensor, aux_ids: list[int]) -> tuple[torch.Te
     """
     with capture_hidden_states(target, aux_ids) as states:
         logits = target(input_ids=ids[None], use_cache=False).logits[0]  # [L, V]
-    aux = torch.cat([states[i][0] for i in aux_ids], dim=-1) if aux_ids else ids.new_zeros(len(ids), 0)
+    aux = torch.cat([states[i][0] for i in aux_ids], dim=-1)  # [L, A*H]
     return logits.argmax(dim=-1), aux
 
 
@@ -268,6 +268,9 @@ def read_preflight(path: str | Path, fingerprint: str, num_layers: int) -> list[
     if not (isinstance(aux, list) and aux and all(isinstance(i, int) for i in aux)):
         raise EvaluateError(f"{path}: aux_layer_ids must be a non-empty list of integers; "
                             "rerun `eyrie preflight`")
+    if any(not 0 <= i < num_layers for i in aux):
+        raise EvaluateError(f"{path}: aux_layer_ids {aux} must lie within 0..{num_layers - 1} for "
+                            f"a target with {num_layers} layers; rerun `eyrie preflight`")
     if report.get("final_layer_id") != num_layers:
         raise EvaluateError(f"{path}: final_layer_id {report.get('final_layer_id')!r} but the target "
                             f"has {num_layers} layers; rerun `eyrie preflight`")

@@ -94,10 +94,19 @@ class ShardWriter:
         self.written = np.zeros(len(sample_ids), dtype=bool)
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp.unlink(missing_ok=True)
+        self.f = h5py.File(self.tmp, "w")
+        try:
+            self._create(sample_ids, loss_masks)
+        except BaseException:
+            self.f.close()
+            self.tmp.unlink(missing_ok=True)
+            raise
+
+    def _create(self, sample_ids: list[str], loss_masks: list[list[int]]) -> None:
+        meta, f = self.meta, self.f
         n_tok, H, n_aux = int(self.offsets[-1]), meta.hidden_size, len(meta.aux_layer_ids)
         store = STORAGE_DTYPES[meta.storage_dtype]
-        self.f = h5py.File(self.tmp, "w")
-        f = self.f
         f.create_dataset("input_ids", data=self.expected_ids)
         masks = np.concatenate([np.asarray(m, dtype=np.uint8) for m in loss_masks]) \
             if loss_masks else np.zeros(0, np.uint8)
@@ -121,12 +130,16 @@ class ShardWriter:
         if tuple(aux.shape) != (T, n_aux * H) or tuple(final.shape) != (T, H):
             raise ShardError(f"{self.path}: sample {i}: got aux {tuple(aux.shape)} final "
                              f"{tuple(final.shape)}, expected ({T}, {n_aux * H}) and ({T}, {H})")
-        if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
-            raise ShardError(f"{self.path}: sample {i}: non-finite hidden states from the target "
-                             "(check the compute dtype; float16 overflows on some models)")
+        d = self.meta.storage_dtype
+        stored = {"aux_hidden": to_storage(aux, d), "final_hidden": to_storage(final, d)}
+        for name, x in stored.items():
+            # checked after the cast: float16 storage overflows where the compute dtype did not
+            if not torch.isfinite(from_storage(x, d)).all():
+                raise ShardError(f"{self.path}: sample {i}: non-finite {name} values (compute dtype "
+                                 f"or storage_dtype={d} overflows; use bfloat16 or float32)")
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        self.aux[a:b] = to_storage(aux, self.meta.storage_dtype)
-        self.final[a:b] = to_storage(final, self.meta.storage_dtype)
+        self.aux[a:b] = stored["aux_hidden"]
+        self.final[a:b] = stored["final_hidden"]
         self.written[i] = True
 
     def __enter__(self):
@@ -148,6 +161,16 @@ class ShardWriter:
         return False
 
 
+DATASETS = ("input_ids", "loss_mask", "offsets", "sample_ids", "aux_hidden", "final_hidden")
+
+
+def _open(path) -> h5py.File:
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:  # missing, truncated or corrupted file
+        raise ShardError(f"{path}: unreadable HDF5 ({exc}); delete it and rebuild this shard") from exc
+
+
 def _read_meta(f: h5py.File, path) -> ShardMeta:
     a = f.attrs
     if a.get("format") != FORMAT:
@@ -155,78 +178,103 @@ def _read_meta(f: h5py.File, path) -> ShardMeta:
     if int(a.get("schema_version", -1)) != SCHEMA_VERSION:
         raise ShardError(f"{path}: schema_version {a.get('schema_version')} but this eyrie reads "
                          f"{SCHEMA_VERSION}; re-extract the shard")
-    return ShardMeta(
-        target_fingerprint=str(a["target_fingerprint"]),
-        tokenizer_hash=str(a["tokenizer_hash"]),
-        aux_layer_ids=[int(i) for i in a["aux_layer_ids"]],
-        final_layer_id=int(a["final_layer_id"]),
-        hidden_size=int(a["hidden_size"]),
-        storage_dtype=str(a["storage_dtype"]),
-        producer=json.loads(a["producer"]),
-    )
+    fields = ("target_fingerprint", "tokenizer_hash", "aux_layer_ids", "final_layer_id",
+              "hidden_size", "storage_dtype", "producer", "num_tokens")
+    missing = [k for k in fields if k not in a]
+    if missing:
+        raise ShardError(f"{path}: attr {missing[0]!r} missing; rebuild this shard")
+    try:
+        return ShardMeta(
+            target_fingerprint=str(a["target_fingerprint"]),
+            tokenizer_hash=str(a["tokenizer_hash"]),
+            aux_layer_ids=[int(i) for i in np.atleast_1d(a["aux_layer_ids"])],
+            final_layer_id=int(a["final_layer_id"]),
+            hidden_size=int(a["hidden_size"]),
+            storage_dtype=str(a["storage_dtype"]),
+            producer=json.loads(a["producer"]),
+        )
+    except (TypeError, ValueError) as exc:  # ShardError (bad storage_dtype) passes through
+        raise ShardError(f"{path}: malformed attrs ({exc}); rebuild this shard") from exc
+
+
+def _check_structure(f: h5py.File, path, meta: ShardMeta) -> np.ndarray:
+    """Datasets present, shapes and offsets consistent; returns the offsets [S + 1]."""
+    for name in DATASETS:
+        if name not in f:
+            raise ShardError(f"{path}: dataset {name!r} missing; rebuild this shard")
+    T = f["input_ids"].shape[0]
+    try:
+        offsets = f["offsets"][:]
+    except OSError as exc:
+        raise ShardError(f"{path}: offsets unreadable ({exc}); delete it and rebuild this shard") from exc
+    n_aux, H = len(meta.aux_layer_ids), meta.hidden_size
+    store = np.dtype(STORAGE_DTYPES[meta.storage_dtype])
+    checks = [
+        (f["loss_mask"].shape == (T,), "loss_mask length"),
+        (offsets.ndim == 1 and len(offsets) == len(f["sample_ids"]) + 1, "offsets/sample_ids count"),
+        (len(offsets) > 0 and offsets[0] == 0 and offsets[-1] == T
+         and bool(np.all(np.diff(offsets) >= 0)), "offsets"),
+        (f["aux_hidden"].shape == (T, n_aux * H), "aux_hidden shape"),
+        (f["final_hidden"].shape == (T, H), "final_hidden shape"),
+        (f["aux_hidden"].dtype == store and f["final_hidden"].dtype == store, "hidden dtype"),
+        (f.attrs["num_tokens"] == T, "num_tokens attr"),
+    ]
+    for ok, what in checks:
+        if not ok:
+            raise ShardError(f"{path}: {what} inconsistent; delete it and rebuild this shard")
+    return offsets
 
 
 def validate_shard(path, expected_ids: np.ndarray | None = None, check_values: bool = True) -> ShardMeta:
     """Structural checks (lengths agree, ids match, values finite); raises ShardError naming the problem."""
-    try:
-        f = h5py.File(path, "r")
-    except OSError as exc:
-        raise ShardError(f"{path}: unreadable HDF5 ({exc}); delete it and rebuild this shard") from exc
-    with f:
+    with _open(path) as f:
         meta = _read_meta(f, path)
-        for name in ("input_ids", "loss_mask", "offsets", "sample_ids", "aux_hidden", "final_hidden"):
-            if name not in f:
-                raise ShardError(f"{path}: dataset {name!r} missing; rebuild this shard")
+        _check_structure(f, path, meta)
         T = f["input_ids"].shape[0]
-        offsets = f["offsets"][:]
-        n_aux, H = len(meta.aux_layer_ids), meta.hidden_size
-        checks = [
-            (f["loss_mask"].shape == (T,), "loss_mask length"),
-            (len(offsets) == len(f["sample_ids"]) + 1, "offsets/sample_ids count"),
-            (offsets[0] == 0 and offsets[-1] == T and bool(np.all(np.diff(offsets) >= 0)), "offsets"),
-            (f["aux_hidden"].shape == (T, n_aux * H), "aux_hidden shape"),
-            (f["final_hidden"].shape == (T, H), "final_hidden shape"),
-            (f.attrs["num_tokens"] == T, "num_tokens attr"),
-        ]
-        for ok, what in checks:
-            if not ok:
-                raise ShardError(f"{path}: {what} inconsistent; delete it and rebuild this shard")
-        if expected_ids is not None and not np.array_equal(f["input_ids"][:], expected_ids):
-            raise ShardError(f"{path}: input_ids differ from the tokenized shard; rebuild this shard")
-        if check_values:
-            step = 1 << 16
-            for name in ("aux_hidden", "final_hidden"):
-                ds = f[name]
-                for a in range(0, T, step):
-                    x = from_storage(ds[a:a + step], meta.storage_dtype)
-                    if not torch.isfinite(x).all():
-                        raise ShardError(f"{path}: non-finite values in {name} rows {a}..; "
-                                         "rebuild this shard")
+        try:
+            if expected_ids is not None and not np.array_equal(f["input_ids"][:], expected_ids):
+                raise ShardError(f"{path}: input_ids differ from the tokenized shard; rebuild this shard")
+            if check_values:
+                step = 1 << 16
+                for name in ("aux_hidden", "final_hidden"):
+                    ds = f[name]
+                    for a in range(0, T, step):
+                        x = from_storage(ds[a:a + step], meta.storage_dtype)
+                        if not torch.isfinite(x).all():
+                            raise ShardError(f"{path}: non-finite values in {name} rows {a}..; "
+                                             "rebuild this shard")
+        except OSError as exc:
+            raise ShardError(f"{path}: unreadable data ({exc}); delete it and rebuild this shard") from exc
     return meta
 
 
 class ShardReader:
     """Random access to samples of one shard.
 
-    `expect` maps CHECKED_FIELDS to what the training run needs; a mismatch raises ShardError
-    naming the field, both values and the fix.
+    Opening checks the attrs and the structure (datasets, shapes, offsets), not every value;
+    `read(i)` refuses non-finite values of the sample it reads. `expect` maps CHECKED_FIELDS to
+    what the training run needs; a mismatch raises ShardError naming the field, both values and
+    the fix.
     """
 
     def __init__(self, path, expect: dict | None = None):
         self.path = Path(path)
+        self.f = _open(self.path)
         try:
-            self.f = h5py.File(self.path, "r")
-        except OSError as exc:
-            raise ShardError(f"{path}: unreadable HDF5 ({exc}); delete it and rebuild this shard") from exc
-        self.meta = _read_meta(self.f, path)
-        for key, want in (expect or {}).items():
-            have = getattr(self.meta, key)
-            if key == "aux_layer_ids":
-                have, want = list(have), [int(i) for i in want]
-            if have != want:
-                raise ShardError(f"{path}: {key} is {have!r} but the run expects {want!r}; "
-                                 "re-extract this shard for the current target and layers")
-        self.offsets = self.f["offsets"][:]
+            self.meta = _read_meta(self.f, path)
+            for key, want in (expect or {}).items():
+                if key not in CHECKED_FIELDS:
+                    raise ShardError(f"expect: unknown field {key!r}; use one of {list(CHECKED_FIELDS)}")
+                have = getattr(self.meta, key)
+                if key == "aux_layer_ids":
+                    have, want = list(have), [int(i) for i in want]
+                if have != want:
+                    raise ShardError(f"{path}: {key} is {have!r} but the run expects {want!r}; "
+                                     "re-extract this shard for the current target and layers")
+            self.offsets = _check_structure(self.f, path, self.meta)
+        except BaseException:
+            self.f.close()
+            raise
         self.lengths = np.diff(self.offsets)
         self._ids, self._mask = self.f["input_ids"], self.f["loss_mask"]
         self._aux, self._final = self.f["aux_hidden"], self.f["final_hidden"]
@@ -235,18 +283,34 @@ class ShardReader:
         return len(self.lengths)
 
     def sample_ids(self) -> list[str]:
-        return [s.decode() if isinstance(s, bytes) else s for s in self.f["sample_ids"][:]]
+        try:
+            raw = self.f["sample_ids"][:]
+        except OSError as exc:
+            raise ShardError(f"{self.path}: sample_ids unreadable ({exc}); rebuild this shard") from exc
+        return [s.decode() if isinstance(s, bytes) else s for s in raw]
 
     def read(self, i: int) -> dict[str, torch.Tensor]:
-        """input_ids [T] int64, loss_mask [T] bool, aux_hidden [T, n_aux*H], final_hidden [T, H]."""
+        """input_ids [T] int64, loss_mask [T] bool, aux_hidden [T, n_aux*H], final_hidden [T, H]
+        (torch bfloat16/float16/float32 as stored) for sample i."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"{self.path}: sample index {i} outside 0..{len(self) - 1}")
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         d = self.meta.storage_dtype
-        return {
-            "input_ids": torch.from_numpy(self._ids[a:b].astype(np.int64)),
-            "loss_mask": torch.from_numpy(self._mask[a:b].astype(bool)),
-            "aux_hidden": from_storage(self._aux[a:b], d),
-            "final_hidden": from_storage(self._final[a:b], d),
-        }
+        try:
+            out = {
+                "input_ids": torch.from_numpy(self._ids[a:b].astype(np.int64)),
+                "loss_mask": torch.from_numpy(self._mask[a:b].astype(bool)),
+                "aux_hidden": from_storage(self._aux[a:b], d),
+                "final_hidden": from_storage(self._final[a:b], d),
+            }
+        except OSError as exc:  # truncated file: the header opened but the data is gone
+            raise ShardError(f"{self.path}: sample {i} unreadable ({exc}); delete it and rebuild "
+                             "this shard") from exc
+        for name in ("aux_hidden", "final_hidden"):
+            if not torch.isfinite(out[name]).all():
+                raise ShardError(f"{self.path}: sample {i}: non-finite values in {name}; rebuild "
+                                 "this shard")
+        return out
 
     def close(self):
         self.f.close()

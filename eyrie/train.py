@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 # Settings that do not change the trained weights (left out of the run id).
 NOT_IN_RUN_ID = ("log_every", "checkpoint_every")
 KEEP_CHECKPOINTS = 2
+KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class TrainSettings:
                 isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
                 else isinstance(value, kind) and not isinstance(value, bool))
             if not ok:
-                problems.append(f"train.{name}: {value!r} is not a {kind.__name__}")
+                problems.append(f"train.{name}: {value!r} must be {KIND_NAMES[kind]}")
         if not problems:
             cfg = cls(**{k: (float(v) if type(fields[k].default) is float else v)
                          for k, v in section.items()})
@@ -372,10 +373,12 @@ def train(target: Path, preflight: Path, vocab: Path, shards: list[Path], out_di
         raise EyrieError(f"--state-dir {state_dir} is inside --out-dir {out_dir}; keep them apart "
                          "(the output folder is replaced as a whole)")
     expect = _expectation(preflight)
-    have = fingerprint(read_config(target))
-    if have != expect["target_fingerprint"] or tokenizer_hash(target) != expect["tokenizer_hash"]:
-        raise EyrieError(f"{preflight}: made for another target (fingerprint {expect['target_fingerprint']}, "
-                         f"{target} has {have}) or tokenizer; rerun eyrie preflight for this target")
+    for key, have in (("fingerprint", fingerprint(read_config(target))),
+                      ("tokenizer_hash", tokenizer_hash(target))):
+        want = expect["target_fingerprint" if key == "fingerprint" else key]
+        if have != want:
+            raise EyrieError(f"{preflight}: target.{key} is {want} but {target} has {have}; "
+                             "rerun eyrie preflight for this target")
     gap = cfg.ttt_steps - 1
     data = PackedShards(shards, expect, cfg.max_tokens_per_batch, gap)
     d2t, t2d = load_vocab(vocab)
@@ -438,7 +441,7 @@ def train(target: Path, preflight: Path, vocab: Path, shards: list[Path], out_di
             position.update(step=position["step"] + 1, batch=position["batch"] + 1,
                             tokens=position["tokens"] + tokens,
                             wall_s=wall0 + time.monotonic() - started)
-            record = {"step": position["step"], "epoch": position["epoch"], "loss": float(loss),
+            record = {"step": position["step"], "epoch": position["epoch"], "loss": float(loss.detach()),
                       "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
                       "tokens": tokens, "loss_tokens": int(batch["loss_mask"].sum()),
                       **_step_metrics(metrics, cfg.ttt_steps)}
@@ -480,15 +483,20 @@ def train(target: Path, preflight: Path, vocab: Path, shards: list[Path], out_di
         "inputs": {"preflight": str(preflight), "vocab": str(vocab), "shards": [str(s) for s in shards]},
         "provenance": provenance(settings),
     }
-    with atomic_path(out_dir) as tmp:
-        tmp.mkdir()
-        model.to("cpu").save_pretrained(tmp / "draft")
-        shutil.copyfile(metrics_path, tmp / "metrics.jsonl")
-        plot_curves(records, cfg.ttt_steps, tmp / "curves.png")
-        write_json(tmp / "train.json", summary)
+    write_outputs(out_dir, model, records, summary, cfg.ttt_steps)
     log.info("wrote %s: final loss %s, accuracy per TTT step %s", out_dir,
              _fmt(summary["final"]["loss"]), [_fmt(a) for a in summary["final"]["full_acc"]])
     return summary
+
+
+def write_outputs(out_dir: Path, model, records: list[dict], summary: dict, ttt_steps: int) -> None:
+    """out_dir/{draft/, metrics.jsonl, curves.png, train.json}, replaced as a whole."""
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        model.to("cpu").save_pretrained(tmp / "draft")
+        (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        plot_curves(records, ttt_steps, tmp / "curves.png")
+        write_json(tmp / "train.json", summary)
 
 
 def _mean(records: list[dict], key: str) -> float | None:

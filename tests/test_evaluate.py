@@ -29,6 +29,16 @@ K = 3
 DRAFT_VOCAB = 64
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine spinning
+    OpenMP workers slow every matmul ~100x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     """A saved tiny Llama target (+ tokenizer), a vocabulary map, a saved draft and prompts."""
@@ -199,9 +209,14 @@ def test_step_logits_match_speculators_forward(case):
         out0 = propose.decode(ids[1:], hidden, pos)  # [T-1, H]
         logits0, carried = propose.head(out0)
         torch.testing.assert_close(logits0, step0_ref, rtol=1e-4, atol=1e-5)
-        # the drafted token from the last context position equals forward's draft_tokens[0]
-        drafted = propose(ids, aux[:-1], 1)[0]
-        assert drafted == int(propose.to_target(draft_tokens[0][0, -1]))
+        # through the proposer itself: its first lm_head call is forward's step 0 at the last
+        # position, and its first drafted token is forward's draft_tokens[0] there
+        seen = []
+        hook = draft.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(out.detach()))
+        drafted = propose(ids, aux[:-1], 2)
+        hook.remove()
+        torch.testing.assert_close(seen[0], step0_ref[-1], rtol=1e-4, atol=1e-5)
+        assert drafted[0] == int(propose.to_target(draft_tokens[0][0, -1]))
         # step 1 at position p = T-3: context pairs 0..p, then (x_{p+2}, out0[p]) at id p+2,
         # which is what forward's teacher-forced TTT step 1 computes at p
         p = T - 3
@@ -210,6 +225,12 @@ def test_step_logits_match_speculators_forward(case):
         seq_pos = torch.cat([pos[:p + 1], pos[p:p + 1] + 1])
         logits1, _ = propose.head(propose.decode(seq_ids, seq_hidden, seq_pos)[-1])
         torch.testing.assert_close(logits1, step1_ref[p], rtol=1e-4, atol=1e-5)
+        # the proposer's own step 1 is that construction at the last position, fed its draft
+        own_ids = torch.cat([ids[1:], torch.tensor(drafted[:1])])
+        own_hidden = torch.cat([hidden, carried[-1:]])
+        own_pos = torch.cat([pos, pos[-1:] + 1])
+        own1, _ = propose.head(propose.decode(own_ids, own_hidden, own_pos)[-1])
+        torch.testing.assert_close(seen[1], own1, rtol=1e-5, atol=1e-6)
 
 
 def cli_args(case, out_dir, **settings):

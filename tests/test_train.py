@@ -1,0 +1,185 @@
+"""Draft training: alignment, packing, forward/backward, loss falls, exact resume, shard checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eyrie import EyrieError
+from eyrie.cli import main as cli_main
+from eyrie.shards import ShardError, ShardMeta
+from eyrie.train import PackedShards, TrainSettings, pack, shift_sample, train
+from train_helpers import AUX_IDS, HIDDEN, build_world, train_settings, write_shard
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # The test machine's 2 cores are shared: two torch threads there run ~30x slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_world(tmp_path_factory.mktemp("world"))
+
+
+def run_train(world, root, settings, **kw):
+    return train(world["target"], world["preflight"], world["vocab"], world["shards"],
+                 root / "train", root / "state", settings, **kw)
+
+
+def test_shift_sample_aligns_mask_with_the_predicted_token():
+    T, H = 7, 2
+    x = torch.arange(100, 100 + T)  # token ids x_t = 100 + t
+    sample = {
+        "input_ids": x,
+        "loss_mask": torch.tensor([0, 0, 0, 1, 1, 1, 0], dtype=torch.bool),
+        "aux_hidden": torch.arange(T).float()[:, None].repeat(1, 3 * H),  # g_t = t
+        "final_hidden": 10 + torch.arange(T).float()[:, None].repeat(1, H),  # y_t = 10 + t
+    }
+    s = shift_sample(sample)
+    assert s["input_ids"].tolist() == list(range(101, 100 + T))
+    assert s["hidden_states"][:, 0].tolist() == list(range(0, T - 1))
+    assert s["verifier_last_hidden_states"][:, 0].tolist() == [10.0 + t for t in range(1, T)]
+    assert s["position_ids"].tolist() == list(range(1, T))
+    # y_{j+1} predicts x_{j+2}: the mask is that token's, loss_mask[j+2], 0 at the end.
+    assert s["loss_mask"].tolist() == [False, True, True, True, False, False]
+    predicted = x[2:].tolist() + [None]
+    masked = [predicted[j] for j in range(T - 1) if s["loss_mask"][j]]
+    assert masked == [x[t].item() for t in range(T) if sample["loss_mask"][t]]
+
+
+def test_pack_respects_the_budget_and_truncates_long_samples():
+    lengths = [10, 50, 200, 5, 30]
+    batches = pack(lengths, [4, 3, 2, 1, 0], max_tokens=64, gap=2)
+    assert sorted(i for b in batches for i in b) == [0, 1, 2, 3, 4]
+    for b in batches:
+        assert sum(min(lengths[i], 62) + 2 for i in b) <= 64
+    assert [2] in batches  # the long sample alone, truncated to 62 tokens + gap
+
+
+def test_packed_batch_layout(world):
+    expect = {"target_fingerprint": world["meta"]["target_fingerprint"],
+              "tokenizer_hash": world["meta"]["tokenizer_hash"], "aux_layer_ids": AUX_IDS,
+              "final_layer_id": 4, "hidden_size": HIDDEN}
+    data = PackedShards(world["shards"], expect, max_tokens=40, gap=2)
+    long = max(range(len(data)), key=lambda i: data.lengths[i])
+    assert data.lengths[long] > 38
+    batch = data.batch([0, long])
+    n0 = data.lengths[0]
+    doc = batch["document_ids"][0].tolist()
+    assert doc == [0] * n0 + [-1, -1] + [1] * 38 + [-1, -1]
+    assert batch["hidden_states"].shape == (1, len(doc), 3 * HIDDEN)
+    assert batch["hidden_states"].dtype == torch.float32
+    assert batch["verifier_last_hidden_states"].shape == (1, len(doc), HIDDEN)
+    assert not batch["loss_mask"][0][torch.tensor(doc) < 0].any()
+    assert batch["position_ids"][0, :n0].tolist() == list(range(1, n0 + 1))
+    data.close()
+
+
+def test_forward_backward_trains_only_draft_weights(world):
+    from speculators.losses import resolve_loss_config
+
+    from eyrie.draft import build_draft
+    from eyrie.train import _expectation, load_vocab
+
+    expect = _expectation(world["preflight"])
+    data = PackedShards(world["shards"], expect, max_tokens=128, gap=2)
+    d2t, t2d = load_vocab(world["vocab"])
+    model = build_draft(world["target"], AUX_IDS, d2t, t2d, ttt_steps=3, seed=0)
+    _, loss, metrics = model(**data.batch([0, 1]), ttt_steps=3,
+                             loss_config=resolve_loss_config("kl_div", "eager"))
+    assert torch.isfinite(loss) and loss > 0
+    assert {f"full_acc_{k}_sum" for k in range(3)} <= set(metrics)
+    loss.backward()
+    assert model.fc.weight.grad is not None and model.fc.weight.grad.abs().sum() > 0
+    assert model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    assert model.embed_tokens.weight.grad is None and model.lm_head.weight.grad is None
+    data.close()
+
+
+def test_loss_falls_and_outputs_are_written(world, tmp_path):
+    summary = run_train(world, tmp_path, train_settings(epochs=5, log_every=7))
+    records = [json.loads(ln) for ln in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, summary["steps"] + 1))
+    first = sum(r["loss"] for r in records[:5]) / 5
+    last = sum(r["loss"] for r in records[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    acc0_first = sum(r["full_acc_0"] for r in records[:5]) / 5
+    assert summary["final"]["full_acc"][0] > acc0_first
+    out = tmp_path / "train"
+    assert sorted(p.name for p in out.iterdir()) == ["curves.png", "draft", "metrics.jsonl", "train.json"]
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((out / "train.json").read_text())
+    assert saved["steps"] == summary["steps"] and saved["tokens"] > 0 and saved["tokens_per_s"] > 0
+    assert saved["provenance"]["settings"]["train"]["epochs"] == 5
+    config = json.loads((out / "draft" / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX_IDS
+
+
+def test_interrupted_runs_resume_to_identical_weights(world, tmp_path):
+    settings = train_settings(epochs=2, checkpoint_every=4)
+    full = run_train(world, tmp_path / "a", settings)
+    steps = full["steps"]
+    assert steps > 10
+
+    b = tmp_path / "b"
+    # 1. a planned stop through the CLI (checkpoint at step 3, exit code 3, no outputs)
+    args = ["train", "--target", str(world["target"]), "--preflight", str(world["preflight"]),
+            "--vocab", str(world["vocab"]), "--shards", *map(str, world["shards"]),
+            "--out-dir", str(b / "train"), "--state-dir", str(b / "state"),
+            "--settings", json.dumps(settings), "--stop-after-steps", "3"]
+    assert cli_main(args) == 3
+    assert not (b / "train").exists()
+
+    # 2. a crash mid-epoch, two steps after the step-8 checkpoint
+    class Crash(Exception):
+        pass
+
+    def crash(step):
+        if step == 10:
+            raise Crash
+
+    with pytest.raises(Crash):
+        run_train(world, b, settings, on_step=crash)
+    assert not (b / "train").exists()
+
+    # 3. resume to the end
+    resumed = run_train(world, b, settings)
+    assert resumed["resumed_from_step"] == 8 and resumed["steps"] == steps
+
+    wa = load_file(str(tmp_path / "a" / "train" / "draft" / "model.safetensors"))
+    wb = load_file(str(b / "train" / "draft" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    la = [json.loads(ln)["loss"] for ln in (tmp_path / "a" / "train" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(ln)["loss"] for ln in (b / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert la == lb
+
+
+def test_mismatching_shard_is_refused_before_training(world, tmp_path):
+    meta = dict(world["meta"], aux_layer_ids=[1, 2, 3], tokenizer_hash="0123456789abcdef")
+    bad = tmp_path / "bad.h5"
+    write_shard(bad, world["model"], world["samples"][:2], ShardMeta(**meta), ["x:1", "x:2"])
+    with pytest.raises(ShardError, match=r"bad\.h5: tokenizer_hash is '0123456789abcdef'"):
+        train(world["target"], world["preflight"], world["vocab"], [world["shards"][0], bad],
+              tmp_path / "train", tmp_path / "state", train_settings())
+    assert not (tmp_path / "state").exists() and not (tmp_path / "train").exists()
+
+
+def test_settings_errors_are_collected():
+    with pytest.raises(EyrieError) as err:
+        TrainSettings.from_settings({"train": {"epochs": "3", "draft_arch": "gpt2", "lr": 1}})
+    msg = str(err.value)
+    assert "train.lr: unknown key" in msg and "train.epochs: '3' must be an integer" in msg
+    with pytest.raises(EyrieError, match="draft_arch: use llama or qwen3"):
+        TrainSettings.from_settings({"train": {"draft_arch": "gpt2"}})
