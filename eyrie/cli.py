@@ -38,6 +38,8 @@ def settings_arg(text: str) -> dict:
 def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     """The CLI parser; only `stage`'s module is imported (start-up stays fast)."""
     parser = argparse.ArgumentParser(prog="eyrie", description=__doc__)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (the rule's `threads`; default: torch's own)")
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     for name, (module, help_text) in STAGES.items():
         p = sub.add_parser(name, help=help_text)
@@ -52,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(next((a for a in argv if a in STAGES), None)).parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         result = importlib.import_module(args._module).run(args)
     except EyrieError as exc:

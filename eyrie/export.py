@@ -96,8 +96,11 @@ def draft_outputs(model, batch: dict, ttt_steps: int) -> dict[str, torch.Tensor]
     was_training = model.training
     model.eval()
     try:
-        tokens, loss, _ = model(**batch, ttt_steps=ttt_steps,
-                                loss_config=resolve_loss_config("kl_div", "eager"))
+        # speculators compiles forward whenever CUDA is present, even for a CPU model; the
+        # comparison runs eagerly on CPU (deterministic, and no C++ toolchain needed).
+        with torch.compiler.set_stance("force_eager"):
+            tokens, loss, _ = model(**batch, ttt_steps=ttt_steps,
+                                    loss_config=resolve_loss_config("kl_div", "eager"))
     finally:
         handle.remove()
         model.train(was_training)

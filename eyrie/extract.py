@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -111,6 +112,21 @@ def check_preflight(path: str | Path, target: TargetInfo) -> dict:
     return report
 
 
+def _list_column(table, name: str, path: Path, sample_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """A list<int> column as (flat values int64 [sum T_i], offsets int64 [S + 1])."""
+    col = table.column(name).combine_chunks()
+    if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)) \
+            or not pa.types.is_integer(col.type.value_type):
+        raise ExtractError(f"{path}: column {name!r} has type {col.type}, expected list<int>; "
+                           "rerun `eyrie tokenize`")
+    if col.null_count:
+        bad = sample_ids[col.is_null().to_numpy(zero_copy_only=False).argmax()]
+        raise ExtractError(f"{path}: sample {bad}: {name} is null; rerun `eyrie tokenize`")
+    offsets = col.offsets.to_numpy().astype(np.int64)
+    values = col.values.to_numpy().astype(np.int64)[offsets[0]:offsets[-1]]
+    return values, offsets - offsets[0]
+
+
 def read_tokenized(path: str | Path, vocab_size: int) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
     """Read a tokenized parquet shard: (sample_ids, input_ids int32 [T_i], loss_masks uint8 [T_i])."""
     path = Path(path)
@@ -122,22 +138,24 @@ def read_tokenized(path: str | Path, vocab_size: int) -> tuple[list[str], list[n
     if missing:
         raise ExtractError(f"{path}: column {missing[0]!r} missing; rerun `eyrie tokenize`")
     sample_ids = [str(s) for s in table.column("sample_id").to_pylist()]
-    ids_col, mask_col = table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()
-    input_ids, loss_masks = [], []
-    for sid, ids, mask in zip(sample_ids, ids_col, mask_col):
-        ids = np.asarray(ids if ids is not None else [], dtype=np.int64)
-        mask = np.asarray(mask if mask is not None else [], dtype=np.int64)
-        if len(ids) == 0:
-            raise ExtractError(f"{path}: sample {sid}: no tokens; rerun `eyrie tokenize`")
-        if len(ids) != len(mask):
-            raise ExtractError(f"{path}: sample {sid}: {len(ids)} input_ids but {len(mask)} loss_mask "
-                               "values; rerun `eyrie tokenize`")
-        if ids.min() < 0 or ids.max() >= vocab_size:
-            raise ExtractError(f"{path}: sample {sid}: token id {int(ids.max()) if ids.max() >= vocab_size else int(ids.min())} "
-                               f"outside the target's vocabulary 0..{vocab_size - 1}; tokenize with "
-                               "the target's tokenizer")
-        input_ids.append(ids.astype(np.int32))
-        loss_masks.append(mask.astype(np.uint8))
+    ids, id_off = _list_column(table, "input_ids", path, sample_ids)
+    mask, mask_off = _list_column(table, "loss_mask", path, sample_ids)
+    lengths, mask_lengths = np.diff(id_off), np.diff(mask_off)
+    for i in np.flatnonzero((lengths == 0) | (lengths != mask_lengths))[:1]:
+        problem = "no tokens" if lengths[i] == 0 else \
+            f"{lengths[i]} input_ids but {mask_lengths[i]} loss_mask values"
+        raise ExtractError(f"{path}: sample {sample_ids[i]}: {problem}; rerun `eyrie tokenize`")
+    outside = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if len(outside):
+        i = int(np.searchsorted(id_off, outside[0], side="right")) - 1
+        raise ExtractError(f"{path}: sample {sample_ids[i]}: token id {int(ids[outside[0]])} outside "
+                           f"the target's vocabulary 0..{vocab_size - 1}; tokenize with the "
+                           "target's tokenizer")
+    if np.any((mask != 0) & (mask != 1)):
+        raise ExtractError(f"{path}: loss_mask holds values other than 0/1; rerun `eyrie tokenize`")
+    ids32, mask8 = ids.astype(np.int32), mask.astype(np.uint8)
+    input_ids = [ids32[a:b] for a, b in zip(id_off[:-1], id_off[1:])]
+    loss_masks = [mask8[a:b] for a, b in zip(mask_off[:-1], mask_off[1:])]
     return sample_ids, input_ids, loss_masks
 
 
@@ -221,10 +239,12 @@ def extract_shard(target: str | Path, shard: str | Path, preflight: str | Path, 
              "final id %d, %s on %s -> %s", shard, len(lengths), sum(lengths), len(batches),
              cfg.max_tokens_per_batch, aux_ids, final_id, cfg.dtype, cfg.device, cfg.storage_dtype)
 
+    t0 = time.monotonic()
     model = load_target(target, cfg.device, cfg.dtype, cfg.trust_remote_code)
     storage = getattr(torch, cfg.storage_dtype)
     H = info.hidden_size
     start = last_log = time.monotonic()
+    load_s, write_wait_s = start - t0, 0.0
     done_samples = done_tokens = 0
     with ShardWriter(out, meta, sample_ids, input_ids, loss_masks) as writer, \
             ThreadPoolExecutor(max_workers=1) as pool, torch.inference_mode():
@@ -236,7 +256,9 @@ def extract_shard(target: str | Path, shard: str | Path, preflight: str | Path, 
                 raise ExtractError(f"{target}: captured hidden size {final.shape[-1]} but "
                                    f"config.json says hidden_size={H}")
             if pending is not None:
+                t = time.monotonic()
                 pending.result()  # re-raises a failed write
+                write_wait_s += time.monotonic() - t
             pending = pool.submit(_write_batch, writer, batch, lengths, aux, final)
             done_samples += len(batch)
             done_tokens += sum(lengths[i] for i in batch)
@@ -246,10 +268,13 @@ def extract_shard(target: str | Path, shard: str | Path, preflight: str | Path, 
                          done_tokens, done_tokens / (now - start))
                 last_log = now
         if pending is not None:
+            t = time.monotonic()
             pending.result()
+            write_wait_s += time.monotonic() - t
     elapsed = time.monotonic() - start
-    log.info("wrote %s: %d samples, %d tokens in %.1f s (%.0f tokens/s)", out, len(lengths),
-             sum(lengths), elapsed, sum(lengths) / max(elapsed, 1e-9))
+    log.info("wrote %s: %d samples, %d tokens in %.1f s (%.0f tokens/s; model load %.1f s, "
+             "waiting for writes %.1f s)", out, len(lengths), sum(lengths), elapsed,
+             sum(lengths) / max(elapsed, 1e-9), load_s, write_wait_s)
     return Path(out)
 
 

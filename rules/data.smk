@@ -16,7 +16,7 @@ rule tokenize_conversations:
     log:
         "logs/{name}/tokenize_conversations.log",
     shell:
-        "eyrie tokenize --target {params.target} --inputs {input.conversations:q}"
+        "eyrie --threads {threads} tokenize --target {params.target} --inputs {input.conversations:q}"
         " --out-dir {params.out_dir} --settings {params.settings:q} > {log} 2>&1"
 
 
@@ -32,5 +32,5 @@ rule build_vocab_map:
     log:
         "logs/{name}/build_vocab_map.log",
     shell:
-        "eyrie vocab --target {params.target} --shards {input.shards} --out {output}"
+        "eyrie --threads {threads} vocab --target {params.target} --shards {input.shards} --out {output}"
         " --settings {params.settings:q} > {log} 2>&1"

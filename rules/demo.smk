@@ -10,7 +10,7 @@ rule build_demo_conversations:
     log:
         "logs/{name}/build_demo_conversations.log",
     shell:
-        "eyrie demo-conversations --out {output} --settings {params.settings:q} > {log} 2>&1"
+        "eyrie --threads {threads} demo-conversations --out {output} --settings {params.settings:q} > {log} 2>&1"
 
 
 rule build_demo_target:
@@ -29,5 +29,5 @@ rule build_demo_target:
         "results/{name}/benchmarks/build_demo_target.tsv"
     threads: workflow.cores
     shell:
-        "eyrie demo-target --conversations {input} --out-dir {params.out_dir}"
+        "eyrie --threads {threads} demo-target --conversations {input} --out-dir {params.out_dir}"
         " --settings {params.settings:q} > {log} 2>&1"

@@ -21,6 +21,6 @@ rule evaluate_draft:
         "results/{name}/benchmarks/evaluate_draft.tsv"
     threads: workflow.cores
     shell:
-        "eyrie evaluate --target {params.target} --draft {params.draft_dir} --vocab {input.vocab}"
+        "eyrie --threads {threads} evaluate --target {params.target} --draft {params.draft_dir} --vocab {input.vocab}"
         " --eval-set {input.eval_set} --preflight {input.preflight} --out {output.json}"
         " --plot {output.plot} --settings {params.settings:q} > {log} 2>&1"

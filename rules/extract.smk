@@ -16,5 +16,5 @@ rule extract_hidden_states:
     benchmark:
         "results/{name}/benchmarks/extract_hidden_states/shard_{shard}.tsv"
     shell:
-        "eyrie extract --target {params.target} --shard {input.shard} --preflight {input.preflight}"
+        "eyrie --threads {threads} extract --target {params.target} --shard {input.shard} --preflight {input.preflight}"
         " --out {output} --settings {params.settings:q} > {log} 2>&1"

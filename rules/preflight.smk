@@ -17,5 +17,5 @@ rule preflight:
     log:
         "logs/{name}/preflight.log",
     shell:
-        "eyrie preflight --target {params.target} --tokenize-report {input.report}"
+        "eyrie --threads {threads} preflight --target {params.target} --tokenize-report {input.report}"
         " --out {output} --settings {params.settings:q} > {log} 2>&1"

@@ -23,7 +23,7 @@ rule train_draft:
         "results/{name}/benchmarks/train_draft.tsv"
     threads: workflow.cores
     shell:
-        "eyrie train --target {params.target} --preflight {input.preflight} --vocab {input.vocab}"
+        "eyrie --threads {threads} train --target {params.target} --preflight {input.preflight} --vocab {input.vocab}"
         " --shards {input.shards} --out-dir {params.out_dir} --state-dir {params.state_dir}"
         " --settings {params.settings:q} > {log} 2>&1"
 
@@ -43,5 +43,5 @@ rule export_draft:
     log:
         "logs/{name}/export_draft.log",
     shell:
-        "eyrie export --target {params.target} --train-dir {params.train_dir}"
+        "eyrie --threads {threads} export --target {params.target} --train-dir {params.train_dir}"
         " --out-dir {params.out_dir} --settings {params.settings:q} > {log} 2>&1"

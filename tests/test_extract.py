@@ -18,7 +18,7 @@ import argparse
 
 from eyrie import extract as extract_stage
 from eyrie.demo.tokenizer import build_chat_tokenizer
-from eyrie.extract import extract_shard, plan_batches
+from eyrie.extract import extract_shard, plan_batches, read_tokenized
 from eyrie.shards import ShardReader
 from eyrie.targets import inspect_target, tokenizer_hash
 
@@ -234,28 +234,38 @@ def test_plan_batches_respects_budget():
     assert [11] in batches  # longer than the budget: alone
 
 
-# Measured on an H200 (torch 2.11, transformers 5.17), bfloat16 compute: see docs/shard-format.md.
-GPU_ROW_REL = 1.0
-GPU_MAX_MISMATCH = 1.0
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
-def test_batching_on_cuda_bf16(tmp_path, kind):
-    """The production path (CUDA, bfloat16 compute): batched vs one-by-one, within a measured bound."""
-    target, shard, preflight, ids, _ = build_case(tmp_path, kind)
-    cuda = {"device": "cuda", "dtype": "bfloat16"}
-    batched, single = settings(96), settings(1)
-    batched["extract"].update(cuda)
-    single["extract"].update(cuda)
-    extract_shard(target, shard, preflight, tmp_path / "b.h5", batched)
-    extract_shard(target, shard, preflight, tmp_path / "s.h5", single)
-    a, b = raw(tmp_path / "b.h5"), raw(tmp_path / "s.h5")
-    worst, differ, total = 0.0, 0, 0
-    for name in ("aux_hidden", "final_hidden"):
-        x = torch.from_numpy(a[name].view(np.int16)).view(torch.bfloat16).float()
-        y = torch.from_numpy(b[name].view(np.int16)).view(torch.bfloat16).float()
-        rel = ((x - y).abs().amax(dim=1) / y.abs().amax(dim=1)).max().item()
-        worst, differ, total = max(worst, rel), differ + int((x != y).sum()), total + x.numel()
-    print(f"{kind}: max |batched-single| / row max = {worst:.3g}; {differ}/{total} bf16 values differ")
-    assert worst <= GPU_ROW_REL and differ <= GPU_MAX_MISMATCH * total
+def test_batching_on_cuda_adds_no_error(tmp_path, kind):
+    """The production path (CUDA, bfloat16 compute). Batched and one-by-one bf16 runs need not be
+    bit-identical on a GPU (different kernels for different shapes); what must hold is that
+    batching adds no error: both are equally close to a float32 one-by-one reference."""
+    target, shard, preflight, _, _ = build_case(tmp_path, kind)
+    runs = {"ref": (1, "float32"), "single": (1, "bfloat16"), "batched": (96, "bfloat16")}
+    err = {}
+    for name, (max_tokens, dtype) in runs.items():
+        s = settings(max_tokens, storage="float32")  # no storage rounding in this comparison
+        s["extract"].update(device="cuda", dtype=dtype)
+        extract_shard(target, shard, preflight, tmp_path / f"{name}.h5", s)
+        data = raw(tmp_path / f"{name}.h5")
+        err[name] = {k: torch.from_numpy(data[k]) for k in ("aux_hidden", "final_hidden")}
+    for k in ("aux_hidden", "final_hidden"):
+        ref = err["ref"][k]
+        e_single = float((err["single"][k] - ref).abs().mean())
+        e_batched = float((err["batched"][k] - ref).abs().mean())
+        same = torch.equal(err["single"][k], err["batched"][k])
+        print(f"{kind} {k}: mean |bf16 - fp32| single {e_single:.3g}, batched {e_batched:.3g}, "
+              f"bit-identical: {same}")
+        assert e_batched <= 1.25 * e_single + 1e-6 * float(ref.abs().mean())
+
+
+@pytest.mark.parametrize("ids,mask,message", [
+    ([[1, 2], []], [[0, 1], []], "sample b:2: no tokens"),
+    ([[1, 2], [3]], [[0, 1], [1, 1]], "sample b:2: 1 input_ids but 2 loss_mask values"),
+    ([[1, 2], [3]], [[0, 1], [2]], "loss_mask holds values other than 0/1"),
+])
+def test_bad_tokenized_rows_are_named(tmp_path, ids, mask, message):
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"sample_id": ["b:1", "b:2"], "input_ids": ids, "loss_mask": mask}), path)
+    with pytest.raises(EyrieError, match=f"{path}: {message}"):
+        read_tokenized(path, vocab_size=10)
