@@ -86,7 +86,7 @@ def test_clean_summary():
     assert clean_summary(long) == "First sentence is here."
 
 
-def test_bad_conversations_file_names_file_and_line(tmp_path):
+def test_bad_conversations_file_names_file_and_line(tmp_path, capsys):
     good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
     bad = tmp_path / "bad.jsonl"
     bad.write_text(f"{good}\n{good}\n{{not json\n")
@@ -104,6 +104,13 @@ def test_bad_conversations_file_names_file_and_line(tmp_path):
     bad_role.write_text(json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n")
     with pytest.raises(EyrieError, match=r"bad_role.jsonl:1: messages\[0\] needs a role"):
         read_conversations(bad_role)
+
+    # Through the CLI: exit status 2 and one line on stderr, no traceback.
+    from eyrie.cli import main
+    rc = main(["demo-target", "--conversations", str(bad), "--out-dir", str(tmp_path / "target"),
+               "--settings", json.dumps({"demo": TINY})])
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err_lines) == 1 and f"{bad}:3:" in err_lines[0], err_lines
 
     # The target stage refuses it before building anything.
     with pytest.raises(EyrieError, match=r"bad.jsonl:3:"):
@@ -124,7 +131,6 @@ def test_settings_errors(tmp_path, conversations_file):
 
 # ----------------------------------------------------------------------------- target
 
-@pytest.mark.slow
 def test_tiny_target_trains_and_loads(tiny_target):
     summary = json.loads((tiny_target / "demo_training.json").read_text())
     losses = [p["loss"] for p in summary["loss_curve"]]
@@ -151,7 +157,6 @@ def test_tiny_target_trains_and_loads(tiny_target):
     assert logits.shape == (1, ids.shape[1], len(tok)) and torch.isfinite(logits).all()
 
 
-@pytest.mark.slow
 def test_same_seed_same_weights(tiny_target, conversations_file, tmp_path):
     again = tmp_path / "again"
     train_target(conversations_file, again, {"demo": TINY})
