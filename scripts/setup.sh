@@ -19,8 +19,10 @@ python -m pip install -q -r envs/train.txt
 python -m pip install -q --no-deps -r envs/train-nodeps.txt
 python -m pip install -q --no-deps --no-build-isolation -e .
 python - <<'PY'
-import torch, transformers, speculators, snakemake, h5py  # noqa: F401
-print(f"setup: torch {torch.__version__}, transformers {transformers.__version__}, "
-      f"speculators {speculators.__version__}, snakemake {snakemake.__version__}")
+from importlib.metadata import version
+
+import h5py, speculators.models.eagle3, torch, transformers  # noqa: F401  (imports must work)
+print("setup: " + ", ".join(f"{p} {version(p)}" for p in
+                            ("torch", "transformers", "speculators", "snakemake", "h5py")))
 PY
 echo "$want" > "$stamp"
