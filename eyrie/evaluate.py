@@ -337,7 +337,7 @@ def load_draft(path: str | Path):
     device), with its weights checked finite."""
     import warnings
 
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from eyrie.export import load_draft as load_exported
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -345,9 +345,7 @@ def load_draft(path: str | Path):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = Eagle3SpeculatorConfig.from_pretrained(str(path))
-            config.transformer_layer_config._attn_implementation = "sdpa"
-            draft = Eagle3DraftModel.from_pretrained(str(path), config=config)
+            draft = load_exported(path)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise EvaluateError(f"{path}: speculators cannot load the draft ({first}); re-export it "

@@ -27,11 +27,23 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
     _remove(tmp)
     try:
         yield tmp
+        _apply_umask(tmp)
         if final.exists():
             _remove(final)
         os.replace(tmp, final)
     finally:
         _remove(tmp)
+
+
+def _apply_umask(path: Path) -> None:
+    """Some writers (temporary files, transformers' safetensors) create files 0600; outputs
+    are shared on clusters, so give every file the mode the user's umask allows."""
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = 0o666 & ~umask
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for f in files:
+        os.chmod(f, mode | (f.stat().st_mode & 0o111))
 
 
 def _remove(path: Path) -> None:

@@ -6,7 +6,7 @@ rule build_demo_conversations:
     output:
         "resources/{name}/conversations.jsonl",
     params:
-        settings=settings(demo=config.get("demo", {})),
+        settings=settings(demo={k: config["demo"][k] for k in ("seed", "num_conversations")}),
     log:
         "logs/{name}/build_demo_conversations.log",
     shell:
@@ -21,7 +21,7 @@ rule build_demo_target:
         "results/{name}/target/tokenizer_config.json",
         "results/{name}/target/model.safetensors",
     params:
-        settings=settings(demo=config.get("demo", {})),
+        settings=settings(demo={k: v for k, v in config["demo"].items() if k != "num_conversations"}),
         out_dir="results/{name}/target",
     log:
         "logs/{name}/build_demo_target.log",
