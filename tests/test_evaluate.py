@@ -29,16 +29,6 @@ K = 3
 DRAFT_VOCAB = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine spinning
-    OpenMP workers slow every matmul ~100x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     """A saved tiny Llama target (+ tokenizer), a vocabulary map, a saved draft and prompts."""

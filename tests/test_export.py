@@ -17,18 +17,8 @@ from eyrie.train import train
 from train_helpers import AUX_IDS, DRAFT_VOCAB, HIDDEN, build_world, train_settings
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The test machine's 2 cores are shared: two torch threads there run ~30x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("export")
     world = build_world(root, num_conversations=8)
     settings = train_settings(epochs=1, ttt_steps=2)

@@ -29,15 +29,6 @@ LENGTHS = [5, 23, 1, 17, 40, 9, 33, 12, 28, 2, 19]
 AUX = [1, 2, 3]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is ~5x faster than several on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def run_stage(argv: list[str]) -> int:
     """`eyrie extract ARGS` through the stage's own argument parser and run()."""
     parser = argparse.ArgumentParser(prog="eyrie extract")

@@ -15,18 +15,8 @@ from eyrie.train import PackedShards, TrainSettings, pack, shift_sample, train
 from train_helpers import AUX_IDS, HIDDEN, build_world, train_settings, write_shard
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The test machine's 2 cores are shared: two torch threads there run ~30x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    torch.set_num_threads(1)
     return build_world(tmp_path_factory.mktemp("world"))
 
 
