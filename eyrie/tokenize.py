@@ -2,11 +2,9 @@
 
 `eyrie tokenize --target DIR --inputs F [F ...] --out-dir DIR --settings JSON`
 
-Inputs are `.jsonl` (one record per line, blank lines skipped), `.json` (a list of records) or
-`.parquet` files. A record is OpenAI form `{"messages": [{"role", "content"}]}` (roles system /
-user / assistant) or ShareGPT form `{"conversations": [{"from", "value"}]}` (from system / human /
-gpt). Records are named `"<file>:<line>"`: the 1-based line of a .jsonl file, the 0-based record
-index of a .json list or a .parquet table.
+Inputs are `.jsonl`, `.json` or `.parquet` files of OpenAI- or ShareGPT-form records, read and
+normalized by `eyrie.records` (which documents the file types, record forms and `"<file>:<line>"`
+record names).
 
 The loss mask comes from prefix rendering with the target's own chat template: for assistant turn
 i, `render(messages[:i], add_generation_prompt=True)` and `render(messages[:i+1])` must both be
@@ -28,33 +26,14 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eyrie import EyrieError
 from eyrie.io import atomic_path, provenance
+from eyrie.records import REASONS, DataError, RawRecord, RecordError, _one_line, read_records, to_messages
 
 log = logging.getLogger(__name__)
-
-# reason -> what the user can do about it
-REASONS = {
-    "bad_json": "fix the JSON syntax of that record",
-    "unknown_format": ('use OpenAI form {"messages": [{"role": ..., "content": ...}]} or ShareGPT '
-                       'form {"conversations": [{"from": ..., "value": ...}]}'),
-    "unknown_role": "use roles system/user/assistant (ShareGPT: system/human/gpt)",
-    "no_assistant_turn": "add an assistant turn (only assistant tokens are trained on)",
-    "empty_content": "give every turn non-empty text, or remove the empty turn",
-    "non_text_content": "flatten the content to a plain string (multimodal/structured parts are not supported)",
-    "template_error": ("the target's chat template failed or is not prefix-stable for this "
-                       "conversation; fix the conversation or use a prefix-stable template"),
-    "no_assistant_tokens_after_truncation": "raise data.max_seq_len or shorten the conversation",
-}
-OPENAI_ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
-SUFFIXES = (".jsonl", ".json", ".parquet")
-DETAIL_CHARS = 160
 LOG_EVERY = 5000
 
 SHARD_SCHEMA = pa.schema([
@@ -63,25 +42,6 @@ SHARD_SCHEMA = pa.schema([
     ("loss_mask", pa.list_(pa.uint8())),
 ])
 EVAL_SCHEMA = SHARD_SCHEMA.append(pa.field("prompt_ids", pa.list_(pa.int32())))
-
-
-class DataError(EyrieError):
-    pass
-
-
-class RecordError(EyrieError):
-    """One record cannot be used; `reason` is a key of REASONS."""
-
-    def __init__(self, reason: str, detail: str):
-        assert reason in REASONS, reason
-        self.reason = reason
-        self.detail = _one_line(detail)
-        super().__init__(f"{reason}: {self.detail}")
-
-
-def _one_line(text: str) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= DETAIL_CHARS else text[: DETAIL_CHARS - 3] + "..."
 
 
 # ----------------------------------------------------------------------------- settings
@@ -110,89 +70,6 @@ class DataSettings:
                 raise DataError(f"data.{key}={value!r}: must be {want}")
             values[key] = value
         return cls(**values)
-
-
-# ----------------------------------------------------------------------------- reading
-
-@dataclass
-class RawRecord:
-    file: str
-    line: int  # 1-based line (.jsonl) or 0-based record index (.json, .parquet)
-    obj: object = None
-    error: RecordError | None = None
-
-    @property
-    def sample_id(self) -> str:
-        return f"{self.file}:{self.line}"
-
-
-def read_records(path: str | Path) -> Iterator[RawRecord]:
-    """Yield the records of one input file; a record that is not valid JSON carries its error."""
-    path = Path(path)
-    name = str(path)
-    if not path.is_file():
-        raise DataError(f"{name}: input file not found; fix data.conversations")
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        with path.open("r", encoding="utf-8") as f:
-            for lineno, text in enumerate(f, start=1):
-                if not text.strip():
-                    continue
-                try:
-                    yield RawRecord(name, lineno, json.loads(text))
-                except json.JSONDecodeError as exc:
-                    yield RawRecord(name, lineno, error=RecordError("bad_json", str(exc)))
-    elif suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{name}: not valid JSON ({exc}); a .json input must be one list of "
-                            "records (use .jsonl for one record per line)") from exc
-        if not isinstance(data, list):
-            raise DataError(f"{name}: top level is {type(data).__name__}, expected a list of records; "
-                            "wrap the records in [...] or use .jsonl")
-        for index, obj in enumerate(data):
-            yield RawRecord(name, index, obj)
-    elif suffix == ".parquet":
-        try:
-            table = pq.read_table(path)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise DataError(f"{name}: cannot read as Parquet ({_one_line(exc)})") from exc
-        for index, row in enumerate(table.to_pylist()):
-            # a column absent from this row's form reads back as null
-            yield RawRecord(name, index, {k: v for k, v in row.items() if v is not None})
-    else:
-        raise DataError(f"{name}: unsupported file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
-
-
-def to_messages(obj: object) -> list[dict]:
-    """Normalize an OpenAI- or ShareGPT-form record to `[{"role", "content"}]` or raise RecordError."""
-    if not isinstance(obj, dict):
-        raise RecordError("unknown_format", f"record is a JSON {type(obj).__name__}, not an object")
-    if "messages" in obj:
-        turns, role_key, text_key, roles = obj["messages"], "role", "content", {r: r for r in OPENAI_ROLES}
-    elif "conversations" in obj:
-        turns, role_key, text_key, roles = obj["conversations"], "from", "value", SHAREGPT_ROLES
-    else:
-        raise RecordError("unknown_format", f"no 'messages' or 'conversations' key (keys: {sorted(obj)[:8]})")
-    form = "messages" if role_key == "role" else "conversations"
-    if not isinstance(turns, list) or not turns:
-        raise RecordError("unknown_format", f"'{form}' must be a non-empty list")
-    messages = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-            raise RecordError("unknown_format", f"{form}[{i}] must be an object with '{role_key}' and '{text_key}'")
-        role, content = turn[role_key], turn[text_key]
-        if role not in roles:
-            raise RecordError("unknown_role", f"{form}[{i}].{role_key}={role!r}; allowed: {', '.join(roles)}")
-        if content is None or (isinstance(content, str) and not content.strip()):
-            raise RecordError("empty_content", f"{form}[{i}] ({roles[role]}) has no text")
-        if not isinstance(content, str):
-            raise RecordError("non_text_content", f"{form}[{i}].{text_key} is a {type(content).__name__}")
-        messages.append({"role": roles[role], "content": content})
-    if not any(m["role"] == "assistant" for m in messages):
-        raise RecordError("no_assistant_turn", f"roles are {[m['role'] for m in messages]}")
-    return messages
 
 
 # ----------------------------------------------------------------------------- rendering

@@ -1,10 +1,10 @@
 """Train the EAGLE-3 draft (speculators' Eagle3DraftModel) on hidden-state shards, resumably.
 
-Data: every sample of every shard, aligned for EAGLE-3 (`shift_sample`) and packed into batches
-of at most `max_tokens_per_batch` tokens (`document_ids` keep samples apart; -1 is padding),
-in an order shuffled per epoch by a seeded generator. The whole plan (every epoch's batches) is
-a function of the settings and the shards, so a position (epoch, batch) identifies the data
-exactly and a resumed run sees the same batches as an uninterrupted one.
+Data (`eyrie.packing`): every sample of every shard, aligned for EAGLE-3 (`shift_sample`) and
+packed into batches of at most `max_tokens_per_batch` tokens (`document_ids` keep samples apart;
+-1 is padding), in an order shuffled per epoch by a seeded generator. The whole plan (every
+epoch's batches) is a function of the settings and the shards, so a position (epoch, batch)
+identifies the data exactly and a resumed run sees the same batches as an uninterrupted one.
 
 State: `--state-dir/<run id>/step_<N>/` (model safetensors, optimizer + scheduler + RNG states,
 data position), written atomically every `checkpoint_every` steps and at the end; the run id
@@ -32,7 +32,7 @@ import torch
 
 from eyrie import EyrieError
 from eyrie.io import atomic_path, provenance, write_json
-from eyrie.shards import ShardReader
+from eyrie.packing import PackedShards, epoch_order, pack
 from eyrie.targets import fingerprint, read_config, tokenizer_hash
 
 log = logging.getLogger(__name__)
@@ -103,54 +103,7 @@ class TrainSettings:
         return cfg
 
 
-# ---------------------------------------------------------------- data
-
-def shift_sample(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Align one sample of length T for EAGLE-3 training; every output has length T-1.
-
-    In: input_ids [T] int64, loss_mask [T] bool, aux_hidden [T, n_aux*H], final_hidden [T, H].
-    Unshifted, token t has aux states g_t (context x_0..x_t) and final state y_t, whose
-    distribution through the target's norm and lm_head predicts x_{t+1}.
-    Shifted position j (as speculators' shift_batch) pairs g_j with the embedding of x_{j+1}
-    (input_ids[1:], aux[:-1]) and takes its target distribution from y_{j+1} (final[1:]): that
-    distribution predicts x_{j+2}. So the loss at j must count iff x_{j+2} is an assistant
-    token: loss_mask[j+2], 0 for the last position (x_{T} does not exist). shift_batch uses
-    loss_mask[j+1], which drops the first assistant token and trains on the token after the
-    turn's end. speculators slices the mask with the targets for later TTT steps
-    (align_for_step), so this alignment holds for every step.
-    Out: input_ids [T-1], hidden_states [T-1, n_aux*H], verifier_last_hidden_states [T-1, H],
-    loss_mask [T-1] bool, position_ids [T-1] (1..T-1, as shift_batch).
-    """
-    T = sample["input_ids"].shape[0]
-    mask = sample["loss_mask"].to(torch.bool)
-    return {
-        "input_ids": sample["input_ids"][1:],
-        "hidden_states": sample["aux_hidden"][:-1],
-        "verifier_last_hidden_states": sample["final_hidden"][1:],
-        "loss_mask": torch.cat([mask[2:], mask.new_zeros(min(1, T - 1))]),
-        "position_ids": torch.arange(1, T, dtype=torch.long),
-    }
-
-
-def pack(lengths: list[int], order: list[int], max_tokens: int, gap: int) -> list[list[int]]:
-    """Greedy packing in `order`: each sample takes min(length, max_tokens - gap) + gap tokens."""
-    batches, current, used = [], [], 0
-    for i in order:
-        need = min(lengths[i], max_tokens - gap) + gap
-        if current and used + need > max_tokens:
-            batches.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += need
-    if current:
-        batches.append(current)
-    return batches
-
-
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=g).tolist()
-
+# ---------------------------------------------------------------- inputs
 
 def _expectation(preflight_path: Path) -> dict:
     try:
@@ -173,62 +126,6 @@ def _expectation(preflight_path: Path) -> dict:
     if report.get("ok") is False:
         raise EyrieError(f"{preflight_path}: preflight failed (ok=false); fix what it reports first")
     return expect
-
-
-class PackedShards:
-    """All samples of the shards, addressed by a flat index; `batch(indices)` packs some of them."""
-
-    def __init__(self, paths: list[Path], expect: dict, max_tokens: int, gap: int):
-        self.max_tokens, self.gap = max_tokens, gap
-        # Opening every reader first: a mismatching shard fails before any training.
-        self.readers = [ShardReader(p, expect=expect) for p in paths]
-        self.refs: list[tuple[int, int]] = []  # (reader, sample) of each usable sample
-        self.lengths: list[int] = []  # shifted length (T - 1)
-        self.skipped = 0
-        for r_i, reader in enumerate(self.readers):
-            mask = reader.f["loss_mask"][:]
-            for s_i, (a, b) in enumerate(zip(reader.offsets[:-1], reader.offsets[1:])):
-                if b - a < 3 or not mask[a + 2:b].any():
-                    self.skipped += 1  # no token to predict under the (shifted) loss mask
-                    continue
-                self.refs.append((r_i, s_i))
-                self.lengths.append(int(b - a - 1))
-        if not self.refs:
-            raise EyrieError(f"{paths[0]}...: no sample has a loss-masked token to predict; "
-                             "check the tokenized shards' loss_mask (assistant turns)")
-        self.truncated = sum(n > max_tokens - gap for n in self.lengths)
-        self.hidden_size = int(expect["hidden_size"])
-        self.n_aux = len(expect["aux_layer_ids"])
-
-    def __len__(self) -> int:
-        return len(self.refs)
-
-    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """Packed batch, each value [1, L, ...]: hidden_states float32 [1, L, n_aux*H],
-        verifier_last_hidden_states float32 [1, L, H], input_ids/position_ids/document_ids
-        int64 [1, L], loss_mask bool [1, L]. After each sample come `gap` = ttt_steps - 1
-        padding positions (document id -1, loss mask 0): TTT step s compares a position's
-        logits with the target s positions later (speculators' align_for_step), which without
-        the gap would reach into the next sample."""
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in (
-            "input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask",
-            "position_ids", "document_ids")}
-        H, n_aux, gap = self.hidden_size, self.n_aux, self.gap
-        for doc, i in enumerate(indices):
-            r_i, s_i = self.refs[i]
-            s = shift_sample(self.readers[r_i].read(s_i))
-            n = min(s["input_ids"].shape[0], self.max_tokens - gap)
-            for k in ("input_ids", "loss_mask", "position_ids"):
-                parts[k].append(torch.cat([s[k][:n], s[k].new_zeros(gap)]))
-            for k, width in (("hidden_states", n_aux * H), ("verifier_last_hidden_states", H)):
-                parts[k].append(torch.cat([s[k][:n].float(), torch.zeros(gap, width)]))
-            parts["document_ids"].append(torch.cat([torch.full((n,), doc, dtype=torch.long),
-                                                    torch.full((gap,), -1, dtype=torch.long)]))
-        return {k: torch.cat(v).unsqueeze(0) for k, v in parts.items()}
-
-    def close(self) -> None:
-        for r in self.readers:
-            r.close()
 
 
 def load_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:

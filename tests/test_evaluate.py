@@ -18,8 +18,9 @@ from eyrie import cli
 from eyrie import evaluate as ev
 from eyrie.demo.tokenizer import build_chat_tokenizer
 from eyrie.draft import build_draft
-from eyrie.evaluate import (Eagle3Proposer, SpecStats, greedy_generate, load_draft,
-                            speculative_generate, target_step)
+from eyrie.evaluate import load_draft
+from eyrie.specdec import (Eagle3Proposer, SpecStats, greedy_generate, speculative_generate,
+                           target_step)
 from eyrie.targets import inspect_target, tokenizer_hash
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "def f(x): return x + 1",

@@ -11,8 +11,8 @@ import pytest
 
 from eyrie import cli
 from eyrie.demo.tokenizer import CHAT_TEMPLATE, build_chat_tokenizer
-from eyrie.tokenize import (REASONS, DataError, RawRecord, RecordError, collect_examples,
-                            load_chat_tokenizer, prompt_ids, render_with_mask, to_messages,
+from eyrie.records import REASONS, DataError, RawRecord, RecordError, to_messages
+from eyrie.tokenize import (collect_examples, load_chat_tokenizer, prompt_ids, render_with_mask,
                             tokenize_record)
 
 TEXTS = [

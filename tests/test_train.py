@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from eyrie import EyrieError
 from eyrie.cli import main as cli_main
 from eyrie.shards import ShardError, ShardMeta
-from eyrie.train import PackedShards, TrainSettings, pack, shift_sample, train
+from eyrie.packing import PackedShards, pack, shift_sample
+from eyrie.train import TrainSettings, train
 from train_helpers import AUX_IDS, HIDDEN, build_world, train_settings, write_shard
 
 

@@ -110,6 +110,26 @@ def test_training_setting_reruns_only_train_export_evaluate(built):
 
 
 @pytest.mark.slow
+def test_eval_setting_reruns_only_evaluation(built):
+    write_config(built, eval__max_new_tokens=12)
+    try:
+        assert planned(built) == {"evaluate_draft": 1, "all": 1}
+    finally:
+        write_config(built)
+
+
+@pytest.mark.slow
+def test_extract_setting_reruns_extraction_not_preflight(built):
+    write_config(built, extract__max_tokens_per_batch=256)
+    try:
+        jobs = planned(built)
+    finally:
+        write_config(built)
+    assert jobs == {"extract_hidden_states": 2, "train_draft": 1, "export_draft": 1,
+                    "evaluate_draft": 1, "all": 1}
+
+
+@pytest.mark.slow
 def test_aux_ids_rerun_extraction_not_tokenization(built):
     write_config(built, layers__aux_ids=[1, 3])
     try:
