@@ -8,7 +8,6 @@ Every speculative output is checked token for token against plain greedy decodin
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,8 @@ from pathlib import Path
 import torch
 
 from eyrie.io import atomic_path, provenance, write_json
+from eyrie.preflight import read_report
+from eyrie.vocab import read_vocab
 from eyrie.specdec import (Eagle3Proposer, EvaluateError, SpecStats, greedy_generate,
                            speculative_generate)
 
@@ -63,18 +64,7 @@ def parse_settings(settings: dict) -> EvalSettings:
 def read_preflight(path: str | Path, fingerprint: str, num_layers: int) -> list[int]:
     """The preflight report's aux_layer_ids, after checking it passed and matches the target."""
     path = Path(path)
-    try:
-        report = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise EvaluateError(f"{path}: preflight report not found; run `eyrie preflight` first") from None
-    except json.JSONDecodeError as exc:
-        raise EvaluateError(f"{path}: not valid JSON ({exc}); rerun `eyrie preflight`") from exc
-    if not isinstance(report, dict) or report.get("ok") is not True:
-        raise EvaluateError(f"{path}: preflight did not pass (ok is not true); rerun `eyrie preflight`")
-    have = (report.get("target") or {}).get("fingerprint")
-    if have != fingerprint:
-        raise EvaluateError(f"{path}: target.fingerprint {have!r} does not match the target's "
-                            f"config.json ({fingerprint!r}); rerun `eyrie preflight` for this target")
+    report = read_report(path, fingerprint)
     aux = report.get("aux_layer_ids")
     if not (isinstance(aux, list) and aux and all(isinstance(i, int) for i in aux)):
         raise EvaluateError(f"{path}: aux_layer_ids must be a non-empty list of integers; "
@@ -86,31 +76,6 @@ def read_preflight(path: str | Path, fingerprint: str, num_layers: int) -> list[
         raise EvaluateError(f"{path}: final_layer_id {report.get('final_layer_id')!r} but the target "
                             f"has {num_layers} layers; rerun `eyrie preflight`")
     return aux
-
-
-def read_vocab(path: str | Path, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t int64 [draft_vocab], t2d bool [target_vocab]) from vocab.safetensors, cross-checked."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    try:
-        tensors = load_file(str(path))
-    except (FileNotFoundError, SafetensorError, OSError) as exc:
-        raise EvaluateError(f"{path}: cannot read the vocabulary map ({exc}); rerun `eyrie vocab`") from exc
-    for key in ("d2t", "t2d"):
-        if key not in tensors:
-            raise EvaluateError(f"{path}: tensor {key!r} missing; rerun `eyrie vocab`")
-    d2t, t2d = tensors["d2t"].long(), tensors["t2d"].bool()
-    if t2d.shape != (target_vocab,):
-        raise EvaluateError(f"{path}: t2d has shape {tuple(t2d.shape)} but the target's vocab_size "
-                            f"is {target_vocab}; rebuild the vocabulary map for this target")
-    mapped = torch.arange(len(d2t)) + d2t
-    if mapped.min() < 0 or mapped.max() >= target_vocab or not torch.equal(
-            torch.sort(mapped).values, torch.nonzero(t2d).flatten()):
-        raise EvaluateError(f"{path}: d2t and t2d disagree (i + d2t[i] must list exactly the "
-                            "tokens t2d marks); rerun `eyrie vocab`")
-    return d2t, t2d
 
 
 def read_prompts(path: str | Path, num_prompts: int, vocab_size: int) -> list[tuple[str, list[int]]]:

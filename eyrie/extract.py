@@ -10,7 +10,6 @@ Writing to HDF5 runs in a background thread so it overlaps the next forward pass
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,8 +24,9 @@ import torch
 from eyrie import EyrieError
 from eyrie.capture import capture_hidden_states
 from eyrie.io import provenance
+from eyrie.preflight import read_report
 from eyrie.shards import STORAGE_DTYPES, ShardMeta, ShardWriter
-from eyrie.targets import TargetInfo, inspect_target, resolve_layer_ids, tokenizer_hash
+from eyrie.targets import inspect_target, resolve_layer_ids, tokenizer_hash
 
 log = logging.getLogger(__name__)
 
@@ -91,25 +91,6 @@ def parse_settings(settings: dict) -> ExtractSettings:
         storage_dtype=ext["storage_dtype"], max_tokens_per_batch=mtpb, aux_ids=aux,
         trust_remote_code=trc,
     )
-
-
-def check_preflight(path: str | Path, target: TargetInfo) -> dict:
-    """The preflight report must say ok and describe the target as it is now."""
-    path = Path(path)
-    try:
-        report = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ExtractError(f"{path}: preflight report not found; run `eyrie preflight` first") from None
-    except json.JSONDecodeError as exc:
-        raise ExtractError(f"{path}: not valid JSON ({exc}); rerun `eyrie preflight`") from exc
-    if not isinstance(report, dict) or report.get("ok") is not True:
-        raise ExtractError(f"{path}: preflight did not pass (ok is not true); fix what it reports "
-                           "and rerun `eyrie preflight`")
-    have = (report.get("target") or {}).get("fingerprint")
-    if have != target.fingerprint:
-        raise ExtractError(f"{path}: preflight is stale (target.fingerprint {have!r}, but "
-                           f"{target.path}/config.json now gives {target.fingerprint!r}); rerun it")
-    return report
 
 
 def _list_column(table, name: str, path: Path, sample_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -217,7 +198,7 @@ def extract_shard(target: str | Path, shard: str | Path, preflight: str | Path, 
     """Extract the hidden states of every sample of `shard` into the HDF5 shard `out`."""
     cfg = parse_settings(settings)
     info = inspect_target(target)
-    check_preflight(preflight, info)
+    read_report(preflight, info.fingerprint)
     aux_ids, final_id = resolve_layer_ids(cfg.aux_ids, info.num_hidden_layers)
     sample_ids, input_ids, loss_masks = read_tokenized(shard, info.vocab_size)
     meta = ShardMeta(

@@ -32,6 +32,8 @@ import torch
 
 from eyrie import EyrieError
 from eyrie.io import atomic_path, provenance, write_json
+from eyrie.preflight import read_report
+from eyrie.vocab import read_vocab
 from eyrie.packing import PackedShards, epoch_order, pack
 from eyrie.targets import fingerprint, read_config, tokenizer_hash
 
@@ -106,10 +108,7 @@ class TrainSettings:
 # ---------------------------------------------------------------- inputs
 
 def _expectation(preflight_path: Path) -> dict:
-    try:
-        report = json.loads(Path(preflight_path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise EyrieError(f"{preflight_path}: unreadable preflight report ({exc}); rerun eyrie preflight") from exc
+    report = read_report(preflight_path)
     target = report.get("target") or {}
     expect = {
         "target_fingerprint": target.get("fingerprint"),
@@ -123,25 +122,7 @@ def _expectation(preflight_path: Path) -> dict:
     for key, value in expect.items():
         if value is None:
             raise EyrieError(f"{preflight_path}: key {names.get(key, key)} missing; rerun eyrie preflight")
-    if report.get("ok") is False:
-        raise EyrieError(f"{preflight_path}: preflight failed (ok=false); fix what it reports first")
     return expect
-
-
-def load_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """d2t int64 [draft_vocab] offsets, t2d bool [target_vocab]."""
-    from safetensors.torch import load_file
-    try:
-        tensors = load_file(str(path))
-    except Exception as exc:  # safetensors raises several types for a bad file
-        raise EyrieError(f"{path}: unreadable vocabulary map ({exc}); rerun eyrie vocab") from exc
-    for name, dtype in (("d2t", torch.int64), ("t2d", torch.bool)):
-        if name not in tensors or tensors[name].dtype != dtype or tensors[name].dim() != 1:
-            raise EyrieError(f"{path}: needs a 1-d {dtype} tensor {name!r}; rerun eyrie vocab")
-    d2t, t2d = tensors["d2t"], tensors["t2d"]
-    if int(t2d.sum()) != d2t.shape[0]:
-        raise EyrieError(f"{path}: t2d marks {int(t2d.sum())} tokens but d2t has {d2t.shape[0]}; rerun eyrie vocab")
-    return d2t, t2d
 
 
 # ---------------------------------------------------------------- run identity and checkpoints
@@ -278,7 +259,7 @@ def train(target: Path, preflight: Path, vocab: Path, shards: list[Path], out_di
                              "rerun eyrie preflight for this target")
     gap = cfg.ttt_steps - 1
     data = PackedShards(shards, expect, cfg.max_tokens_per_batch, gap)
-    d2t, t2d = load_vocab(vocab)
+    d2t, t2d = read_vocab(vocab)
     plan = [pack(data.lengths, epoch_order(len(data), cfg.seed, e), cfg.max_tokens_per_batch, gap)
             for e in range(cfg.epochs)]
     total_steps = sum(len(p) for p in plan)

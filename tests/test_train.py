@@ -79,11 +79,12 @@ def test_forward_backward_trains_only_draft_weights(world):
     from speculators.losses import resolve_loss_config
 
     from eyrie.draft import build_draft
-    from eyrie.train import _expectation, load_vocab
+    from eyrie.train import _expectation
+    from eyrie.vocab import read_vocab
 
     expect = _expectation(world["preflight"])
     data = PackedShards(world["shards"], expect, max_tokens=128, gap=2)
-    d2t, t2d = load_vocab(world["vocab"])
+    d2t, t2d = read_vocab(world["vocab"])
     model = build_draft(world["target"], AUX_IDS, d2t, t2d, ttt_steps=3, seed=0)
     _, loss, metrics = model(**data.batch([0, 1]), ttt_steps=3,
                              loss_config=resolve_loss_config("kl_div", "eager"))
