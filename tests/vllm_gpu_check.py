@@ -1,0 +1,150 @@
+"""GPU check of the vLLM extraction backend against the Hugging Face one (run on a CUDA machine in
+the vLLM environment; tests/test_vllm_gpu.py wraps it as a `gpu`-marked test).
+
+For a tiny random-weight Llama and a DeepSeek-V3-style MLA+MoE target built from transformers
+configs: the Hugging Face reference (eyrie.capture hooks, bf16 on cuda) and every vLLM path that
+preflight allows (native, capture) on the same prompts; reports the minimum per-token cosine
+similarity per layer id and checks that native is refused where it cannot return id N.
+
+    python tests/vllm_gpu_check.py build DIR            # targets + prompts
+    python tests/vllm_gpu_check.py hf DIR KIND          # reference states
+    python tests/vllm_gpu_check.py vllm DIR KIND PATH   # one engine (one process per engine)
+    python tests/vllm_gpu_check.py compare DIR          # the table (JSON on stdout)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+KINDS = ("llama", "deepseek_v3")
+LENGTHS = [7, 64, 1, 130, 33, 250, 12, 90, 3, 48, 177, 20]
+
+
+def make_config(kind: str):
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    if kind == "llama":
+        return LlamaConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=512, max_position_embeddings=1024,
+                           torch_dtype="bfloat16")
+    # vLLM needs scoring_func/topk_method of the real models to build the router (REFERENCE §5)
+    return DeepseekV3Config(
+        vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=512,
+        q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_group=1,
+        topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", max_position_embeddings=1024,
+        torch_dtype="bfloat16")
+
+
+def build(root: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 1000, n).tolist() for n in LENGTHS]
+    (root / "prompts.json").write_text(json.dumps(prompts))
+    for kind in KINDS:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(make_config(kind)).to(torch.bfloat16)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0, 0.05)
+            if kind == "deepseek_v3":  # routing bias present in the real checkpoints
+                for name, buf in model.named_buffers():
+                    if "e_score_correction_bias" in name:
+                        buf.zero_()
+        model.save_pretrained(root / kind)
+
+
+def layer_ids(kind: str) -> list[int]:
+    return [1, 2, 3, 4]  # aux [1, 2, 3] + final N = 4
+
+
+def hf(root: Path, kind: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from eyrie.capture import capture_hidden_states
+
+    prompts = json.loads((root / "prompts.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(root / kind, dtype=torch.bfloat16).to("cuda").eval()
+    out = {}
+    with torch.inference_mode():
+        for i, ids in enumerate(prompts):
+            with capture_hidden_states(model, layer_ids(kind)) as cap:
+                model.base_model(input_ids=torch.tensor([ids], device="cuda"), use_cache=False)
+            out[str(i)] = torch.stack([cap[k][0] for k in layer_ids(kind)], dim=1).float().cpu()
+    torch.save(out, root / f"{kind}.hf.pt")
+
+
+def run_vllm(root: Path, kind: str, path: str) -> None:
+    from types import SimpleNamespace
+
+    from eyrie.targets import inspect_target
+    from eyrie.vllm_backend import VllmBackend
+
+    prompts = [np.array(p, dtype=np.int32) for p in json.loads((root / "prompts.json").read_text())]
+    info = inspect_target(root / kind)
+    cfg = SimpleNamespace(vllm={"extraction_path": path, "tensor_parallel_size": 1,
+                                "gpu_memory_utilization": 0.5, "enforce_eager": True,
+                                "max_model_len": 1024},
+                          max_tokens_per_batch=600, dtype=torch.bfloat16, trust_remote_code=False)
+    ids = layer_ids(kind)
+    result = {"kind": kind, "path": path}
+    try:
+        backend = VllmBackend(root / kind, info, cfg, ids[:-1], ids[-1])
+    except Exception as exc:  # noqa: BLE001 - a refusal is a result here
+        result["refused"] = f"{type(exc).__name__}: {exc}"
+        (root / f"{kind}.{path}.json").write_text(json.dumps(result))
+        return
+    out = {}
+    for chunk, aux, final in backend.states(prompts, torch.bfloat16):
+        for i, a, f in zip(chunk, aux, final):
+            T = len(prompts[i])
+            out[str(i)] = torch.cat([a.reshape(T, len(ids) - 1, -1), f[:, None]], dim=1).float()
+    backend.close()
+    torch.save(out, root / f"{kind}.{path}.pt")
+    result["calls"] = "ok"
+    (root / f"{kind}.{path}.json").write_text(json.dumps(result))
+
+
+def compare(root: Path) -> dict:
+    table = {}
+    for kind in KINDS:
+        ref = torch.load(root / f"{kind}.hf.pt")
+        for path in ("native", "capture"):
+            meta = root / f"{kind}.{path}.json"
+            if not meta.exists():
+                continue
+            info = json.loads(meta.read_text())
+            if "refused" in info:
+                table[f"{kind}/{path}"] = {"refused": info["refused"][:300]}
+                continue
+            got = torch.load(root / f"{kind}.{path}.pt")
+            per_id = {}
+            for j, k in enumerate(layer_ids(kind)):
+                cos = torch.cat([torch.nn.functional.cosine_similarity(got[i][:, j], ref[i][:, j], dim=-1)
+                                 for i in ref])
+                per_id[str(k)] = {"min_cos": round(cos.min().item(), 6), "mean_cos": round(cos.mean().item(), 6)}
+            table[f"{kind}/{path}"] = {"samples": len(got), "tokens": sum(v.shape[0] for v in got.values()),
+                                       "per_id": per_id,
+                                       "min_cos": min(v["min_cos"] for v in per_id.values())}
+    return table
+
+
+if __name__ == "__main__":
+    cmd, root = sys.argv[1], Path(sys.argv[2])
+    root.mkdir(parents=True, exist_ok=True)
+    if cmd == "build":
+        build(root)
+    elif cmd == "hf":
+        hf(root, sys.argv[3])
+    elif cmd == "vllm":
+        run_vllm(root, sys.argv[3], sys.argv[4])
+    elif cmd == "compare":
+        print(json.dumps(compare(root), indent=1))
