@@ -73,13 +73,32 @@ def hf(root: Path, kind: str) -> None:
 
     prompts = json.loads((root / "prompts.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(root / kind, dtype=torch.bfloat16).to("cuda").eval()
-    out = {}
+    out, margins = {}, {}
+    gates = {i: layer.mlp.gate for i, layer in enumerate(model.model.layers)
+             if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "e_score_correction_bias")}
+    seen: dict[int, torch.Tensor] = {}
+
+    def gate_hook(i):
+        def hook(module, args):
+            # the routing margin: k-th best expert score minus the best unselected one
+            h = args[0].reshape(-1, args[0].shape[-1]).float()
+            scores = torch.sigmoid(h @ module.weight.float().T) + module.e_score_correction_bias.float()
+            top = scores.topk(model.config.num_experts_per_tok + 1, dim=-1).values
+            seen[i] = (top[:, -2] - top[:, -1]).cpu()
+        return hook
+
+    handles = [g.register_forward_pre_hook(gate_hook(i)) for i, g in gates.items()]
     with torch.inference_mode():
         for i, ids in enumerate(prompts):
+            seen.clear()
             with capture_hidden_states(model, layer_ids(kind)) as cap:
                 model.base_model(input_ids=torch.tensor([ids], device="cuda"), use_cache=False)
             out[str(i)] = torch.stack([cap[k][0] for k in layer_ids(kind)], dim=1).float().cpu()
-    torch.save(out, root / f"{kind}.hf.pt")
+            if seen:  # [T, n_moe_layers]
+                margins[str(i)] = torch.stack([seen[j] for j in sorted(seen)], dim=1)
+    for h in handles:
+        h.remove()
+    torch.save({"states": out, "margins": margins, "moe_layers": sorted(gates)}, root / f"{kind}.hf.pt")
 
 
 def run_vllm(root: Path, kind: str, path: str) -> None:
@@ -116,7 +135,8 @@ def run_vllm(root: Path, kind: str, path: str) -> None:
 def compare(root: Path) -> dict:
     table = {}
     for kind in KINDS:
-        ref = torch.load(root / f"{kind}.hf.pt")
+        saved = torch.load(root / f"{kind}.hf.pt")
+        ref, margins, moe_layers = saved["states"], saved["margins"], saved["moe_layers"]
         for path in ("native", "capture"):
             meta = root / f"{kind}.{path}.json"
             if not meta.exists():
@@ -130,7 +150,19 @@ def compare(root: Path) -> dict:
             for j, k in enumerate(layer_ids(kind)):
                 cos = torch.cat([torch.nn.functional.cosine_similarity(got[i][:, j], ref[i][:, j], dim=-1)
                                  for i in ref])
-                per_id[str(k)] = {"min_cos": round(cos.min().item(), 6), "mean_cos": round(cos.mean().item(), 6)}
+                row = {"min_cos": round(cos.min().item(), 6), "mean_cos": round(cos.mean().item(), 6),
+                       "tokens_below_0.999": int((cos < 0.999).sum())}
+                before = [m for m, layer in enumerate(moe_layers) if layer < k]
+                if margins and before:
+                    # routing margin of each token over the MoE layers before id k (HF, fp32 scores)
+                    margin = torch.cat([margins[i][:, before].min(dim=1).values for i in ref])
+                    low = cos < 0.999
+                    row["median_routing_margin"] = round(margin.median().item(), 6)
+                    if low.any():
+                        row["routing_margin_of_tokens_below"] = [round(x, 6) for x in margin[low].tolist()]
+                        row["rank_of_those_margins_among_all"] = [
+                            int((margin < x).sum()) for x in margin[low].tolist()]
+                per_id[str(k)] = row
             table[f"{kind}/{path}"] = {"samples": len(got), "tokens": sum(v.shape[0] for v in got.values()),
                                        "per_id": per_id,
                                        "min_cos": min(v["min_cos"] for v in per_id.values())}
