@@ -25,4 +25,6 @@ rule all:
         f"{RESULTS}/draft/config.json",
         f"{RESULTS}/eval/eval.json",
         f"{RESULTS}/eval/eval.png",
+        # evaluation through vLLM itself: needs a GPU and .venv-vllm (docs/vllm.md)
+        [f"{RESULTS}/eval/eval_vllm.json"] if config["eval"]["vllm"] else [],
     default_target: True
