@@ -44,6 +44,9 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.85  # config/schema.yaml's vllm.gpu_memory_ut
 # ----------------------------------------------------------------------------- inputs
 
 
+VLLM_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
 @dataclass(frozen=True)
 class VllmEvalSettings:
     K: int
@@ -53,6 +56,7 @@ class VllmEvalSettings:
     gpu_memory_utilization: float
     enforce_eager: bool
     max_model_len: int | None  # None: longest prompt + max_new_tokens + K
+    dtype: str = "auto"  # vLLM's dtype; auto: vLLM's choice (bfloat16 for a float32 checkpoint)
 
 
 def _posint(value) -> bool:
@@ -83,6 +87,8 @@ def parse_settings(settings: dict, gpu_memory_utilization: float | None = None) 
                             "an integer >= 1")
         if not isinstance(vl.get("enforce_eager", True), bool):
             problems.append(f"vllm.enforce_eager={vl.get('enforce_eager')!r} must be true or false")
+        if vl.get("dtype", "auto") not in VLLM_DTYPES:
+            problems.append(f"vllm.dtype={vl.get('dtype')!r} must be one of {', '.join(VLLM_DTYPES)}")
         if vl.get("max_model_len") is not None and not _posint(vl.get("max_model_len")):
             problems.append(f"vllm.max_model_len={vl.get('max_model_len')!r} must be null or an "
                             "integer >= 1")
@@ -96,7 +102,8 @@ def parse_settings(settings: dict, gpu_memory_utilization: float | None = None) 
         raise EvaluateError("invalid --settings: " + "; ".join(problems))
     return VllmEvalSettings(ev["num_speculative_tokens"], ev["max_new_tokens"], ev["num_prompts"],
                             vl.get("tensor_parallel_size", 1), float(gpu),
-                            vl.get("enforce_eager", True), vl.get("max_model_len"))
+                            vl.get("enforce_eager", True), vl.get("max_model_len"),
+                            vl.get("dtype", "auto"))
 
 
 def check_draft_config(draft_dir: str | Path, info) -> dict:
@@ -331,6 +338,7 @@ def evaluate_vllm(target: str | Path, draft_dir: str | Path, eval_set: str | Pat
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "enforce_eager": cfg.enforce_eager,
         "max_model_len": max_model_len,
+        "dtype": cfg.dtype,
         "disable_log_stats": False,  # get_metrics() needs the stat loggers
         # Prompts go as token ids and outputs come back as ids: no tokenizer code runs, so a
         # tokenizer saved by another transformers version than this environment's cannot break it.

@@ -37,7 +37,7 @@ rule evaluate_draft:
 # compared: no rerun).
 VLLM_EVAL_SETTINGS = settings(
     eval={k: v for k, v in EVAL_SETTINGS.items() if k != "device"},
-    vllm={k: config["vllm"][k] for k in ("tensor_parallel_size", "enforce_eager", "max_model_len")},
+    vllm={k: config["vllm"][k] for k in ("tensor_parallel_size", "enforce_eager", "max_model_len", "dtype")},
 )
 
 

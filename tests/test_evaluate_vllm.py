@@ -293,7 +293,7 @@ def test_workflow_rule_only_when_asked(tmp_path):
     # only what changes the result is compared by the params trigger
     passed = json.loads(cmd.split("--settings '", 1)[1].split("'", 1)[0])
     assert passed == {"eval": {"max_new_tokens": 64, "num_prompts": 16, "num_speculative_tokens": 3},
-                      "vllm": {"enforce_eager": True, "max_model_len": None,
+                      "vllm": {"dtype": "auto", "enforce_eager": True, "max_model_len": None,
                                "tensor_parallel_size": 1}}
 
 
