@@ -1,39 +1,55 @@
-"""`eyrie extract`: target hidden states of one tokenized shard into one HDF5 shard.
+"""`eyrie extract`: target hidden states of tokenized shards into HDF5 shards.
 
-Backend "hf": a Hugging Face transformers forward of the target's base model (no lm_head, so no
-logits are computed) with hooks that capture the residual stream in vLLM layer-id semantics
-(eyrie.capture): aux ids k (stream entering layer k) and id N (last layer output, before the
-final norm). Samples are sorted by length and packed into right-padded batches of at most
-`extract.max_tokens_per_batch` padded tokens; each sample's unpadded rows go into a ShardWriter.
-Writing to HDF5 runs in a background thread so it overlaps the next forward pass.
+One model load serves many shards: `Extractor` checks the settings, the target and the preflight
+report and opens a backend (the one load), then `extract(shard, out)` writes one HDF5 shard per
+call. `eyrie extract` runs one Extractor for one shard (standalone), or with `--engine SOCKET`
+sends its shard to a running `eyrie extract-engine` that holds the loaded target (eyrie.engine;
+docs/extraction.md).
+
+A backend yields hidden states; the writer path here is shared by all backends. Backend "hf": a
+Hugging Face transformers forward of the target's base model (no lm_head, so no logits) with
+hooks that capture the residual stream in vLLM layer-id semantics (eyrie.capture): aux ids k
+(stream entering layer k) and id N (last layer output, before the final norm). Samples are sorted
+by length and packed into right-padded batches of at most `extract.max_tokens_per_batch` padded
+tokens. Writing to HDF5 runs in a background thread so it overlaps the next forward pass.
+
+torch, pyarrow and h5py are imported where they are used: the `--engine` client path imports
+none of them (a group of shard clients then costs a few MB each, not ~250 MB).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-import torch
 
 from eyrie import EyrieError
-from eyrie.capture import capture_hidden_states
 from eyrie.io import provenance
-from eyrie.preflight import read_report
-from eyrie.shards import STORAGE_DTYPES, ShardMeta, ShardWriter
-from eyrie.targets import inspect_target, resolve_layer_ids, tokenizer_hash
+from eyrie.targets import TargetInfo, inspect_target, resolve_layer_ids, tokenizer_hash
+
+if TYPE_CHECKING:
+    import torch
+
+    from eyrie.shards import ShardWriter
 
 log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-BACKENDS = ("hf",)
+# backend name -> "module:Class", imported only when chosen (vLLM is not installed everywhere)
+BACKENDS = {"hf": "eyrie.extract:HFBackend", "vllm": "eyrie.vllm_backend:VllmBackend"}
 PROGRESS_EVERY_S = 5.0
+
+# (sample indices, aux [T_i, n_aux*H] per sample, final [T_i, H] per sample), CPU, storage dtype
+States = tuple[list[int], list["torch.Tensor"], list["torch.Tensor"]]
+# (sample_ids, input_ids int32 [T_i] per sample, loss_masks uint8 [T_i] per sample)
+Tokenized = tuple[list[str], list[np.ndarray], list[np.ndarray]]
 
 
 class ExtractError(EyrieError):
@@ -49,17 +65,36 @@ class ExtractSettings:
     max_tokens_per_batch: int
     aux_ids: list[int] | None
     trust_remote_code: bool
+    vllm: dict = field(default_factory=dict)  # the vllm section, untouched (the vllm backend checks it)
+
+
+class Backend(Protocol):
+    """What a backend provides. The constructor is the (one) model load:
+    `Backend(target: Path, info: TargetInfo, cfg: ExtractSettings, aux_ids: list[int], final_id: int)`.
+    """
+
+    def states(self, input_ids: list[np.ndarray], storage: torch.dtype) -> Iterator[States]:
+        """Hidden states of every sample of `input_ids` (token ids int32 [T_i] each), batch after
+        batch, each sample exactly once, as CPU tensors in the `storage` dtype."""
+
+    def close(self) -> None:
+        """Release the model (GPU memory, worker processes)."""
 
 
 def parse_settings(settings: dict) -> ExtractSettings:
     """Check the stage's settings (every problem at once, each naming its key) and resolve autos."""
+    import torch
+
+    from eyrie.shards import STORAGE_DTYPES
+
     problems = []
     ext = settings.get("extract")
     if not isinstance(ext, dict):
         raise ExtractError("--settings: key 'extract' missing or not an object; pass the config's "
                            "extract section")
     allowed = {
-        "backend": BACKENDS, "device": DEVICES, "dtype": DTYPES, "storage_dtype": tuple(STORAGE_DTYPES),
+        "backend": tuple(BACKENDS), "device": DEVICES, "dtype": DTYPES,
+        "storage_dtype": tuple(STORAGE_DTYPES),
     }
     for key, choices in allowed.items():
         if ext.get(key) not in choices:
@@ -67,6 +102,13 @@ def parse_settings(settings: dict) -> ExtractSettings:
     mtpb = ext.get("max_tokens_per_batch")
     if not isinstance(mtpb, int) or isinstance(mtpb, bool) or mtpb < 1:
         problems.append(f"extract.max_tokens_per_batch={mtpb!r}: use a positive integer")
+    # the config's top-level vllm section (the vllm backend checks its contents)
+    vllm = settings.get("vllm") or {}
+    if not isinstance(vllm, dict):
+        problems.append(f"vllm={vllm!r}: use the config's vllm section (a mapping)")
+    elif ext.get("backend") == "vllm" and not vllm:
+        problems.append("extract.backend=vllm but --settings has no vllm section; pass the "
+                        "config's vllm section")
     layers = settings.get("layers")
     aux = layers.get("aux_ids") if isinstance(layers, dict) else "missing"
     if not (aux is None or (isinstance(aux, list) and all(isinstance(i, int) for i in aux))):
@@ -89,12 +131,26 @@ def parse_settings(settings: dict) -> ExtractSettings:
     return ExtractSettings(
         backend=ext["backend"], device=device, dtype=getattr(torch, dtype),
         storage_dtype=ext["storage_dtype"], max_tokens_per_batch=mtpb, aux_ids=aux,
-        trust_remote_code=trc,
+        trust_remote_code=trc, vllm=vllm,
     )
+
+
+def backend_class(name: str) -> type:
+    """The backend registered as `name` in BACKENDS (imported now)."""
+    if name not in BACKENDS:
+        raise ExtractError(f"extract.backend={name!r}: use one of {list(BACKENDS)}")
+    module, cls = BACKENDS[name].split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as exc:
+        raise ExtractError(f"extract.backend={name!r}: cannot import {BACKENDS[name]} ({exc}); "
+                           "install what it needs in this environment or use extract.backend hf") from exc
 
 
 def _list_column(table, name: str, path: Path, sample_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """A list<int> column as (flat values int64 [sum T_i], offsets int64 [S + 1])."""
+    import pyarrow as pa
+
     col = table.column(name).combine_chunks()
     if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)) \
             or not pa.types.is_integer(col.type.value_type):
@@ -108,8 +164,10 @@ def _list_column(table, name: str, path: Path, sample_ids: list[str]) -> tuple[n
     return values, offsets - offsets[0]
 
 
-def read_tokenized(path: str | Path, vocab_size: int) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
+def read_tokenized(path: str | Path, vocab_size: int) -> Tokenized:
     """Read a tokenized parquet shard: (sample_ids, input_ids int32 [T_i], loss_masks uint8 [T_i])."""
+    import pyarrow.parquet as pq
+
     path = Path(path)
     try:
         table = pq.read_table(path)
@@ -156,12 +214,13 @@ def plan_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 def load_target(path: str | Path, device: str, dtype: torch.dtype, trust_remote_code: bool):
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
                                                      trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:
         raise ExtractError(f"{path}: cannot load the target with transformers ({exc}); check the "
                            "model folder (and trust_remote_code if it ships its own code)") from exc
     return model.to(device).eval()
@@ -174,6 +233,10 @@ def forward_batch(model, batch: list[np.ndarray], aux_ids: list[int], final_id: 
     batch: B arrays of token ids [T_b]. Returns (aux [B, T_max, n_aux*H], final [B, T_max, H]) on
     the CPU in the storage dtype; rows past T_b are padding.
     """
+    import torch
+
+    from eyrie.capture import capture_hidden_states
+
     T = max(len(x) for x in batch)
     ids = torch.zeros(len(batch), T, dtype=torch.long)  # [B, T] int64
     mask = torch.zeros(len(batch), T, dtype=torch.long)  # [B, T] 1 = real token
@@ -193,81 +256,163 @@ def forward_batch(model, batch: list[np.ndarray], aux_ids: list[int], final_id: 
     return aux.to("cpu"), final.to("cpu")
 
 
-def extract_shard(target: str | Path, shard: str | Path, preflight: str | Path, out: str | Path,
-                  settings: dict) -> Path:
-    """Extract the hidden states of every sample of `shard` into the HDF5 shard `out`."""
-    cfg = parse_settings(settings)
-    info = inspect_target(target)
-    read_report(preflight, info.fingerprint)
-    aux_ids, final_id = resolve_layer_ids(cfg.aux_ids, info.num_hidden_layers)
-    sample_ids, input_ids, loss_masks = read_tokenized(shard, info.vocab_size)
-    meta = ShardMeta(
-        target_fingerprint=info.fingerprint,
-        tokenizer_hash=tokenizer_hash(target),
-        aux_layer_ids=aux_ids,
-        final_layer_id=final_id,
-        hidden_size=info.hidden_size,
-        storage_dtype=cfg.storage_dtype,
-        producer={"settings": settings, "provenance": provenance(settings)},
-    )
-    lengths = [len(x) for x in input_ids]
-    batches = plan_batches(lengths, cfg.max_tokens_per_batch)
-    too_long = sum(1 for b in batches if lengths[b[0]] > cfg.max_tokens_per_batch)
-    if too_long:
-        log.warning("%d samples are longer than extract.max_tokens_per_batch=%d; each runs alone",
-                    too_long, cfg.max_tokens_per_batch)
-    log.info("extract %s: %d samples, %d tokens, %d batches (<= %d padded tokens), aux ids %s, "
-             "final id %d, %s on %s -> %s", shard, len(lengths), sum(lengths), len(batches),
-             cfg.max_tokens_per_batch, aux_ids, final_id, cfg.dtype, cfg.device, cfg.storage_dtype)
+class HFBackend:
+    """Hugging Face transformers forward with capture hooks; length-sorted padded batches."""
 
-    t0 = time.monotonic()
-    model = load_target(target, cfg.device, cfg.dtype, cfg.trust_remote_code)
-    storage = getattr(torch, cfg.storage_dtype)
-    H = info.hidden_size
-    start = last_log = time.monotonic()
-    load_s, write_wait_s = start - t0, 0.0
-    done_samples = done_tokens = 0
-    with ShardWriter(out, meta, sample_ids, input_ids, loss_masks) as writer, \
-            ThreadPoolExecutor(max_workers=1) as pool, torch.inference_mode():
-        pending: Future | None = None
+    def __init__(self, target: Path, info: TargetInfo, cfg: ExtractSettings, aux_ids: list[int],
+                 final_id: int):
+        self.cfg, self.aux_ids, self.final_id = cfg, list(aux_ids), final_id
+        self.model = load_target(target, cfg.device, cfg.dtype, cfg.trust_remote_code)
+
+    def states(self, input_ids: list[np.ndarray], storage: torch.dtype) -> Iterator[States]:
+        import torch
+
+        cfg = self.cfg
+        lengths = [len(x) for x in input_ids]
+        batches = plan_batches(lengths, cfg.max_tokens_per_batch)
+        too_long = sum(1 for b in batches if lengths[b[0]] > cfg.max_tokens_per_batch)
+        if too_long:
+            log.warning("%d samples are longer than extract.max_tokens_per_batch=%d; each runs alone",
+                        too_long, cfg.max_tokens_per_batch)
+        log.info("hf: %d batches (<= %d padded tokens), %s on %s", len(batches),
+                 cfg.max_tokens_per_batch, cfg.dtype, cfg.device)
         for batch in batches:
-            aux, final = forward_batch(model, [input_ids[i] for i in batch], aux_ids, final_id,
-                                       cfg.device, storage)
-            if final.shape[-1] != H:
-                raise ExtractError(f"{target}: captured hidden size {final.shape[-1]} but "
-                                   f"config.json says hidden_size={H}")
+            with torch.inference_mode():  # not held across the yield (it is thread-global state)
+                aux, final = forward_batch(self.model, [input_ids[i] for i in batch], self.aux_ids,
+                                           self.final_id, cfg.device, storage)
+            # drop the padding rows: aux [T_i, n_aux*H], final [T_i, H] per sample (views)
+            yield (batch, [aux[b, : lengths[i]] for b, i in enumerate(batch)],
+                   [final[b, : lengths[i]] for b, i in enumerate(batch)])
+
+    def close(self) -> None:
+        import torch
+
+        self.model = None
+        if self.cfg.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+class Extractor:
+    """One target load, many shards.
+
+    The constructor checks the settings, the target and its preflight report, then opens the
+    backend (the one model load); `extract(shard, out)` writes one HDF5 shard per call.
+    """
+
+    def __init__(self, target: str | Path, preflight: str | Path, settings: dict):
+        self.target, self.settings = Path(target), settings
+        self.cfg = parse_settings(settings)
+        self.info = inspect_target(target)
+        from eyrie.preflight import read_report
+
+        read_report(preflight, self.info.fingerprint)
+        self.aux_ids, self.final_id = resolve_layer_ids(self.cfg.aux_ids, self.info.num_hidden_layers)
+        self.tokenizer_hash = tokenizer_hash(target)
+        cls = backend_class(self.cfg.backend)
+        t0 = time.monotonic()
+        self.backend: Backend = cls(self.target, self.info, self.cfg, self.aux_ids, self.final_id)
+        self.load_s = time.monotonic() - t0
+        log.info("loaded target %s (%s backend) in %.1f s: aux ids %s, final id %d", target,
+                 self.cfg.backend, self.load_s, self.aux_ids, self.final_id)
+
+    def __enter__(self) -> Extractor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def extract(self, shard: str | Path, out: str | Path, tokenized: Tokenized | None = None) -> Path:
+        """Extract the hidden states of every sample of `shard` into the HDF5 shard `out`
+        (`tokenized`: the shard already read by read_tokenized, to skip reading it again)."""
+        import torch
+
+        from eyrie.shards import ShardMeta, ShardWriter
+
+        sample_ids, input_ids, loss_masks = tokenized or read_tokenized(shard, self.info.vocab_size)
+        meta = ShardMeta(
+            target_fingerprint=self.info.fingerprint,
+            tokenizer_hash=self.tokenizer_hash,
+            aux_layer_ids=self.aux_ids,
+            final_layer_id=self.final_id,
+            hidden_size=self.info.hidden_size,
+            storage_dtype=self.cfg.storage_dtype,
+            producer={"settings": self.settings, "provenance": provenance(self.settings)},
+        )
+        lengths = [len(x) for x in input_ids]
+        log.info("extract %s: %d samples, %d tokens, aux ids %s, final id %d -> %s %s", shard,
+                 len(lengths), sum(lengths), self.aux_ids, self.final_id, out, self.cfg.storage_dtype)
+        storage = getattr(torch, self.cfg.storage_dtype)
+        start = last_log = time.monotonic()
+        write_wait_s = 0.0
+        done_samples = done_tokens = 0
+        with ShardWriter(out, meta, sample_ids, input_ids, loss_masks) as writer, \
+                ThreadPoolExecutor(max_workers=1) as pool, torch.inference_mode():
+            pending: Future | None = None
+            for batch, aux, final in self.backend.states(input_ids, storage):
+                self._check(batch, aux, final, lengths)
+                if pending is not None:
+                    t = time.monotonic()
+                    pending.result()  # re-raises a failed write
+                    write_wait_s += time.monotonic() - t
+                pending = pool.submit(_write_batch, writer, batch, aux, final)
+                done_samples += len(batch)
+                done_tokens += sum(lengths[i] for i in batch)
+                now = time.monotonic()
+                if now - last_log >= PROGRESS_EVERY_S:
+                    log.info("%d/%d samples, %d tokens, %.0f tokens/s", done_samples, len(lengths),
+                             done_tokens, done_tokens / (now - start))
+                    last_log = now
             if pending is not None:
                 t = time.monotonic()
-                pending.result()  # re-raises a failed write
+                pending.result()
                 write_wait_s += time.monotonic() - t
-            pending = pool.submit(_write_batch, writer, batch, lengths, aux, final)
-            done_samples += len(batch)
-            done_tokens += sum(lengths[i] for i in batch)
-            now = time.monotonic()
-            if now - last_log >= PROGRESS_EVERY_S:
-                log.info("%d/%d samples, %d tokens, %.0f tokens/s", done_samples, len(lengths),
-                         done_tokens, done_tokens / (now - start))
-                last_log = now
-        if pending is not None:
-            t = time.monotonic()
-            pending.result()
-            write_wait_s += time.monotonic() - t
-    elapsed = time.monotonic() - start
-    log.info("wrote %s: %d samples, %d tokens in %.1f s (%.0f tokens/s; model load %.1f s, "
-             "waiting for writes %.1f s)", out, len(lengths), sum(lengths), elapsed,
-             sum(lengths) / max(elapsed, 1e-9), load_s, write_wait_s)
-    return Path(out)
+        elapsed = time.monotonic() - start
+        log.info("wrote %s: %d samples, %d tokens in %.1f s (%.0f tokens/s; waiting for writes "
+                 "%.1f s; target loaded once in %.1f s)", out, len(lengths), sum(lengths), elapsed,
+                 sum(lengths) / max(elapsed, 1e-9), write_wait_s, self.load_s)
+        return Path(out)
+
+    def _check(self, batch: list[int], aux: list[torch.Tensor], final: list[torch.Tensor],
+               lengths: list[int]) -> None:
+        """A backend's batch: per sample aux [T_i, n_aux*H] and final [T_i, H]."""
+        H, n_aux = self.info.hidden_size, len(self.aux_ids)
+        if not len(batch) == len(aux) == len(final):
+            raise ExtractError(f"backend {self.cfg.backend}: a batch of {len(batch)} samples came "
+                               f"with {len(aux)} aux and {len(final)} final tensors")
+        for i, a, f in zip(batch, aux, final):
+            if f.shape[-1] != H or a.shape[-1] != n_aux * H:
+                raise ExtractError(f"{self.target}: captured hidden size {f.shape[-1]} (aux "
+                                   f"{a.shape[-1]}) but config.json says hidden_size={H} "
+                                   f"({n_aux} aux layers: {n_aux * H})")
+            if f.shape[0] != lengths[i] or a.shape[0] != lengths[i]:
+                raise ExtractError(f"backend {self.cfg.backend}: sample {i} has {lengths[i]} tokens "
+                                   f"but {f.shape[0]} final / {a.shape[0]} aux rows")
 
 
-def _write_batch(writer: ShardWriter, batch: list[int], lengths: list[int],
-                 aux: torch.Tensor, final: torch.Tensor) -> None:
-    """aux: [B, T_max, n_aux*H]; final: [B, T_max, H] (CPU, storage dtype); drop the padding rows."""
-    for b, i in enumerate(batch):
-        writer.put(i, aux[b, : lengths[i]], final[b, : lengths[i]])
+def _write_batch(writer: ShardWriter, batch: list[int], aux: list[torch.Tensor],
+                 final: list[torch.Tensor]) -> None:
+    """aux[j]: [T_i, n_aux*H]; final[j]: [T_i, H] of sample i = batch[j] (CPU, storage dtype)."""
+    for i, a, f in zip(batch, aux, final):
+        writer.put(i, a, f)
+
+
+def extract_shard(target: str | Path, shard: str | Path, preflight: str | Path, out: str | Path,
+                  settings: dict) -> Path:
+    """Extract `shard` into `out` with a model load of its own (standalone `eyrie extract`).
+
+    The settings and the shard are checked before the load, so a bad shard fails in seconds."""
+    parse_settings(settings)
+    tokenized = read_tokenized(shard, inspect_target(target).vocab_size)
+    with Extractor(target, preflight, settings) as extractor:
+        return extractor.extract(shard, out, tokenized=tokenized)
 
 
 def add_arguments(parser) -> None:
     from eyrie.cli import settings_arg
+    from eyrie.engine import DEFAULT_WAIT_S
 
     parser.add_argument("--target", required=True, help="Hugging Face model folder of the target")
     parser.add_argument("--shard", required=True, help="tokenized shard (.parquet)")
@@ -275,8 +420,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", required=True, help="hidden-state shard to write (.h5)")
     parser.add_argument("--settings", required=True, type=settings_arg,
                         help="JSON object with the extract, layers and trust_remote_code settings")
+    parser.add_argument("--engine", default=None, metavar="SOCKET",
+                        help="send the shard to the `eyrie extract-engine` at this unix socket "
+                             "instead of loading the target here")
+    parser.add_argument("--engine-wait-s", type=float, default=DEFAULT_WAIT_S,
+                        help="with --engine: how long to wait for the engine's socket to accept "
+                             "(extract.engine_wait_s; default %(default)g)")
+    parser.add_argument("--engine-log", default=None,
+                        help="with --engine: the engine's log, named in errors")
 
 
 def run(args) -> int:
-    extract_shard(args.target, args.shard, args.preflight, args.out, args.settings)
+    if args.engine:
+        from eyrie.engine import request
+
+        request(args.engine, args.shard, args.out, settings=args.settings,
+                wait_s=args.engine_wait_s, engine_log=args.engine_log)
+    else:
+        extract_shard(args.target, args.shard, args.preflight, args.out, args.settings)
     return 0

@@ -18,7 +18,8 @@ import argparse
 
 from eyrie import extract as extract_stage
 from eyrie.demo.tokenizer import build_chat_tokenizer
-from eyrie.extract import extract_shard, plan_batches, read_tokenized
+from eyrie.extract import (Extractor, HFBackend, backend_class, extract_shard, parse_settings,
+                           plan_batches, read_tokenized)
 from eyrie.shards import ShardReader
 from eyrie.targets import inspect_target, tokenizer_hash
 
@@ -212,6 +213,51 @@ def test_bad_settings_and_shard_are_refused(tmp_path):
     assert str(shard) in str(err.value) and "sample x:1: token id 100000 outside" in str(err.value)
     assert "\n" not in str(err.value)
     assert not out.exists()
+
+
+def test_one_extractor_loads_the_target_once_for_many_shards(tmp_path, monkeypatch):
+    target, shard, preflight, _, _ = build_case(tmp_path, "llama")
+    loads = []
+    real_load = extract_stage.load_target
+
+    def counting_load(*args, **kwargs):
+        loads.append(args[0])
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(extract_stage, "load_target", counting_load)
+    with Extractor(target, preflight, settings(96)) as extractor:
+        assert isinstance(extractor.backend, HFBackend)
+        first = extractor.extract(shard, tmp_path / "first.h5")
+        second = extractor.extract(shard, tmp_path / "second.h5")
+    assert len(loads) == 1
+    extract_shard(target, shard, preflight, tmp_path / "alone.h5", settings(96))
+    assert len(loads) == 2
+    a, b, c = raw(first), raw(second), raw(tmp_path / "alone.h5")
+    for name in a:
+        assert np.array_equal(a[name], b[name]) and np.array_equal(a[name], c[name]), name
+    # standalone: a bad shard fails before the (expensive) load
+    pq.write_table(pa.table({"sample_id": ["x:1"], "input_ids": [[1, 100000]],
+                             "loss_mask": pa.array([[0, 1]], type=pa.list_(pa.uint8()))}), shard)
+    with pytest.raises(EyrieError, match="token id 100000 outside"):
+        extract_shard(target, shard, preflight, tmp_path / "bad.h5", settings(96))
+    assert len(loads) == 2
+
+
+def test_backend_registry_and_vllm_settings_pass_through():
+    s = settings(64)
+    assert parse_settings(s).vllm == {} and backend_class("hf") is HFBackend
+    s["extract"]["backend"] = "vllm"
+    with pytest.raises(EyrieError, match="extract.backend=vllm but --settings has no vllm section"):
+        parse_settings(s)
+    s["vllm"] = {"tensor_parallel_size": 2, "anything": ["kept"]}
+    cfg = parse_settings(s)
+    assert cfg.backend == "vllm" and cfg.vllm == {"tensor_parallel_size": 2, "anything": ["kept"]}
+    s["extract"]["backend"] = "tpu"
+    s["vllm"] = 3
+    with pytest.raises(EyrieError) as err:
+        parse_settings(s)
+    assert "extract.backend='tpu': use one of ['hf', 'vllm']" in str(err.value)
+    assert "vllm=3: use the config's vllm section" in str(err.value)
 
 
 def test_plan_batches_respects_budget():

@@ -1,5 +1,6 @@
 """The real Snakemake DAG on a tiny config: one full run, then dry runs that prove only stale
-outputs rebuild (Snakemake's own planner decides; we only read its job table)."""
+outputs rebuild (Snakemake's own planner decides; we only read its job table), and one real
+rerun after deleting hidden-state shards (one engine, one model load, only those shards)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ TINY = {
         "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64,
         "train_steps": 12, "batch_size": 4, "seq_len": 96,
     },
-    "data": {"conversations": ["convs.jsonl"], "max_seq_len": 96, "num_shards": 2, "num_eval": 4},
+    "data": {"conversations": ["convs.jsonl"], "max_seq_len": 96, "num_shards": 4, "num_eval": 4},
     "layers": {"aux_ids": [1, 2, 3]},
     "vocab": {"draft_vocab_size": 256},
-    "extract": {"max_tokens_per_batch": 512},
+    "extract": {"max_tokens_per_batch": 512, "group_size": 4},
     "train": {"epochs": 1, "max_tokens_per_batch": 256, "warmup_steps": 2, "checkpoint_every": 5},
     "eval": {"num_prompts": 2, "max_new_tokens": 8},
 }
@@ -53,13 +54,25 @@ def snakemake(workdir: Path, *args: str, timeout: int = 600) -> str:
     return out
 
 
-def planned(workdir: Path, *targets: str) -> dict[str, int]:
-    """Rule -> job count that a dry run plans ({} when nothing is to be done)."""
-    out = snakemake(workdir, "-n", *targets)
+def job_table(out: str) -> dict[str, int]:
+    """Rule -> job count from Snakemake's "Job stats" table ({} when nothing is to be done)."""
     if "Nothing to be done" in out:
         return {}
     table = out.split("Job stats:", 1)[1].split("total", 1)[0]
     return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", table, re.M)}
+
+
+def planned(workdir: Path, *targets: str) -> dict[str, int]:
+    """Rule -> job count that a dry run plans ({} when nothing is to be done)."""
+    return job_table(snakemake(workdir, "-n", *targets))
+
+
+def engine_log(workdir: Path, group: str = "000") -> str:
+    return (workdir / f"logs/tiny/extract_engine/engine_{group}.log").read_text()
+
+
+def served_shards(log: str) -> list[str]:
+    return sorted(re.findall(r"engine: request \S+/(shard_\d+)\.parquet", log))
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +88,8 @@ def built(tmp_path_factory):
     # Before anything is built: asking for one shard plans only what that shard needs.
     one = planned(work, "results/tiny/hidden/shard_001.h5")
     assert one == {"build_demo_conversations": 1, "build_demo_target": 1,
-                   "tokenize_conversations": 1, "preflight": 1, "extract_hidden_states": 1}
+                   "tokenize_conversations": 1, "preflight": 1, "extract_engine": 1,
+                   "extract_hidden_states": 1}
     snakemake(work)
     return work
 
@@ -92,6 +106,19 @@ def test_full_run_outputs(built):
     assert draft_cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert (built / "results/tiny/eval/eval.png").stat().st_size > 0
     assert (built / "logs/tiny/train_draft.log").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_full_run_loads_the_target_once_for_all_shards(built):
+    log = engine_log(built)
+    assert log.count("engine: loaded target") == 1
+    assert served_shards(log) == ["shard_000", "shard_001", "shard_002", "shard_003"]
+    # Snakemake ends the engine with SIGTERM once its last shard job is done (the rule `exec`s
+    # the engine so the signal reaches it); the idle exit is only the fallback.
+    assert "engine: SIGTERM received: exiting" in log and "engine: idle for" not in log
+    # Snakemake removes service outputs after the group; a placeholder stands in between runs
+    sock = built / "results/tiny/hidden/engine_000.sock"
+    assert not sock.is_socket()
 
 
 @pytest.mark.slow
@@ -125,8 +152,8 @@ def test_extract_setting_reruns_extraction_not_preflight(built):
         jobs = planned(built)
     finally:
         write_config(built)
-    assert jobs == {"extract_hidden_states": 2, "train_draft": 1, "export_draft": 1,
-                    "evaluate_draft": 1, "all": 1}
+    assert jobs == {"extract_engine": 1, "extract_hidden_states": 4, "train_draft": 1,
+                    "export_draft": 1, "evaluate_draft": 1, "all": 1}
 
 
 @pytest.mark.slow
@@ -136,7 +163,7 @@ def test_aux_ids_rerun_extraction_not_tokenization(built):
         jobs = planned(built)
     finally:
         write_config(built)
-    assert jobs["extract_hidden_states"] == 2 and jobs["preflight"] == 1
+    assert jobs["extract_hidden_states"] == 4 and jobs["extract_engine"] == 1 and jobs["preflight"] == 1
     assert jobs["train_draft"] == 1
     assert "tokenize_conversations" not in jobs and "build_vocab_map" not in jobs
     assert "build_demo_target" not in jobs
@@ -154,17 +181,67 @@ def test_edited_conversations_rerun_everything_downstream(built):
     finally:
         convs.write_bytes(original)
     assert jobs == {"tokenize_conversations": 1, "build_vocab_map": 1, "preflight": 1,
-                    "extract_hidden_states": 2, "train_draft": 1, "export_draft": 1,
-                    "evaluate_draft": 1, "all": 1}
+                    "extract_engine": 1, "extract_hidden_states": 4, "train_draft": 1,
+                    "export_draft": 1, "evaluate_draft": 1, "all": 1}
 
 
 @pytest.mark.slow
-def test_deleted_shard_rebuilds_alone(built):
+def test_deleted_shard_rebuilds_alone_with_its_engine(built):
     shard = built / "results/tiny/hidden/shard_000.h5"
     saved = shard.with_suffix(".saved")
     shutil.copy2(shard, saved)
     shard.unlink()
     try:
-        assert planned(built, "results/tiny/hidden/shard_000.h5") == {"extract_hidden_states": 1}
+        assert planned(built, "results/tiny/hidden/shard_000.h5") == {
+            "extract_engine": 1, "extract_hidden_states": 1}
     finally:
         shutil.move(saved, shard)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override", [{"extract__engine_wait_s": 5},
+                                      {"extract__group_size": 8}])
+def test_scheduling_settings_rerun_nothing(built, override):
+    """engine_wait_s and group_size change no shard's content (they are not in params); a larger
+    group_size that keeps every shard in its group changes no input path either."""
+    write_config(built, **override)
+    try:
+        assert planned(built) == {}
+    finally:
+        write_config(built)
+
+
+@pytest.mark.slow
+def test_group_size_reruns_the_shards_that_change_group(built):
+    """Shards 2 and 3 move from engine_000 to engine_001: their input list changed (Snakemake's
+    `input` trigger), so they rerun with their new engine, and training after them."""
+    write_config(built, extract__group_size=2)
+    try:
+        out = snakemake(built, "-n", "--list-changes", "input")
+        jobs = planned(built)
+    finally:
+        write_config(built)
+    assert jobs == {"extract_engine": 1, "extract_hidden_states": 2, "train_draft": 1,
+                    "export_draft": 1, "evaluate_draft": 1, "all": 1}
+    changed = re.findall(r"^results/tiny/hidden/(shard_\d+)\.h5$", out, re.M)
+    assert sorted(changed) == ["shard_002", "shard_003"]
+
+
+@pytest.mark.slow
+def test_rerun_after_deleting_two_shards_loads_once_and_builds_only_those(built, tmp_path):
+    """A real rerun (on a copy, so the dry runs above keep their state): one engine job, one
+    model load, the two deleted shards; the other shards are not touched."""
+    work = tmp_path / "wf"
+    shutil.copytree(built, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    shards = [work / f"results/tiny/hidden/shard_{i:03d}.h5" for i in range(4)]
+    before = [p.stat().st_mtime_ns for p in shards]
+    shards[1].unlink()
+    shards[3].unlink()
+    out = snakemake(work, *(str(p.relative_to(work)) for p in shards))
+    assert job_table(out) == {"extract_engine": 1, "extract_hidden_states": 2}
+    assert [p.stat().st_mtime_ns for p in (shards[0], shards[2])] == [before[0], before[2]]
+    assert shards[1].is_file() and shards[3].is_file()
+    log = engine_log(work)
+    assert log.count("engine: loaded target") == 1
+    assert served_shards(log) == ["shard_001", "shard_003"]
+    assert planned(work, *(str(p.relative_to(work)) for p in shards)) == {}
