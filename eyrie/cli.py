@@ -1,5 +1,6 @@
 """`eyrie <stage> ...`: one entry per workflow rule. Each stage module provides
-`add_arguments(parser)` and `run(args)`; this layer only parses and reports errors."""
+`add_arguments(parser)` and `run(args)`; this layer only parses and reports errors: an EyrieError
+as one line with its fix (exit 2), anything else with its type and traceback (exit 1)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib
 import json
 import logging
 import sys
+import traceback
 
 from eyrie import EyrieError
 
@@ -19,10 +21,19 @@ STAGES = {
     "tokenize": ("eyrie.tokenize", "render conversations, loss masks, shards and eval split"),
     "vocab": ("eyrie.vocab", "draft vocabulary map (d2t/t2d)"),
     "extract": ("eyrie.extract", "target hidden states of one tokenized shard into HDF5"),
+    "extract-engine": ("eyrie.engine", "load the target once, extract the shards sent over a socket"),
     "train": ("eyrie.train", "train the EAGLE-3 draft"),
     "export": ("eyrie.export", "export the draft in the format vLLM loads"),
     "evaluate": ("eyrie.evaluate", "acceptance length by real speculative decoding"),
+    "evaluate-vllm": ("eyrie.evaluate_vllm", "acceptance length measured by vLLM itself (vLLM environment)"),
 }
+
+
+def describe(exc: BaseException) -> str:
+    """An exception's message, never empty: `raise RuntimeError()` or `assert x` carry none, and a
+    blank log line is what users then report."""
+    text = str(exc).strip()
+    return text if text else f"{type(exc).__name__} (no message)"
 
 
 def settings_arg(text: str) -> dict:
@@ -62,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         result = importlib.import_module(args._module).run(args)
     except EyrieError as exc:
         # One clear line (plus detail lines, when the error carries several): no traceback.
-        print(f"eyrie {args.stage}: error: {exc}", file=sys.stderr)
+        print(f"eyrie {args.stage}: error: {describe(exc)}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - a bug or an environment failure: type + traceback
+        logging.getLogger("eyrie.cli").error(
+            "eyrie %s: unexpected %s: %s\n%s", args.stage, type(exc).__name__, describe(exc),
+            "".join(traceback.format_exception(exc)).rstrip())
+        return 1
     return int(result or 0)
 
 
