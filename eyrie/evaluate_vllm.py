@@ -303,6 +303,24 @@ def diagnostic_path(out: str | Path) -> Path:
     return out.with_name(f"{out.stem}.mismatch.json")
 
 
+def check_installed_vllm(target: str | Path) -> None:
+    """Preflight's vLLM checks that serving needs, repeated in the job's first seconds: eval.vllm
+    and the vLLM environment are not compared settings (switching them reruns no preflight)."""
+    import json as _json
+
+    from eyrie.vllm_adapters import gather_facts, version_problems
+
+    config = _json.loads((Path(target) / "config.json").read_text())
+    facts = gather_facts(config)
+    problems = version_problems(facts)
+    if not facts.eagle3_target:
+        problems.append(f"vLLM {facts.version}: {facts.architecture_class or facts.architecture} "
+                        "cannot be an EAGLE-3 target (no set_aux_hidden_state_layers); serve "
+                        "another vLLM or evaluate with the Hugging Face loop only")
+    if problems:
+        raise EvaluateError(f"{target}: " + "; ".join(problems))
+
+
 def evaluate_vllm(target: str | Path, draft_dir: str | Path, eval_set: str | Path,
                   hf_eval: str | Path, out: str | Path, settings: dict, *,
                   gpu_memory_utilization: float | None = None) -> dict:
@@ -313,6 +331,7 @@ def evaluate_vllm(target: str | Path, draft_dir: str | Path, eval_set: str | Pat
     except TargetError as exc:
         raise EvaluateError(str(exc)) from exc
     draft_config = check_draft_config(draft_dir, info)
+    check_installed_vllm(target)
     hf = read_hf_eval(hf_eval, cfg.K, cfg.max_new_tokens)
     prompts = read_prompts(eval_set, cfg.num_prompts, info.vocab_size)
     if hf["num_prompts"] != len(prompts):

@@ -2,6 +2,8 @@
 
 Every problem is collected (not just the first), each with its fix. The report is written only
 when there is none, so a failed preflight leaves nothing that downstream rules could consume.
+When vLLM is used (extract.backend: vllm or eval.vllm: true), eyrie.vllm_preflight adds its checks
+of the installed vLLM and the report gains a `vllm` object (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyrie import EyrieError
+from eyrie import EyrieError, vllm_preflight
 from eyrie.io import provenance, write_json
 from eyrie.shards import STORAGE_DTYPES
 from eyrie.targets import TargetError, inspect_target, resolve_layer_ids, tokenizer_hash
@@ -119,11 +121,20 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
                       "target.trust_remote_code: true if you trust this model folder")
     aux_ids: list[int] = []
     final_id = info.num_hidden_layers
+    ids_ok = False
     try:
         aux_ids, final_id = resolve_layer_ids(layers.get("aux_ids"), info.num_hidden_layers)
+        ids_ok = True
     except TargetError as exc:
         check.problem(str(exc))
     check_weights(target, check)
+    vllm_report = None
+    if vllm_preflight.uses(settings):
+        # no path is chosen for layer ids that did not resolve (that problem is reported above)
+        got = vllm_preflight.vllm_checks(target, info, aux_ids if ids_ok else [], final_id, settings)
+        check.problems += got["problems"]
+        check.warnings += got["warnings"]
+        vllm_report = got["report"]
     tok_hash = None
     if not (info.needs_remote_code and not trust):
         tok_hash = check_tokenizer(target, trust, check)
@@ -160,6 +171,7 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
         "aux_layer_ids": aux_ids,
         "final_layer_id": final_id,
         "storage": storage,
+        "vllm": vllm_report,
         "warnings": check.warnings,
         "provenance": provenance(settings),
     }
@@ -193,14 +205,23 @@ def add_arguments(p) -> None:
     p.add_argument("--target", type=Path, required=True, help="target model folder")
     p.add_argument("--tokenize-report", type=Path, help="report.json of the tokenize stage")
     p.add_argument("--out", type=Path, required=True, help="preflight report (JSON)")
-    p.add_argument("--settings", type=settings_arg, default={})
+    p.add_argument("--settings", type=settings_arg, default={},
+                   help="JSON: the settings the workflow compares (layers, extract, trust_remote_code, vllm)")
+    p.add_argument("--runtime", type=settings_arg, default={},
+                   help="JSON merged into --settings: what preflight reads but the workflow does not "
+                        "compare (eval.vllm, vllm.python, GPU memory)")
 
 
 def run(args) -> int:
-    report = preflight(args.target, args.tokenize_report, args.out.parent, args.settings)
+    settings = vllm_preflight.merge_settings(args.settings, args.runtime)
+    report = preflight(args.target, args.tokenize_report, args.out.parent, settings)
     write_json(args.out, report)
     t = report["target"]
     log.info("preflight ok: %s (%s, %d layers, hidden %d), aux ids %s + final %d",
              t["path"], t["model_type"], t["num_hidden_layers"], t["hidden_size"],
              report["aux_layer_ids"], report["final_layer_id"])
+    for warning in report["warnings"]:
+        log.warning("%s", warning)
+    if report["vllm"] is not None:
+        log.info("preflight ok: %s", vllm_preflight.verdict(report["vllm"]))
     return 0

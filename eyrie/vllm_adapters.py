@@ -237,7 +237,11 @@ def inspect_helpers(module) -> tuple[dict[str, bool], dict[str, list[str] | None
 
 
 def gather_facts(config: dict) -> VllmFacts:
-    """Import the installed vLLM and read what it offers for this target config (CPU only)."""
+    """Import the installed vLLM and read what it offers for this target config (CPU only).
+
+    Reads only `architectures` and the model_type (text_config's for wrappers) from the config:
+    eyrie.vllm_preflight.facts_config sends just those and caches on them (update it when this
+    reads more)."""
     import vllm
 
     text = config.get("text_config") or config
@@ -331,7 +335,6 @@ def capture_problems(adapter: VllmAdapter, facts: VllmFacts, config: dict) -> li
     text = config.get("text_config") or config
     for extra in adapter.extras:
         if extra == "llama_4_scaling" and text.get("llama_4_scaling") is not None:
-            spec = text["llama_4_scaling"]
             if not facts.helpers.get(extra):
                 out.append(f"{where}: config asks for llama_4_scaling but this vLLM has no "
                            f"{EXTRA_HELPERS[extra]}; {fix_adapter}")
@@ -341,9 +344,6 @@ def capture_problems(adapter: VllmAdapter, facts: VllmFacts, config: dict) -> li
                     out.append(f"{where}: {EXTRA_HELPERS[extra]}{tuple(have_params)} does not take "
                                f"the keywords {EXTRA_HELPER_PARAMS[extra]} the adapter passes; "
                                f"{fix_adapter}")
-            if not (isinstance(spec, dict) and {"original_max_position_embeddings", "beta"} <= set(spec)):
-                out.append(f"config.json: llama_4_scaling={spec!r} needs keys "
-                           "original_max_position_embeddings and beta; fix the target's config")
     return out
 
 
@@ -358,6 +358,12 @@ def config_problems(adapter: VllmAdapter, config: dict) -> list[str]:
                        f"MoE routing (use {list(allowed) if allowed else 'the value of the original model'})")
         elif allowed is not None and value not in allowed:
             out.append(f"{where}{attr}={value!r}: vLLM's {adapter.family} model supports {list(allowed)}")
+    spec = text.get("llama_4_scaling")
+    if "llama_4_scaling" in adapter.extras and spec is not None and not (
+            isinstance(spec, dict) and {"original_max_position_embeddings", "beta"} <= set(spec)):
+        # vLLM's own forward reads both keys, whichever extraction path runs
+        out.append(f"{where}llama_4_scaling={spec!r} needs keys original_max_position_embeddings "
+                   "and beta; fix the target's config")
     return out
 
 

@@ -1,4 +1,12 @@
 # CPU-only checks in seconds; every GPU-costly rule takes the report as input.
+# With extract.backend: vllm or eval.vllm: true preflight also checks the installed vLLM
+# (eyrie.vllm_preflight, docs/vllm.md). params.settings holds what changes the extraction;
+# PREFLIGHT_RUNTIME (the vLLM environment, GPU memory, eval.vllm) is read but not compared, so
+# changing it reruns nothing downstream.
+
+from eyrie.vllm_preflight import rule_settings, runtime_settings
+
+PREFLIGHT_RUNTIME = settings(**runtime_settings(config))
 
 
 rule preflight:
@@ -8,14 +16,10 @@ rule preflight:
     output:
         "results/{name}/preflight.json",
     params:
-        settings=settings(
-            layers=config["layers"],
-            extract={"storage_dtype": config["extract"]["storage_dtype"]},
-            trust_remote_code=TRUST,
-        ),
+        settings=settings(**rule_settings(config)),
         target=TARGET,
     log:
         "logs/{name}/preflight.log",
     shell:
         "eyrie --threads {threads} preflight --target {params.target} --tokenize-report {input.report}"
-        " --out {output} --settings {params.settings:q} > {log} 2>&1"
+        " --out {output} --settings {params.settings:q} --runtime {PREFLIGHT_RUNTIME:q} > {log} 2>&1"

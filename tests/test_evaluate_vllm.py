@@ -39,6 +39,14 @@ MAX_NEW = 8
 NUM_PROMPTS = 4
 
 
+@pytest.fixture(autouse=True)
+def installed_vllm_checked_elsewhere(request, monkeypatch):
+    """The stage's installed-vLLM check imports vLLM, which this environment lacks: the tests that
+    run the stage here replace it; test_installed_vllm_check_* run the real one in .venv-vllm."""
+    if "vllm_env" not in request.keywords:
+        monkeypatch.setattr(ev, "check_installed_vllm", lambda target: None)
+
+
 def settings(**overrides) -> dict:
     out = {"eval": {"num_speculative_tokens": K, "max_new_tokens": MAX_NEW,
                     "num_prompts": NUM_PROMPTS, "device": "cpu"},
@@ -308,6 +316,23 @@ needs_vllm_env = pytest.mark.skipif(
 def vllm_python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run([str(VLLM_PYTHON), "-c", code], capture_output=True, text=True,
                           cwd=REPO, timeout=timeout)
+
+
+@needs_vllm_env
+@pytest.mark.vllm_env
+@pytest.mark.parametrize("arch,ok", [("LlamaForCausalLM", True), ("GPT2LMHeadModel", False)])
+def test_installed_vllm_check_in_the_vllm_environment(tmp_path, arch, ok):
+    """The first seconds of evaluate-vllm: the real installed vLLM's version and whether the
+    target's class can serve an EAGLE-3 draft (GPT-2 cannot)."""
+    model_type = "llama" if arch.startswith("Llama") else "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type}))
+    proc = vllm_python("import sys; from eyrie.evaluate_vllm import check_installed_vllm; "
+                       f"check_installed_vllm({str(tmp_path)!r}); print('ok')", timeout=180)
+    if ok:
+        assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+    else:
+        assert proc.returncode != 0
+        assert "has no vLLM adapter" in proc.stderr or "cannot be an EAGLE-3 target" in proc.stderr
 
 
 @needs_vllm_env

@@ -163,3 +163,31 @@ def test_all_problems_reported_at_once(target, tmp_path):
     text = str(err.value)
     assert "3 problem(s)" in text
     assert "out of range" in text and "no *.safetensors" in text and "no chat template" in text
+
+
+@pytest.mark.parametrize("exc", [RuntimeError(), AssertionError(), KeyError("")],
+                         ids=["RuntimeError", "AssertionError", "KeyError"])
+def test_cli_unexpected_error_logs_type_and_traceback(tmp_path, monkeypatch, caplog, exc):
+    """An exception without a message must not become an empty log line."""
+    def fail(args):
+        raise exc
+
+    monkeypatch.setattr(pf, "run", fail)
+    with caplog.at_level("ERROR", logger="eyrie.cli"):
+        rc = main(["preflight", "--target", str(tmp_path), "--out", str(tmp_path / "p.json")])
+    assert rc == 1
+    (record,) = [r for r in caplog.records if r.name == "eyrie.cli"]
+    text = record.getMessage()
+    name = type(exc).__name__
+    assert text.startswith(f"eyrie preflight: unexpected {name}: ")
+    assert "Traceback (most recent call last)" in text and "in fail" in text
+    assert text.rstrip().splitlines()[-1].startswith(name)
+
+
+def test_cli_user_error_without_message_names_its_type(tmp_path, monkeypatch, capsys):
+    def fail(args):
+        raise pf.PreflightError()
+
+    monkeypatch.setattr(pf, "run", fail)
+    assert main(["preflight", "--target", str(tmp_path), "--out", str(tmp_path / "p.json")]) == 2
+    assert "eyrie preflight: error: PreflightError (no message)" in capsys.readouterr().err

@@ -37,7 +37,7 @@ def write_config(workdir: Path, **overrides) -> Path:
     cfg = json.loads(json.dumps(TINY))
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
-        cfg[section][key] = value
+        cfg.setdefault(section, {})[key] = value
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -143,6 +143,18 @@ def test_eval_setting_reruns_only_evaluation(built):
         assert planned(built) == {"evaluate_draft": 1, "all": 1}
     finally:
         write_config(built)
+
+
+@pytest.mark.slow
+def test_vllm_evaluation_and_environment_rerun_no_extraction(built):
+    """Asking for the vLLM evaluation, or pointing at another vLLM environment or GPU size, reruns
+    neither preflight nor what depends on it: only the new evaluation is planned."""
+    write_config(built, eval__vllm=True, vllm__gpu_memory_gib=40, vllm__python="/opt/vllm/bin/python")
+    try:
+        jobs = planned(built)
+    finally:
+        write_config(built)
+    assert jobs == {"evaluate_vllm": 1, "all": 1}
 
 
 @pytest.mark.slow

@@ -1,0 +1,244 @@
+"""Preflight's vLLM part: the environment subprocess, sizes, memory, tensor parallelism,
+quantization, the rule's settings, and whole preflight runs against the REAL installed vLLM.
+(The catalog of known failures is tests/test_failure_catalog.py.)"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import transformers
+
+from eyrie import preflight as pf
+from eyrie import vllm_preflight as vp
+from eyrie.cli import main
+from eyrie.config import validate_config
+from eyrie.demo.tokenizer import build_chat_tokenizer
+from eyrie.targets import inspect_target
+from vllm_helpers import (DEEPSEEK, KIMI_K25, LLAMA, NO_VLLM, REPO, VLLM_PYTHON, need_vllm,
+                          real_facts, vllm_settings, write_target)
+
+TEXTS = ["What does json.dumps do? It serializes an object to a JSON string."] * 20
+
+
+@pytest.fixture(scope="module")
+def facts():
+    if not VLLM_PYTHON.is_file():
+        pytest.skip(NO_VLLM)
+    return real_facts()
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A complete tiny Llama target (weights, tokenizer, chat template)."""
+    path = tmp_path_factory.mktemp("target")
+    tok = build_chat_tokenizer(TEXTS, 320)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=8,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def test_compared_settings_hold_only_what_changes_the_extraction():
+    config = validate_config({"target": {"name": "t"}})
+    plain = vp.rule_settings(config)
+    assert plain == {"layers": config["layers"], "extract": {"storage_dtype": "bfloat16"},
+                     "trust_remote_code": False}
+    assert vp.runtime_settings(config) == {}
+    assert vp.uses(vp.merge_settings(plain, vp.runtime_settings(config))) == []
+    # vLLM evaluation asked for: checked at run time, but compared settings are unchanged, so
+    # switching it on reruns neither preflight nor, through it, the extraction
+    config["eval"]["vllm"] = True
+    assert vp.rule_settings(config) == plain
+    runtime = vp.runtime_settings(config)
+    assert runtime["eval"] == {"vllm": True}
+    assert runtime["vllm"] == {k: config["vllm"][k] for k in vp.VLLM_KEYS}
+    merged = vp.merge_settings(plain, runtime)
+    assert vp.uses(merged) == ["eval"] and merged["layers"] == config["layers"]
+    # vLLM extraction: the keys that change the states are compared; the environment is not
+    config["extract"]["backend"] = "vllm"
+    compared = vp.rule_settings(config)
+    assert compared["extract"] == {"storage_dtype": "bfloat16", "backend": "vllm"}
+    assert compared["vllm"] == {k: config["vllm"][k] for k in vp.VLLM_EXTRACT_KEYS}
+    assert "python" not in compared["vllm"] and "gpu_memory_gib" not in compared["vllm"]
+    merged = vp.merge_settings(compared, vp.runtime_settings(config))
+    assert vp.uses(merged) == ["extract", "eval"] and merged["vllm"]["python"] == config["vllm"]["python"]
+
+
+def test_no_vllm_no_vllm_object(target, tmp_path):
+    report = pf.preflight(target, None, tmp_path, {})
+    assert report["vllm"] is None
+
+
+# ----------------------------------------------------------------------------- sizes and memory
+
+
+def _params_without_norms(model) -> int:
+    """Parameters count_parameters estimates: all but norms and the router's score bias."""
+    return sum(p.numel() for n, p in model.named_parameters()
+               if "norm" not in n and "e_score_correction_bias" not in n)
+
+
+@pytest.mark.parametrize("config", [LLAMA, DEEPSEEK], ids=["llama", "deepseek_v3"])
+def test_count_parameters_matches_transformers(config):
+    hf_config = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert vp.count_parameters(config) == _params_without_norms(model)
+
+
+def test_count_parameters_kimi_is_one_trillion():
+    n = vp.count_parameters(KIMI_K25["text_config"])
+    assert 1.00e12 < n < 1.06e12, n  # Kimi-K2: "1T total parameters"
+
+
+def test_weight_bytes_from_files_then_config(tmp_path):
+    folder = write_target(tmp_path / "t", LLAMA, weights_gib=0.5)
+    w = vp.weight_bytes(folder, LLAMA)
+    assert w["bytes"] == 2**29 and "1 *.safetensors" in w["source"] and not w["upper_bound"]
+    (folder / "model.safetensors").unlink()
+    w = vp.weight_bytes(folder, LLAMA)
+    assert w["bytes"] == vp.count_parameters(LLAMA) * 2 and "parameter count" in w["source"]
+    quantized = {**LLAMA, "quantization_config": {"quant_method": "fp8"}}
+    assert vp.weight_bytes(folder, quantized)["upper_bound"] is True
+
+
+def test_memory_budget_and_headroom(tmp_path):
+    folder = write_target(tmp_path / "t", LLAMA, weights_gib=60)
+    v = {"tensor_parallel_size": 1, "gpu_memory_gib": 80, "gpu_memory_utilization": 0.85}
+    est, problems, _ = vp.memory_check(folder, LLAMA, v)
+    # 80 x 0.85 = 68 GiB; the weights may take 80% of it (54.4 GiB): 60 GiB does not fit
+    assert est["budget_gib"] == 68.0 and not est["fits"] and est["min_tensor_parallel_size"] == 2
+    assert len(problems) == 1 and "vllm.tensor_parallel_size=1" in problems[0]
+    assert "use vllm.tensor_parallel_size=2" in problems[0]
+    est, problems, _ = vp.memory_check(folder, LLAMA, {**v, "tensor_parallel_size": 2})
+    assert est["fits"] and problems == []
+
+
+def test_tensor_parallel_rules_follow_vllm(tmp_path):
+    folder = write_target(tmp_path / "t", {**LLAMA, "hidden_size": 48, "num_attention_heads": 12,
+                                           "num_key_value_heads": 6})
+    info = inspect_target(folder)
+    assert vp.parallel_problems(info, 3) == []  # 12 % 3, 6 % 3
+    assert vp.parallel_problems(info, 12) == []  # KV heads replicated: 12 % 6 == 0
+    (problem,) = vp.parallel_problems(info, 4)  # 12 % 4 == 0 but 6 and 4 neither way
+    assert "num_key_value_heads=6 can be neither split" in problem
+    problems = vp.parallel_problems(info, 5)
+    assert "does not divide config.json: num_attention_heads=12; use one of [1, 2, 3, 4, 6, 12]" \
+        in problems[0]
+
+
+def test_quantization_reported_and_refused_only_when_unloadable(facts):
+    assert vp.quantization_check(LLAMA, facts["llama"]) == (None, [], [])
+    ct = {**KIMI_K25, "text_config": {**KIMI_K25["text_config"], "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized"}}}
+    report, problems, warnings = vp.quantization_check(ct, facts["kimi"])
+    assert report == {"quant_method": "compressed-tensors",
+                      "where": "text_config.quantization_config"}
+    assert problems == warnings == []
+    _, _, warnings = vp.quantization_check({**LLAMA, "quantization_config": {"quant_method": "x9"}},
+                                           facts["llama"])
+    assert "'x9' is not one of vLLM 0.22" in warnings[0]
+
+
+def test_model_type_without_adapter_lists_the_supported(tmp_path, monkeypatch):
+    from eyrie import vllm_adapters
+
+    monkeypatch.delitem(vllm_adapters.ADAPTERS, "llama")
+    folder = write_target(tmp_path / "t", LLAMA)
+    got = vp.vllm_checks(folder, inspect_target(folder), [2, 4, 5], 8, vllm_settings())
+    (problem,) = got["problems"]  # and no vLLM subprocess: nothing to check it against
+    assert problem.startswith(f"{folder / 'config.json'}: model_type 'llama' has no vLLM adapter; "
+                              "supported: deepseek_v2, deepseek_v3, gpt_oss, kimi_k2, mistral")
+    assert got["report"]["facts"] is None
+
+
+# ----------------------------------------------------------------------------- the environment
+
+
+def test_missing_vllm_environment_is_a_problem_with_the_fix(tmp_path):
+    folder = write_target(tmp_path / "t", LLAMA)
+    info = inspect_target(folder)
+    got = vp.vllm_checks(folder, info, [2, 4, 5], 8,
+                         vllm_settings(python=str(tmp_path / "nowhere" / "python")))
+    (problem,) = [p for p in got["problems"] if "vllm.python" in p]
+    assert "no vLLM environment there" in problem and "bash scripts/setup-vllm.sh" in problem
+
+
+def test_environment_without_vllm_is_a_problem_with_the_fix():
+    # the training environment has eyrie but no vLLM: a real, quick failure of the gatherer
+    with pytest.raises(vp.VllmEnvError, match=r"No module named 'vllm'.*bash scripts/setup-vllm\.sh"):
+        vp.run_gatherer(sys.executable, [LLAMA])
+
+
+def test_gatherer_timeout_is_a_problem():
+    with pytest.raises(vp.VllmEnvError, match=r"took more than 0 s"):
+        vp.run_gatherer(sys.executable, [LLAMA], timeout=0.01)
+
+
+def test_relative_python_is_relative_to_the_checkout(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a Snakemake working directory elsewhere
+    assert vp.resolve_python(".venv-vllm/bin/python") == REPO / ".venv-vllm/bin/python"
+    assert vp.resolve_python(str(tmp_path / "py")) == tmp_path / "py"
+
+
+# ----------------------------------------------------------------------------- whole preflight runs
+
+
+@need_vllm
+def test_preflight_report_names_the_path(target, tmp_path, facts, caplog):
+    out = tmp_path / "preflight.json"
+    settings = vllm_settings()
+    settings["eval"]["vllm"] = True
+    with caplog.at_level(logging.INFO, logger="eyrie.preflight"):
+        rc = main(["preflight", "--target", str(target), "--out", str(out),
+                   "--settings", json.dumps(settings)])
+    assert rc == 0
+    v = json.loads(out.read_text())["vllm"]
+    assert v["version"] == facts["llama"].version and v["adapter"] == "llama"
+    assert v["used_for"] == ["extract", "eval"]
+    assert v["extraction_path"]["chosen"] == "native"
+    assert v["extraction_path"]["layer_ids"] == [2, 4, 5, 8]
+    assert v["facts"]["native_ids"] == "0..N" and v["memory"]["fits"] is True
+    assert v["python"] == str(VLLM_PYTHON)
+    assert "extraction through the native path" in caplog.text
+
+
+@need_vllm
+def test_capture_requested_is_used(target, tmp_path, facts):
+    report = pf.preflight(target, None, tmp_path, vllm_settings(extraction_path="capture"))
+    assert report["vllm"]["extraction_path"]["chosen"] == "capture"
+
+
+@need_vllm
+@pytest.mark.slow
+def test_preflight_cli_wall_time(target, tmp_path):
+    """The whole stage as the rule runs it (a fresh process, vLLM's facts included): <= 60 s."""
+    out = tmp_path / "preflight.json"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "eyrie.cli", "preflight", "--target", str(target),
+                           "--out", str(out), "--settings", json.dumps(vllm_settings())],
+                          capture_output=True, text=True, timeout=120)
+    wall = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(out.read_text())["vllm"]["extraction_path"]["chosen"] == "native"
+    assert "extraction through the native path" in proc.stderr
+    assert wall <= 60, f"preflight took {wall:.1f} s"
+
+
+def test_ci_runs_the_readme_test_command_with_the_vllm_environment():
+    command = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert "bash scripts/setup-vllm.sh" in command and command.endswith("-p no:cacheprovider")
+    assert f"   {command}\n" in (REPO / "README.md").read_text()
+    assert "|| true" not in command and "$?" not in command  # pytest's status (5 included) is CI's
