@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -37,6 +38,9 @@ class VllmBackend:
     name = "vllm"
 
     def __init__(self, target: Path, info, cfg, aux_ids: list[int], final_id: int):
+        # The engine process has touched CUDA (device resolution) before vLLM starts its engine
+        # core: forking then fails ("Cannot re-initialize CUDA in forked subprocess").
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM
 
         self.v = dict(cfg.vllm or {})
