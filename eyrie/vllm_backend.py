@@ -65,7 +65,7 @@ class VllmBackend:
             gpu_memory_utilization=float(self.v.get("gpu_memory_utilization", 0.85)),
             enforce_eager=bool(self.v.get("enforce_eager", True)) or path == "capture",
             max_model_len=self.v.get("max_model_len"),
-            dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(cfg.dtype, "bfloat16"),
+            dtype=str(cfg.dtype).removeprefix("torch."),  # extract.dtype, resolved
             trust_remote_code=cfg.trust_remote_code,
             enable_chunked_prefill=False,
             enable_prefix_caching=False,
