@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -21,7 +19,7 @@ from eyrie.draft import build_draft
 from eyrie.evaluate import load_draft
 from eyrie.specdec import (Eagle3Proposer, SpecStats, greedy_generate, speculative_generate,
                            target_step)
-from eyrie.targets import inspect_target, tokenizer_hash
+from train_helpers import write_eval_set, write_preflight
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "def f(x): return x + 1",
          "speculative decoding drafts tokens", "hidden states of the target model"] * 8
@@ -66,21 +64,8 @@ def case(tmp_path_factory):
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}],
                                             add_generation_prompt=True, return_dict=False))
                for t in TEXTS[:4]]
-    eval_set = root / "eval.parquet"
-    pq.write_table(pa.table({
-        "sample_id": [f"conv.jsonl:{i + 1}" for i in range(len(prompts))],
-        "input_ids": pa.array(prompts, type=pa.list_(pa.int32())),
-        "loss_mask": pa.array([[0] * len(p) for p in prompts], type=pa.list_(pa.uint8())),
-        "prompt_ids": pa.array(prompts, type=pa.list_(pa.int32())),
-    }), eval_set)
-
-    info = inspect_target(target)
-    preflight = root / "preflight.json"
-    preflight.write_text(json.dumps({
-        "ok": True, "aux_layer_ids": AUX, "final_layer_id": 4,
-        "target": {"path": str(target), "model_type": "llama", "num_hidden_layers": 4,
-                   "hidden_size": 32, "vocab_size": len(tok), "fingerprint": info.fingerprint,
-                   "tokenizer_hash": tokenizer_hash(target)}}))
+    eval_set = write_eval_set(root / "eval.parquet", prompts)
+    preflight = write_preflight(root / "preflight.json", target, AUX, 32, len(tok))
     return {"root": root, "target": target, "model": model.eval(), "vocab": vocab, "d2t": d2t,
             "t2d": t2d, "draft": root / "draft", "eval_set": eval_set, "preflight": preflight,
             "prompts": prompts, "eos": tok.eos_token_id}

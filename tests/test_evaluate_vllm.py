@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -25,8 +23,8 @@ from eyrie.demo.tokenizer import build_chat_tokenizer
 from eyrie.draft import build_draft
 from eyrie.export import export
 from eyrie.specdec import EvaluateError, SpecStats
-from eyrie.targets import fingerprint, inspect_target, read_config, tokenizer_hash
-from train_helpers import train_settings
+from eyrie.targets import fingerprint, read_config
+from train_helpers import train_settings, write_eval_set, write_preflight
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path(os.environ.get("EYRIE_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -102,20 +100,8 @@ def world(tmp_path_factory):
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}],
                                             add_generation_prompt=True, return_dict=False))
                for t in TEXTS[:NUM_PROMPTS]]
-    eval_set = root / "eval.parquet"
-    pq.write_table(pa.table({
-        "sample_id": [f"conv.jsonl:{i + 1}" for i in range(len(prompts))],
-        "input_ids": pa.array(prompts, type=pa.list_(pa.int32())),
-        "loss_mask": pa.array([[0] * len(p) for p in prompts], type=pa.list_(pa.uint8())),
-        "prompt_ids": pa.array(prompts, type=pa.list_(pa.int32())),
-    }), eval_set)
-    info = inspect_target(target)
-    preflight = root / "preflight.json"
-    preflight.write_text(json.dumps({
-        "ok": True, "aux_layer_ids": AUX, "final_layer_id": 4,
-        "target": {"path": str(target), "model_type": "llama", "num_hidden_layers": 4,
-                   "hidden_size": 64, "vocab_size": len(tok), "fingerprint": info.fingerprint,
-                   "tokenizer_hash": tokenizer_hash(target)}}))
+    eval_set = write_eval_set(root / "eval.parquet", prompts)
+    preflight = write_preflight(root / "preflight.json", target, AUX, 64, len(tok))
     hf_eval = root / "eval.json"
     assert cli.main(["evaluate", "--target", str(target), "--draft", str(draft), "--vocab",
                      str(vocab), "--eval-set", str(eval_set), "--preflight", str(preflight),

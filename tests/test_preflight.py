@@ -7,28 +7,18 @@ import shutil
 from collections import namedtuple
 
 import pytest
-import torch
-import transformers
 
 from eyrie import preflight as pf
 from eyrie.cli import main
-from eyrie.demo.tokenizer import build_chat_tokenizer
 from eyrie.targets import TargetError, inspect_target, resolve_layer_ids
+from train_helpers import save_chat_target
 
 TEXTS = ["What does json.dumps do? It serializes an object to a JSON string."] * 20
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    tok = build_chat_tokenizer(TEXTS, 320)
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=8,
-                                   num_attention_heads=2, num_key_value_heads=1,
-                                   intermediate_size=64)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_chat_target(tmp_path_factory.mktemp("target"), TEXTS)
 
 
 def copy_target(src, dst):

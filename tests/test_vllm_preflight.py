@@ -18,8 +18,8 @@ from eyrie import preflight as pf
 from eyrie import vllm_preflight as vp
 from eyrie.cli import main
 from eyrie.config import validate_config
-from eyrie.demo.tokenizer import build_chat_tokenizer
 from eyrie.targets import inspect_target
+from train_helpers import save_chat_target
 from vllm_helpers import (DEEPSEEK, KIMI_K25, LLAMA, NO_VLLM, REPO, VLLM_PYTHON, need_vllm,
                           real_facts, vllm_settings, write_target)
 
@@ -36,15 +36,8 @@ def facts():
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """A complete tiny Llama target (weights, tokenizer, chat template)."""
-    path = tmp_path_factory.mktemp("target")
-    tok = build_chat_tokenizer(TEXTS, 320)
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=8,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=64)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_chat_target(tmp_path_factory.mktemp("target"), TEXTS, num_attention_heads=4,
+                            num_key_value_heads=2)
 
 
 # ----------------------------------------------------------------------------- settings

@@ -108,3 +108,42 @@ def write_shard(path: Path, model, samples, meta: ShardMeta, sample_ids: list[st
                 model(torch.tensor([ids]))
             aux = torch.cat([cap[k][0] for k in meta.aux_layer_ids], dim=-1)  # [T, n_aux*H]
             writer.put(i, aux, cap[meta.final_layer_id][0])
+
+
+def save_chat_target(path: Path, texts: list[str], vocab_size: int = 320, **llama) -> Path:
+    """A complete tiny Llama target folder (random weights, chat tokenizer) built from `texts`;
+    `llama` overrides LlamaConfig fields (8 layers, hidden 32 by default)."""
+    tok = build_chat_tokenizer(texts, vocab_size)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{"vocab_size": len(tok), "hidden_size": 32, "num_hidden_layers": 8,
+                         "num_attention_heads": 2, "num_key_value_heads": 1,
+                         "intermediate_size": 64, **llama})
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def write_eval_set(path: Path, prompts: list[list[int]]) -> Path:
+    """An eval.parquet as `eyrie tokenize` writes it, holding only these prompts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({
+        "sample_id": [f"conv.jsonl:{i + 1}" for i in range(len(prompts))],
+        "input_ids": pa.array(prompts, type=pa.list_(pa.int32())),
+        "loss_mask": pa.array([[0] * len(p) for p in prompts], type=pa.list_(pa.uint8())),
+        "prompt_ids": pa.array(prompts, type=pa.list_(pa.int32())),
+    }), path)
+    return path
+
+
+def write_preflight(path: Path, target: Path, aux_ids: list[int], hidden_size: int,
+                    vocab_size: int) -> Path:
+    """A passing preflight.json for a 4-layer Llama target (what read_report checks)."""
+    path.write_text(json.dumps({
+        "ok": True, "aux_layer_ids": aux_ids, "final_layer_id": 4,
+        "target": {"path": str(target), "model_type": "llama", "num_hidden_layers": 4,
+                   "hidden_size": hidden_size, "vocab_size": vocab_size,
+                   "fingerprint": fingerprint(read_config(target)),
+                   "tokenizer_hash": tokenizer_hash(target)}}))
+    return path
