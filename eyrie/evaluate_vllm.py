@@ -306,11 +306,9 @@ def diagnostic_path(out: str | Path) -> Path:
 def check_installed_vllm(target: str | Path) -> None:
     """Preflight's vLLM checks that serving needs, repeated in the job's first seconds: eval.vllm
     and the vLLM environment are not compared settings (switching them reruns no preflight)."""
-    import json as _json
-
     from eyrie.vllm_adapters import gather_facts, version_problems
 
-    config = _json.loads((Path(target) / "config.json").read_text())
+    config = json.loads((Path(target) / "config.json").read_text())
     facts = gather_facts(config)
     problems = version_problems(facts)
     if not facts.eagle3_target:

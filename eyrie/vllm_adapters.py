@@ -271,7 +271,6 @@ def gather_facts(config: dict) -> VllmFacts:
         facts.eagle3_target = bool(arch_cls is not None and
                                    hasattr(arch_cls, "set_aux_hidden_state_layers"))
     try:
-        from vllm.config.speculative import SpeculativeConfig  # noqa: F401
         import vllm.config.speculative as spec_mod
 
         facts.native_method = NATIVE_METHOD in inspect.getsource(spec_mod)
