@@ -126,11 +126,16 @@ class Engine:
         log.info("engine: listening on %s (pid %d)", self.path, os.getpid())
 
     def close(self) -> None:
-        """Close the socket and remove its file (only if it is still ours)."""
+        """Close the socket and put an empty placeholder file in its place (only if it is still
+        ours). Snakemake touches a service output after its group ends: a removed socket raced
+        that touch and failed the run ("shall be touched but does not exist"). Clients wait
+        through a placeholder as through a missing socket."""
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
             if os.lstat(self.path).st_ino == self.inode:
-                self.path.unlink()
+                placeholder = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+                placeholder.touch()
+                os.replace(placeholder, self.path)
 
     def serve(self, handle: Callable[[dict], dict]) -> None:
         """Answer connections one at a time with `handle(request) -> reply` until idle."""
