@@ -11,7 +11,9 @@ Snakemake's service() outputs (CLUSTER.md "service()"):
 - Snakemake never checks a service's exit status, so every failure goes to the client as a reply
   (a failed model load is replied to every client that connects) and the client has timeouts;
 - the engine exits after `--idle-exit-s` without a connection once loaded (an engine without
-  consumers must not hang the run) and promptly on SIGTERM/SIGINT, removing its socket.
+  consumers must not hang the run), first answering any client that connected at that moment,
+  and promptly on SIGTERM/SIGINT (forced after STOP_GRACE_S if a library swallows the stop or
+  the interpreter's shutdown hangs); an empty placeholder file is left where its socket was.
 
 Protocol: one JSON line each way per connection. Request `{"shard": path, "out": path}` (plus
 `"settings"`, which must equal the engine's own). Reply `{"ok": true, "out": path, "seconds": s}`
@@ -31,6 +33,7 @@ import os
 import signal
 import socket
 import stat
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -45,12 +48,17 @@ DEFAULT_WAIT_S = 3600.0  # extract.engine_wait_s: model loads take ~18 minutes o
 POLL_S = 0.5  # accept() timeout: how often the engine checks its idle clock
 READ_TIMEOUT_S = 60.0  # for a client's request line (clients send it right after connecting)
 RETRY_S = 1.0  # client: between attempts to connect
+STOP_GRACE_S = 5.0  # after SIGTERM/SIGINT: then the exit is forced (a library swallowed the stop,
+# or the interpreter's shutdown waits on a thread that will not end)
 MAX_LINE = 1 << 20
 SUN_PATH_MAX = 100  # bytes; sockaddr_un.sun_path holds 108 on Linux
 
 
 class EngineError(EyrieError):
     pass
+
+
+_stop_signum = 0  # set by the signal handler of serve(): a stop in progress (0: none)
 
 
 class _Stop(BaseException):
@@ -60,10 +68,6 @@ class _Stop(BaseException):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-
-
-def _raise_stop(signum, frame) -> None:
-    raise _Stop(signum)
 
 
 @contextlib.contextmanager
@@ -126,16 +130,35 @@ class Engine:
         log.info("engine: listening on %s (pid %d)", self.path, os.getpid())
 
     def close(self) -> None:
-        """Close the socket and put an empty placeholder file in its place (only if it is still
-        ours). Snakemake touches a service output after its group ends: a removed socket raced
+        """Close the socket, leaving an empty placeholder file where it was."""
+        self._vacate()
+        self.sock.close()
+
+    def _vacate(self) -> None:
+        """Put an empty placeholder file where the socket was (only if it is still ours; done
+        once). Snakemake touches a service output after its group ends: a removed socket raced
         that touch and failed the run ("shall be touched but does not exist"). Clients wait
         through a placeholder as through a missing socket."""
-        self.sock.close()
         with contextlib.suppress(FileNotFoundError):
             if os.lstat(self.path).st_ino == self.inode:
                 placeholder = self.path.with_name(f".{self.path.name}.{os.getpid()}")
                 placeholder.touch()
                 os.replace(placeholder, self.path)
+
+    def _drain(self, handle: Callable[[dict], dict]) -> None:
+        """Idle exit without dropping a client that connected at the last moment: once the
+        placeholder has replaced the socket no new connection can arrive, so answering what is
+        already queued in the backlog leaves no one to reset when the socket closes."""
+        self._vacate()
+        self.sock.setblocking(False)
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError, socket.timeout):
+                return
+            with conn:
+                log.info("engine: answering a client that connected as the engine went idle")
+                self._answer(conn, handle)
 
     def serve(self, handle: Callable[[dict], dict]) -> None:
         """Answer connections one at a time with `handle(request) -> reply` until idle."""
@@ -144,8 +167,11 @@ class Engine:
             try:
                 conn, _ = self.sock.accept()
             except socket.timeout:
+                if _stop_signum:  # the stop was swallowed somewhere on its way here
+                    raise _Stop(_stop_signum)
                 idle = time.monotonic() - idle_since
                 if idle >= self.idle_exit_s:
+                    self._drain(handle)
                     log.info("engine: idle for %.0f s (--idle-exit-s %g): exiting after %d "
                              "requests (%d failed)", idle, self.idle_exit_s, self.served, self.failed)
                     return
@@ -168,6 +194,8 @@ class Engine:
                 raise EngineError(f"request {line[:200]!r} is not a JSON object")
             reply = handle(request)
         except Exception as exc:  # every failure goes to the client (and the log)
+            if _stop_signum:  # a library turned the stop into an error: still a stop
+                raise _Stop(_stop_signum) from exc
             log.error("engine: request failed: %s: %s\n%s", type(exc).__name__, exc,
                       traceback.format_exc())
             reply = error_reply(exc)
@@ -205,8 +233,31 @@ def serve(socket_path: str | Path, target: str | Path, preflight: str | Path, se
     `gpu_memory_utilization` (vLLM backend) changes no shard, so it is not part of `settings`
     (which clients must match): it only reaches the backend.
     """
-    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     engine = None
+    watchdog: list[threading.Timer] = []
+
+    def force_exit(signum: int) -> None:
+        log.error("engine: still running %g s after %s: forcing the exit", STOP_GRACE_S,
+                  signal.Signals(signum).name)
+        if engine is not None:
+            engine.close()
+        logging.shutdown()
+        os._exit(128 + signum)
+
+    def on_signal(signum, frame) -> None:
+        global _stop_signum
+        _stop_signum = _stop_signum or signum
+        # The stop unwinds the load or the request (temporary files are cleaned on the way);
+        # if that has not ended the process within STOP_GRACE_S, the watchdog ends it.
+        if not watchdog:
+            watchdog.append(threading.Timer(STOP_GRACE_S, force_exit, args=(signum,)))
+            watchdog[0].daemon = True
+            watchdog[0].start()
+        raise _Stop(signum)
+
+    global _stop_signum
+    _stop_signum = 0
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         engine = Engine(socket_path, idle_exit_s)
         engine.busy = True
@@ -224,6 +275,8 @@ def serve(socket_path: str | Path, target: str | Path, preflight: str | Path, se
                                                       "gpu_memory_utilization": gpu_memory_utilization}}
             extractor = Extractor(target, preflight, load_settings)
         except Exception as exc:
+            if _stop_signum:  # e.g. numpy's C init turns it into "cannot load module more than once"
+                raise _Stop(_stop_signum) from exc
             log.error("engine: loading the target failed: %s: %s\n%s", type(exc).__name__, exc,
                       traceback.format_exc())
             failure = error_reply(exc)

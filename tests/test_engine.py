@@ -24,7 +24,7 @@ import pytest
 from test_extract import build_case, run_stage, settings
 
 from eyrie.cli import main as cli_main
-from eyrie.engine import Engine, EngineError, request
+from eyrie.engine import STOP_GRACE_S, Engine, EngineError, request
 
 DATASETS = ("input_ids", "loss_mask", "offsets", "sample_ids", "aux_hidden", "final_hidden")
 
@@ -154,7 +154,7 @@ def test_client_waits_through_placeholder_and_stale_socket(tmp_path):
     stale.close()
     time.sleep(1.0)
     assert waiter.is_alive() and sock.is_socket()
-    engine = Engine(sock, idle_exit_s=1)
+    engine = Engine(sock, idle_exit_s=5)  # > the client's retry interval, with room for a busy CI
     served = threading.Thread(target=engine.serve, args=(
         lambda req: {"ok": True, "out": req["out"], "seconds": 0.0},))
     served.start()
@@ -163,6 +163,77 @@ def test_client_waits_through_placeholder_and_stale_socket(tmp_path):
     engine.close()
     assert replies and replies[0]["out"] == str(tmp_path / "o.h5")
     assert time.monotonic() - t0 >= 2.0
+    assert placeholder_left(sock)
+
+
+def test_idle_exit_answers_a_client_that_connects_at_the_last_moment(tmp_path, monkeypatch):
+    """The race CI hit: a client connected just as the idle clock ran out, and closing the socket
+    reset its queued connection. Here the client connects inside the idle exit itself, after
+    the last accept() timed out and before the socket is replaced."""
+    sock = tmp_path / "e.sock"
+    engine = Engine(sock, idle_exit_s=0)
+    vacate = engine._vacate
+    late = {}
+
+    def connect_then_vacate():
+        if "conn" not in late:
+            late["conn"] = socket.socket(socket.AF_UNIX)
+            late["conn"].connect(str(sock))
+            late["conn"].sendall(b'{"shard": "s.parquet", "out": "late.h5"}\n')
+        vacate()
+
+    monkeypatch.setattr(engine, "_vacate", connect_then_vacate)
+    engine.serve(lambda req: {"ok": True, "out": req["out"], "seconds": 0.0})
+    engine.close()
+    with late["conn"] as conn:
+        conn.settimeout(5)
+        reply = json.loads(conn.recv(65536))
+    assert reply == {"ok": True, "out": "late.h5", "seconds": 0.0}
+    assert engine.served == 1 and placeholder_left(sock)
+
+
+@pytest.mark.parametrize("library", ["converts", "swallows"])
+def test_a_sigterm_a_library_catches_still_ends_the_engine(tmp_path, library):
+    """The hang CI hit: SIGTERM landed in numpy's C init inside `import torch`, which turned the
+    stop into "ImportError: cannot load module more than once per process"; the engine took it
+    for a failed load and served that error for 60 s. A stop turned into an error is still a
+    stop; one swallowed outright is ended by the watchdog STOP_GRACE_S later."""
+    sock, log = tmp_path / "e.sock", tmp_path / "engine.log"
+    script = f"""
+import logging, sys, time
+import eyrie.extract
+from eyrie import engine
+
+class Stubborn:
+    def __init__(self, *args):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                time.sleep(0.05)
+            except BaseException:
+                print("caught", flush=True)
+                if {library!r} == "converts":
+                    raise ImportError("cannot load module more than once per process")
+
+eyrie.extract.Extractor = Stubborn
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+sys.exit(engine.serve({str(sock)!r}, "t", "p.json", {{}}, idle_exit_s=60))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+    wait_for_socket(sock, proc)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=30)
+    took = time.monotonic() - t0
+    text = log.read_text()
+    assert rc == 128 + signal.SIGTERM and "caught" in text
+    assert "loading the target failed" not in text  # no client is told of a made-up load error
+    if library == "converts":
+        assert "SIGTERM received while busy" in text and "forcing" not in text and took < 10
+    else:
+        assert "forcing the exit" in text and STOP_GRACE_S <= took < STOP_GRACE_S + 10
     assert placeholder_left(sock)
 
 
