@@ -1,25 +1,41 @@
-"""Train the EAGLE-3 draft (speculators' Eagle3DraftModel) on hidden-state shards, resumably.
+"""Train the EAGLE-3 draft (speculators' Eagle3DraftModel) on hidden-state shards, resumably, in
+one process or several (torchrun + DistributedDataParallel) with the same result.
 
 Data (`eyrie.packing`): every sample of every shard, aligned for EAGLE-3 (`shift_sample`) and
-packed into batches of at most `max_tokens_per_batch` tokens (`document_ids` keep samples apart;
--1 is padding), in an order shuffled per epoch by a seeded generator. The whole plan (every
-epoch's batches) is a function of the settings and the shards, so a position (epoch, batch)
-identifies the data exactly and a resumed run sees the same batches as an uninterrupted one.
+packed into batches ("packs") of at most `max_tokens_per_batch` tokens (`document_ids` keep
+samples apart; -1 is padding), in an order shuffled per epoch by a seeded generator. One
+optimizer step takes `packs_per_step` consecutive packs of the epoch's plan (a trailing
+remainder too small for a step is dropped for that epoch); its loss is the mean of its packs'
+losses. The whole plan is a function of the settings and the shards, never of the number of
+processes, so a position (epoch, step in epoch) identifies the data exactly and a resumed run
+sees the same batches as an uninterrupted one.
+
+Processes (docs/training.md): with W processes each rank trains a contiguous 1/W of every
+step's packs (rank r: packs r*k .. r*k+k-1, k = packs_per_step / W), accumulating gradients
+locally (DDP `no_sync` on all but its last pack) and DDP averages them over ranks: the same
+mean gradient as one process accumulating all the packs. Metrics are summed over ranks; only
+rank 0 writes metrics, checkpoints and outputs.
 
 State: `--state-dir/<run id>/step_<N>/` (model safetensors, optimizer + scheduler + RNG states,
 data position), written atomically every `checkpoint_every` steps and at the end; the run id
-hashes the settings that change the weights and the identity of every input file. A run
-restarts from the latest checkpoint of its run id.
+hashes the settings that change the weights (packs_per_step included, the number of processes
+not) and the identity of every input file. A run restarts from the latest checkpoint of its run
+id, under any number of processes that divides packs_per_step.
+
+Shards are checked before the first step (`verify_shards`): every file opens (a truncated HDF5
+file fails here), matches the run and, once per run, has only finite stored values.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -32,17 +48,20 @@ import torch
 
 from eyrie import EyrieError
 from eyrie.io import atomic_path, provenance, write_json
+from eyrie.launch import Dist, relaunch, stop, under_torchrun
 from eyrie.preflight import read_report
 from eyrie.vocab import read_vocab
 from eyrie.packing import PackedShards, epoch_order, pack
+from eyrie.shards import ShardError, ShardReader, validate_shard
 from eyrie.targets import fingerprint, read_config, tokenizer_hash
 
 log = logging.getLogger(__name__)
 
 # Settings that do not change the trained weights (left out of the run id).
-NOT_IN_RUN_ID = ("log_every", "checkpoint_every")
+NOT_IN_RUN_ID = ("log_every", "checkpoint_every", "verify_shards")
 KEEP_CHECKPOINTS = 2
 KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+VERIFIED_MARKER = "shards_verified.json"  # in the run folder: the value scan passed once
 
 
 @dataclass(frozen=True)
@@ -55,6 +74,7 @@ class TrainSettings:
     warmup_steps: int = 20
     max_grad_norm: float = 1.0
     max_tokens_per_batch: int = 2048
+    packs_per_step: int = 1
     ttt_steps: int = 3
     ttt_step_loss_decay: float = 1.0
     num_layers: int = 1
@@ -62,6 +82,7 @@ class TrainSettings:
     norm_before_residual: bool = True
     checkpoint_every: int = 100
     log_every: int = 10
+    verify_shards: bool = True
 
     @classmethod
     def from_settings(cls, settings: dict) -> "TrainSettings":
@@ -90,6 +111,7 @@ class TrainSettings:
                 (cfg.ttt_steps >= 1, "ttt_steps: must be >= 1"),
                 (cfg.epochs >= 1, "epochs: must be >= 1"),
                 (cfg.num_layers >= 1, "num_layers: must be >= 1"),
+                (cfg.packs_per_step >= 1, "packs_per_step: must be >= 1"),
                 (cfg.learning_rate > 0, "learning_rate: must be > 0"),
                 (cfg.max_grad_norm > 0, "max_grad_norm: must be > 0"),
                 (cfg.ttt_step_loss_decay > 0, "ttt_step_loss_decay: must be > 0"),
@@ -103,6 +125,16 @@ class TrainSettings:
         if problems:
             raise EyrieError("invalid train settings: " + "; ".join(problems))
         return cfg
+
+
+def check_world(packs_per_step: int, world: int) -> None:
+    """Every rank takes the same number of each step's packs: W must divide packs_per_step."""
+    if packs_per_step % world:
+        up = world * math.ceil(packs_per_step / world)
+        raise EyrieError(f"train.packs_per_step is {packs_per_step} but the run has {world} processes "
+                         f"(WORLD_SIZE): each step's packs are split evenly over the processes; set "
+                         f"train.packs_per_step to a multiple of {world} (e.g. {up}) or start a number "
+                         f"of processes that divides {packs_per_step}")
 
 
 # ---------------------------------------------------------------- inputs
@@ -123,6 +155,34 @@ def _expectation(preflight_path: Path) -> dict:
         if value is None:
             raise EyrieError(f"{preflight_path}: key {names.get(key, key)} missing; rerun eyrie preflight")
     return expect
+
+
+def verify_shards(paths: list[Path], expect: dict, scan_values: bool, dist: Dist) -> None:
+    """Refuse bad shards before any step, all of them in one line with the way to rebuild them.
+
+    Every rank opens every shard: HDF5 compares the file's size with the end address its
+    superblock records, so a truncated file fails here; attrs, the run's expected fields and
+    the datasets' shapes and offsets are checked too. With `scan_values`, every stored value is
+    checked finite (one read of the data, the shards split over the ranks): overwritten bytes
+    that form inf/NaN bit patterns are caught. Overwritten bytes that still form finite values
+    cannot be told from data without checksums, which the shard format does not have.
+    """
+    if scan_values:
+        log.info("checking every stored value of %d shard(s) before the first step (once per run; "
+                 "train.verify_shards: false skips it)", len(paths))
+    problems: list[tuple[int, str]] = []
+    for i, path in enumerate(paths):
+        try:
+            ShardReader(path, expect=expect).close()
+            if scan_values and i % dist.world == dist.rank:
+                validate_shard(path, check_values=True)
+        except ShardError as exc:
+            problems.append((i, str(exc)))
+    found = sorted({p for part in dist.gather(problems) for p in part})  # same error, every rank
+    if found:
+        bad = " ".join(str(paths[i]) for i in sorted({i for i, _ in found}))
+        raise ShardError("; ".join(msg for _, msg in found) + f" -- to rebuild: delete {bad} and "
+                         f"rerun snakemake (or: snakemake --force {bad})")
 
 
 # ---------------------------------------------------------------- run identity and checkpoints
@@ -205,14 +265,35 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
     return json.loads((path / "position.json").read_text())
 
 
+def _metric_records(path: Path, up_to_step: int) -> list[str]:
+    """metrics.jsonl lines of steps <= up_to_step; stops at a line cut short by a kill."""
+    lines = []
+    for ln in path.read_text().splitlines() if path.exists() else []:
+        try:
+            step = json.loads(ln)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            break
+        if step <= up_to_step:
+            lines.append(ln)
+    return lines
+
+
 # ---------------------------------------------------------------- training
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, dist: Dist | None = None) -> torch.device:
+    """cpu, or this process's GPU (cuda:LOCAL_RANK) when CUDA is asked for or `auto` finds it."""
+    dist = dist or Dist()
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
         raise EyrieError("train.device is cuda but no CUDA device is visible; use auto or cpu")
-    return torch.device(name)
+    if dist.local_world > torch.cuda.device_count():
+        raise EyrieError(f"{dist.local_world} processes on this node but {torch.cuda.device_count()} "
+                         "GPU(s) visible (CUDA_VISIBLE_DEVICES); use --nproc-per-node <= GPUs per node")
+    torch.cuda.set_device(dist.local_rank)
+    return torch.device("cuda", dist.local_rank)
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -223,12 +304,24 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _step_metrics(metrics: dict, ttt_steps: int) -> dict:
-    out = {}
-    for k in range(ttt_steps):
-        total = float(metrics[f"full_acc_{k}_total"])
-        out[f"full_acc_{k}"] = float(metrics[f"full_acc_{k}_sum"]) / total if total else None
-        out[f"loss_{k}"] = float(metrics[f"loss_{k}_sum"])
+def _pack_sums(loss: torch.Tensor, metrics: dict, batch: dict, ttt_steps: int) -> list[float]:
+    """One pack's additive metrics: [loss, tokens, loss tokens, loss_k.., acc_sum_k.., acc_total_k..]."""
+    K = range(ttt_steps)
+    return [float(loss.detach()), float((batch["document_ids"] >= 0).sum()),
+            float(batch["loss_mask"].sum()),
+            *(float(metrics[f"loss_{k}_sum"]) for k in K),
+            *(float(metrics[f"full_acc_{k}_sum"]) for k in K),
+            *(float(metrics[f"full_acc_{k}_total"]) for k in K)]
+
+
+def _step_record(sums: list[float], packs: int, ttt_steps: int) -> dict:
+    """A step's metrics from the sums of its packs over all ranks (loss: mean over packs)."""
+    K = ttt_steps
+    out = {"loss": sums[0] / packs, "tokens": int(sums[1]), "loss_tokens": int(sums[2])}
+    for k in range(K):
+        total = sums[3 + 2 * K + k]
+        out[f"full_acc_{k}"] = sums[3 + K + k] / total if total else None
+        out[f"loss_{k}"] = sums[3 + k] / packs
     return out
 
 
@@ -237,19 +330,36 @@ def train(target: Path, preflight: Path, vocab: Path, shards: list[Path], out_di
           on_step: Callable[[int], None] | None = None) -> dict | None:
     """Train (resuming when a checkpoint of the same run exists) and write `out_dir`.
 
+    Under torchrun (WORLD_SIZE > 1) every rank calls this; they join one process group.
     `stop_after_steps`: checkpoint and return None once that many steps are done (a planned
     preemption; the next call resumes). `on_step(step)` is called after each step.
-    Returns the train.json summary when training finished.
+    Returns the train.json summary (on every rank) when training finished.
     """
-    from speculators.losses import resolve_loss_config
-    from eyrie.draft import build_draft
-
     cfg = TrainSettings.from_settings(settings)
+    dist = Dist.from_env()
+    check_world(cfg.packs_per_step, dist.world)
     target, preflight, vocab = Path(target).resolve(), Path(preflight), Path(vocab)
     shards, out_dir, state_dir = [Path(s) for s in shards], Path(out_dir), Path(state_dir)
     if state_dir.resolve().is_relative_to(out_dir.resolve()):
         raise EyrieError(f"--state-dir {state_dir} is inside --out-dir {out_dir}; keep them apart "
                          "(the output folder is replaced as a whole)")
+    device = resolve_device(cfg.device, dist)
+    created = dist.start(device)
+    try:
+        return _train(cfg, dist, device, target, preflight, vocab, shards, out_dir, state_dir,
+                      settings, stop_after_steps, on_step)
+    finally:
+        stop(created)
+
+
+def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, preflight: Path,
+           vocab: Path, shards: list[Path], out_dir: Path, state_dir: Path, settings: dict,
+           stop_after_steps: int | None, on_step: Callable[[int], None] | None) -> dict | None:
+    from speculators.losses import resolve_loss_config
+    from eyrie.draft import build_draft
+
+    if not dist.main:  # one copy of the progress lines; warnings and errors from every rank
+        log.setLevel(logging.WARNING)
     expect = _expectation(preflight)
     for key, have in (("fingerprint", fingerprint(read_config(target))),
                       ("tokenizer_hash", tokenizer_hash(target))):
@@ -257,19 +367,33 @@ def train(target: Path, preflight: Path, vocab: Path, shards: list[Path], out_di
         if have != want:
             raise EyrieError(f"{preflight}: target.{key} is {want} but {target} has {have}; "
                              "rerun eyrie preflight for this target")
-    gap = cfg.ttt_steps - 1
+    rid = dist.from_main(run_id(cfg, target, preflight, vocab, shards))  # one run on all ranks
+    run_dir = state_dir / rid
+    marker = run_dir / VERIFIED_MARKER
+    verify_shards(shards, expect, cfg.verify_shards and not marker.is_file(), dist)
+    if dist.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in run_dir.glob(".step_*.tmp-*"):  # a checkpoint cut short by a kill
+            shutil.rmtree(stale, ignore_errors=True)
+        if cfg.verify_shards and not marker.is_file():
+            write_json(marker, {"shards": [str(s) for s in shards]})
+
+    gap, P = cfg.ttt_steps - 1, cfg.packs_per_step
+    k = P // dist.world  # packs of each step that this rank trains
     data = PackedShards(shards, expect, cfg.max_tokens_per_batch, gap)
     d2t, t2d = read_vocab(vocab)
     plan = [pack(data.lengths, epoch_order(len(data), cfg.seed, e), cfg.max_tokens_per_batch, gap)
             for e in range(cfg.epochs)]
-    total_steps = sum(len(p) for p in plan)
-    rid = run_id(cfg, target, preflight, vocab, shards)
-    run_dir = state_dir / rid
-    run_dir.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(cfg.device)
+    steps_per_epoch = [len(p) // P for p in plan]
+    total_steps, dropped = sum(steps_per_epoch), sum(len(p) % P for p in plan)
+    if total_steps == 0:
+        raise EyrieError(f"train.packs_per_step is {P} but an epoch packs into only "
+                         f"{max(len(p) for p in plan)} batches of train.max_tokens_per_batch="
+                         f"{cfg.max_tokens_per_batch} tokens: no whole step; lower either")
     log.info("%d samples (%d skipped without loss tokens, %d truncated to %d tokens) from %d shards; "
-             "%d steps over %d epochs; run %s on %s", len(data), data.skipped, data.truncated,
-             cfg.max_tokens_per_batch - gap, len(shards), total_steps, cfg.epochs, rid, device)
+             "%d steps of %d packs over %d epochs (%d trailing packs dropped); %d process(es); run %s "
+             "on %s", len(data), data.skipped, data.truncated, cfg.max_tokens_per_batch - gap,
+             len(shards), total_steps, P, cfg.epochs, dropped, dist.world, rid, device)
 
     model = build_draft(target, expect["aux_layer_ids"], d2t, t2d, num_layers=cfg.num_layers,
                         draft_arch=cfg.draft_arch, norm_before_residual=cfg.norm_before_residual,
@@ -282,89 +406,119 @@ def train(target: Path, preflight: Path, vocab: Path, shards: list[Path], out_di
     loss_config = resolve_loss_config("kl_div", "eager")
 
     metrics_path = run_dir / "metrics.jsonl"
-    position = {"step": 0, "epoch": 0, "batch": 0, "tokens": 0, "wall_s": 0.0, "run_id": rid}
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is not None:
-        position = load_checkpoint(ckpt, model, optimizer, scheduler)
-        log.info("resumed from %s (step %d, epoch %d, batch %d)", ckpt, position["step"],
-                 position["epoch"], position["batch"])
-        lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
-        with atomic_path(metrics_path) as tmp:  # drop steps done after the checkpoint
-            tmp.write_text("".join(f"{ln}\n" for ln in lines if json.loads(ln)["step"] <= position["step"]))
+    position = {"step": 0, "epoch": 0, "step_in_epoch": 0, "tokens": 0, "wall_s": 0.0, "run_id": rid}
+    ckpt = dist.from_main(str(latest_checkpoint(run_dir) or "") if dist.main else None)
+    if ckpt:
+        if not (Path(ckpt) / "position.json").is_file():
+            raise EyrieError(f"rank {dist.rank}: rank 0 resumes from {ckpt}, which this node does not "
+                             "see; put --state-dir on a filesystem that every node shares")
+        position = load_checkpoint(Path(ckpt), model, optimizer, scheduler)
+        log.info("resumed from %s (step %d, epoch %d, step %d of the epoch)", ckpt, position["step"],
+                 position["epoch"], position["step_in_epoch"])
+        if dist.main:
+            lines = _metric_records(metrics_path, position["step"])  # drop steps after the checkpoint
+            with atomic_path(metrics_path) as tmp:
+                tmp.write_text("".join(f"{ln}\n" for ln in lines))
     else:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        metrics_path.unlink(missing_ok=True)
+        if dist.main:
+            metrics_path.unlink(missing_ok=True)
     resumed_from = position["step"]
+    net = model
+    if dist.world > 1:  # after loading: DDP starts from rank 0's (identical) weights
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     started = time.monotonic()
     wall0 = position["wall_s"]
     window: list[dict] = []
-    with metrics_path.open("a") as metrics_file:
+    with contextlib.ExitStack() as stack:
+        stack.callback(data.close)
+        metrics_file = stack.enter_context(metrics_path.open("a")) if dist.main else None
         while position["epoch"] < cfg.epochs:
-            batches = plan[position["epoch"]]
-            if position["batch"] >= len(batches):
-                position.update(epoch=position["epoch"] + 1, batch=0)
+            e, s = position["epoch"], position["step_in_epoch"]
+            if s >= steps_per_epoch[e]:
+                position.update(epoch=e + 1, step_in_epoch=0)
                 continue
-            batch = {k: v.to(device) for k, v in data.batch(batches[position["batch"]]).items()}
-            _, loss, metrics = model(**batch, ttt_steps=cfg.ttt_steps,
-                                     ttt_step_loss_decay=cfg.ttt_step_loss_decay, loss_config=loss_config)
+            mine = plan[e][s * P:(s + 1) * P][dist.rank * k:(dist.rank + 1) * k]
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            sums = torch.zeros(3 + 3 * cfg.ttt_steps, dtype=torch.float64)
+            for j, indices in enumerate(mine):
+                batch = {n: v.to(device) for n, v in data.batch(indices).items()}
+                # DDP averages gradients over ranks at the backward of a rank's last pack only
+                sync = net is model or j == k - 1
+                with contextlib.nullcontext() if sync else net.no_sync():
+                    _, loss, metrics = net(**batch, ttt_steps=cfg.ttt_steps,
+                                           ttt_step_loss_decay=cfg.ttt_step_loss_decay,
+                                           loss_config=loss_config)
+                    (loss / k if k > 1 else loss).backward()
+                sums += torch.tensor(_pack_sums(loss, metrics, batch, cfg.ttt_steps), dtype=torch.float64)
+            sums = dist.all_sum(sums.to(device)).tolist()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
             scheduler.step()
-            tokens = int((batch["document_ids"] >= 0).sum())
-            position.update(step=position["step"] + 1, batch=position["batch"] + 1,
-                            tokens=position["tokens"] + tokens,
+            record = {"step": position["step"] + 1, "epoch": e, **_step_record(sums, P, cfg.ttt_steps),
+                      "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm)}
+            position.update(step=position["step"] + 1, step_in_epoch=s + 1,
+                            tokens=position["tokens"] + record["tokens"],
                             wall_s=wall0 + time.monotonic() - started)
-            record = {"step": position["step"], "epoch": position["epoch"], "loss": float(loss.detach()),
-                      "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
-                      "tokens": tokens, "loss_tokens": int(batch["loss_mask"].sum()),
-                      **_step_metrics(metrics, cfg.ttt_steps)}
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            window = (window + [record])[-cfg.log_every:]
             step = position["step"]
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+            window = (window + [record])[-cfg.log_every:]
             if step % cfg.log_every == 0 or step == total_steps:
-                accs = " ".join(f"acc{k}={_fmt(_mean(window, f'full_acc_{k}'))}" for k in range(cfg.ttt_steps))
-                log.info("step %d/%d epoch %d loss %s %s lr %.2e %.0f tok/s", step, total_steps,
-                         position["epoch"], _fmt(_mean(window, "loss")), accs, record["lr"],
+                accs = " ".join(f"acc{t}={_fmt(_mean(window, f'full_acc_{t}'))}" for t in range(cfg.ttt_steps))
+                log.info("step %d/%d epoch %d loss %s %s lr %.2e %.0f tok/s", step, total_steps, e,
+                         _fmt(_mean(window, "loss")), accs, record["lr"],
                          position["tokens"] / max(position["wall_s"], 1e-9))
             stopping = stop_after_steps is not None and step >= stop_after_steps and step < total_steps
             if step % cfg.checkpoint_every == 0 or step == total_steps or stopping:
-                save_checkpoint(run_dir, model, optimizer, scheduler, position)
+                if dist.main:
+                    save_checkpoint(run_dir, model, optimizer, scheduler,
+                                    {**position, "packs_per_step": P, "world_size": dist.world})
+                dist.barrier()
             if on_step is not None:
                 on_step(step)
             if stopping:
                 log.info("stopping after step %d as asked; rerun to resume", step)
-                data.close()
                 return None
-    data.close()
 
-    records = [json.loads(ln) for ln in metrics_path.read_text().splitlines()]
+    summary = None
+    if dist.main:
+        records = [json.loads(ln) for ln in metrics_path.read_text().splitlines()]
+        summary = _summary(cfg, dist, records, position, total_steps, dropped, resumed_from, data,
+                           device, expect, target, preflight, vocab, shards, settings)
+        write_outputs(out_dir, model, records, summary, cfg.ttt_steps)
+        log.info("wrote %s: final loss %s, accuracy per TTT step %s", out_dir,
+                 _fmt(summary["final"]["loss"]), [_fmt(a) for a in summary["final"]["full_acc"]])
+    return dist.from_main(summary)  # the other ranks wait here until the outputs are written
+
+
+def _summary(cfg: TrainSettings, dist: Dist, records: list[dict], position: dict, total_steps: int,
+             dropped: int, resumed_from: int, data: PackedShards, device: torch.device, expect: dict,
+             target: Path, preflight: Path, vocab: Path, shards: list[Path], settings: dict) -> dict:
     last = records[-cfg.log_every:]
-    summary = {
+    return {
         "steps": total_steps, "epochs": cfg.epochs, "samples": len(data),
         "skipped_samples": data.skipped, "truncated_samples": data.truncated,
+        "packs_per_step": cfg.packs_per_step, "dropped_packs": dropped, "world_size": dist.world,
         "tokens": position["tokens"],
         "final": {"loss": _mean(last, "loss"),
                   "full_acc": [_mean(last, f"full_acc_{k}") for k in range(cfg.ttt_steps)],
                   "over_last_steps": len(last)},
         "wall_time_s": position["wall_s"],
         "tokens_per_s": position["tokens"] / max(position["wall_s"], 1e-9),
-        "resumed_from_step": resumed_from, "run_id": rid, "device": str(device),
+        "resumed_from_step": resumed_from, "run_id": position["run_id"], "device": str(device),
         "target": {"path": str(target), "fingerprint": expect["target_fingerprint"],
                    "tokenizer_hash": expect["tokenizer_hash"], "hidden_size": expect["hidden_size"]},
         "aux_layer_ids": expect["aux_layer_ids"], "final_layer_id": expect["final_layer_id"],
         "inputs": {"preflight": str(preflight), "vocab": str(vocab), "shards": [str(s) for s in shards]},
         "provenance": provenance(settings),
     }
-    write_outputs(out_dir, model, records, summary, cfg.ttt_steps)
-    log.info("wrote %s: final loss %s, accuracy per TTT step %s", out_dir,
-             _fmt(summary["final"]["loss"]), [_fmt(a) for a in summary["final"]["full_acc"]])
-    return summary
 
 
 def write_outputs(out_dir: Path, model, records: list[dict], summary: dict, ttt_steps: int) -> None:
@@ -418,11 +572,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", required=True, type=Path, help="results/<name>/train")
     parser.add_argument("--state-dir", required=True, type=Path, help="results/<name>/train_state")
     parser.add_argument("--settings", required=True, type=settings_arg, help='{"train": {...}}')
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="training processes per node, one per GPU (torchrun, started by this command)")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="nodes (more than 1: inside a SLURM allocation, through srun)")
     # Planned preemption: checkpoint after this many steps and exit (the next run resumes).
     parser.add_argument("--stop-after-steps", type=int, default=None, help=argparse.SUPPRESS)
 
 
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """The `eyrie ...` arguments that parse back to `args` (what each torchrun worker runs)."""
+    out = ["--threads", str(args.threads)] if getattr(args, "threads", None) else []
+    out += ["train", "--target", str(args.target), "--preflight", str(args.preflight),
+            "--vocab", str(args.vocab), "--shards", *map(str, args.shards),
+            "--out-dir", str(args.out_dir), "--state-dir", str(args.state_dir),
+            "--settings", json.dumps(args.settings),
+            "--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes)]
+    if args.stop_after_steps is not None:
+        out += ["--stop-after-steps", str(args.stop_after_steps)]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    summary = train(args.target, args.preflight, args.vocab, args.shards, args.out_dir,
-                    args.state_dir, args.settings, stop_after_steps=args.stop_after_steps)
+    if args.nproc_per_node < 1 or args.nnodes < 1:
+        raise EyrieError(f"--nproc-per-node {args.nproc_per_node} --nnodes {args.nnodes}: both must "
+                         "be >= 1 (processes per node = GPUs per node; 1 for a CPU run)")
+    if args.nproc_per_node * args.nnodes > 1 and not under_torchrun(os.environ):
+        return relaunch(worker_args(args), args.nproc_per_node, args.nnodes)
+    dist = Dist.from_env()
+    if dist.world > 1 and getattr(args, "threads", None):  # --threads is the node's: share it
+        torch.set_num_threads(max(1, args.threads // dist.local_world))
+    try:
+        summary = train(args.target, args.preflight, args.vocab, args.shards, args.out_dir,
+                        args.state_dir, args.settings, stop_after_steps=args.stop_after_steps)
+    except EyrieError as exc:
+        if dist.world > 1:  # which process said it (every rank that fails prints its line)
+            raise EyrieError(f"rank {dist.rank}/{dist.world}: {exc}") from exc
+        raise
     return 0 if summary is not None else 3

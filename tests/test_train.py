@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
+import h5py
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -11,8 +14,8 @@ from safetensors.torch import load_file
 from eyrie import EyrieError
 from eyrie.cli import main as cli_main
 from eyrie.shards import ShardError, ShardMeta
-from eyrie.packing import PackedShards, pack, shift_sample
-from eyrie.train import TrainSettings, train
+from eyrie.packing import PackedShards, epoch_order, pack, shift_sample
+from eyrie.train import VERIFIED_MARKER, TrainSettings, train
 from train_helpers import AUX_IDS, HIDDEN, build_world, train_settings, write_shard
 
 
@@ -175,3 +178,79 @@ def test_settings_errors_are_collected():
     assert "train.lr: unknown key" in msg and "train.epochs: '3' must be an integer" in msg
     with pytest.raises(EyrieError, match="draft_arch: use llama or qwen3"):
         TrainSettings.from_settings({"train": {"draft_arch": "gpt2"}})
+
+
+def test_packs_per_step_must_be_positive():
+    with pytest.raises(EyrieError, match="train.packs_per_step: must be >= 1"):
+        TrainSettings.from_settings({"train": {"packs_per_step": 0}})
+    assert TrainSettings.from_settings({"train": {}}).packs_per_step == 1
+
+
+def test_a_step_is_the_mean_over_consecutive_packs(world, tmp_path):
+    from speculators.losses import resolve_loss_config
+
+    from eyrie.draft import build_draft
+    from eyrie.train import _expectation
+    from eyrie.vocab import read_vocab
+
+    data = PackedShards(world["shards"], _expectation(world["preflight"]), max_tokens=128, gap=2)
+    packs = pack(data.lengths, epoch_order(len(data), 0, 0), 128, 2)
+    P = next(p for p in (3, 4, 5) if len(packs) % p)  # a remainder to drop
+    summary = run_train(world, tmp_path, train_settings(epochs=1, packs_per_step=P))
+    assert summary["steps"] == len(packs) // P and summary["dropped_packs"] == len(packs) % P > 0
+    assert (tmp_path / "state" / summary["run_id"] / VERIFIED_MARKER).is_file()
+
+    # step 1 = the first P packs of the epoch's plan under the initial weights
+    d2t, t2d = read_vocab(world["vocab"])
+    model = build_draft(world["target"], AUX_IDS, d2t, t2d, ttt_steps=3, seed=0)
+    batches = [data.batch(p) for p in packs[:P]]
+    losses = torch.stack([model(**b, ttt_steps=3, loss_config=resolve_loss_config("kl_div", "eager"))[1]
+                          for b in batches])  # [P]
+    losses.mean().backward()  # the step's gradient is the gradient of the mean loss
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    first = json.loads((tmp_path / "train" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["loss"] == pytest.approx(float(losses.detach().mean()), rel=1e-6)
+    assert first["grad_norm"] == pytest.approx(float(norm), rel=1e-5)
+    assert first["tokens"] == sum(int((b["document_ids"] >= 0).sum()) for b in batches)
+    assert first["loss_tokens"] == sum(int(b["loss_mask"].sum()) for b in batches)
+    data.close()
+
+
+def shard_copy(world, tmp_path, i: int):
+    bad = tmp_path / world["shards"][i].name
+    shutil.copy(world["shards"][i], bad)
+    return bad, [bad if j == i else s for j, s in enumerate(world["shards"])]
+
+
+def test_truncated_shard_is_refused_before_the_first_step(world, tmp_path):
+    bad, shards = shard_copy(world, tmp_path, 1)
+    os.truncate(bad, bad.stat().st_size // 2)
+    steps = []
+    with pytest.raises(ShardError) as err:
+        train(world["target"], world["preflight"], world["vocab"], shards, tmp_path / "train",
+              tmp_path / "state", train_settings(), on_step=steps.append)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"{bad}: unreadable HDF5") and "truncated file" in msg
+    assert f"to rebuild: delete {bad} and rerun snakemake (or: snakemake --force {bad})" in msg
+    assert steps == [] and not (tmp_path / "state").exists() and not (tmp_path / "train").exists()
+
+
+def test_corrupted_shard_values_are_refused_before_the_first_step(world, tmp_path):
+    bad, shards = shard_copy(world, tmp_path, 0)
+    with h5py.File(bad, "r") as f:
+        start, size = f["aux_hidden"].id.get_offset(), f["aux_hidden"].id.get_storage_size()
+    with bad.open("r+b") as fh:  # 32 bf16 values in the middle of the dataset become NaN patterns
+        fh.seek(start + size // 2)
+        fh.write(b"\xff" * 64)
+    steps = []
+    with pytest.raises(ShardError) as err:
+        train(world["target"], world["preflight"], world["vocab"], shards, tmp_path / "train",
+              tmp_path / "state", train_settings(), on_step=steps.append)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"{bad}: non-finite values in aux_hidden")
+    assert f"delete {bad} and rerun snakemake" in msg
+    assert steps == [] and not (tmp_path / "state").exists()
+    # Without the scan the file opens; the bad sample fails only when training reads it.
+    with pytest.raises(ShardError, match=r"sample \d+: non-finite values in aux_hidden"):
+        train(world["target"], world["preflight"], world["vocab"], shards, tmp_path / "train",
+              tmp_path / "state", train_settings(verify_shards=False))
