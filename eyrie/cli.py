@@ -8,6 +8,8 @@ import argparse
 import importlib
 import json
 import logging
+import os
+import socket
 import sys
 import traceback
 
@@ -27,6 +29,10 @@ STAGES = {
     "evaluate": ("eyrie.evaluate", "acceptance length by real speculative decoding"),
     "evaluate-vllm": ("eyrie.evaluate_vllm", "acceptance length measured by vLLM itself (vLLM environment)"),
 }
+
+
+# Logged at the start of a stage when set: the SLURM job and the GPUs the job saw.
+PLACEMENT_VARS = ("SLURM_JOB_ID", "SLURM_NODELIST", "CUDA_VISIBLE_DEVICES")
 
 
 def describe(exc: BaseException) -> str:
@@ -65,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(next((a for a in argv if a in STAGES), None)).parse_args(argv)
+    placement = [f"{k}={os.environ[k]}" for k in PLACEMENT_VARS if k in os.environ]
+    if placement:  # where a cluster job ran and which GPUs it was given, first in its log
+        logging.getLogger("eyrie.cli").info("eyrie %s on %s: %s", args.stage, socket.gethostname(),
+                                            " ".join(placement))
     if args.threads:
         import torch
 

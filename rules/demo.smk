@@ -27,7 +27,7 @@ rule build_demo_target:
         "logs/{name}/build_demo_target.log",
     benchmark:
         "results/{name}/benchmarks/build_demo_target.tsv"
-    threads: workflow.cores
+    threads: CORES
     shell:
         "eyrie --threads {threads} demo-target --conversations {input} --out-dir {params.out_dir}"
         " --settings {params.settings:q} > {log} 2>&1"

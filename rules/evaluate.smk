@@ -22,7 +22,9 @@ rule evaluate_draft:
         "logs/{name}/evaluate_draft.log",
     benchmark:
         "results/{name}/benchmarks/evaluate_draft.tsv"
-    threads: workflow.cores
+    threads: CORES
+    resources:
+        gpu=gpus(config["eval"]["device"]),
     shell:
         "eyrie --threads {threads} evaluate --target {params.target} --draft {params.draft_dir} --vocab {input.vocab}"
         " --eval-set {input.eval_set} --preflight {input.preflight} --out {output.json}"
@@ -58,6 +60,8 @@ rule evaluate_vllm:
         "logs/{name}/evaluate_vllm.log",
     benchmark:
         "results/{name}/benchmarks/evaluate_vllm.tsv"
+    resources:
+        gpu=VLLM_GPUS,
     shell:
         "{params.python} -m eyrie.cli evaluate-vllm --target {params.target} --draft {params.draft_dir}"
         " --eval-set {input.eval_set} --hf-eval {input.hf_eval} --out {output.json}"

@@ -63,7 +63,10 @@ rule extract_engine:
         "results/{name}/benchmarks/extract_engine/engine_{group}.tsv"
     wildcard_constraints:
         group=r"\d+",
-    threads: workflow.cores
+    threads: CORES
+    # The group's only GPU job: its shard jobs run inside the same SLURM job, asking for none.
+    resources:
+        gpu=VLLM_GPUS if VLLM_EXTRACT else gpus(config["extract"]["device"]),
     # `exec`: Snakemake's SIGTERM after the last shard then reaches the engine, not just bash.
     # --torch-threads, not the global --threads: the socket must exist before torch is imported.
     shell:

@@ -21,9 +21,16 @@ rule train_draft:
         "logs/{name}/train_draft.log",
     benchmark:
         "results/{name}/benchmarks/train_draft.tsv"
-    threads: workflow.cores
+    threads: CORES
+    # One training process per GPU (torchrun, started by `eyrie train` itself), the job's GPUs
+    # split evenly over its nodes; the slurm-gpu profile sets both (EYRIE_TRAIN_GPUS/_NODES).
+    # The number of processes does not change the weights (docs/training.md): not a param.
+    resources:
+        gpu=gpus(config["train"]["device"]),
+        nodes=1,
     shell:
-        "eyrie --threads {threads} train --target {params.target} --preflight {input.preflight} --vocab {input.vocab}"
+        "eyrie --threads {threads} train --nproc-per-node $(( {resources.gpu} > 0 ? {resources.gpu} / {resources.nodes} : 1 ))"
+        " --nnodes {resources.nodes} --target {params.target} --preflight {input.preflight} --vocab {input.vocab}"
         " --shards {input.shards} --out-dir {params.out_dir} --state-dir {params.state_dir}"
         " --settings {params.settings:q} > {log} 2>&1"
 

@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.venv/.eyrie-setup
+# `snakemake --profile slurm-gpu` looks the profile up by name in the current folder (and
+# ~/.config/snakemake), not in profiles/: link it at the repository root (git-ignored).
+[ -e slurm-gpu ] || [ -L slurm-gpu ] || ln -s profiles/slurm-gpu slurm-gpu
 want=$(cat envs/train.txt envs/train-nodeps.txt pyproject.toml | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "setup: .venv is up to date"
