@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import platform
@@ -24,7 +25,10 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    _remove(tmp)
+    # What a killed writer of the same output left (SIGKILL runs no cleanup). One writer per
+    # output at a time: Snakemake never runs two jobs for the same output.
+    for stale in final.parent.glob(f".{glob.escape(final.name)}.tmp-*"):
+        _remove(stale)
     try:
         yield tmp
         _apply_umask(tmp)

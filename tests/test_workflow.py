@@ -136,6 +136,30 @@ def test_training_setting_reruns_only_train_export_evaluate(built):
         write_config(built)
 
 
+def dag_styles(workdir: Path) -> dict[str, set[str]]:
+    """Rule -> node styles in `snakemake --dag` (dot): "dashed" marks a job that needs no run."""
+    dot = snakemake(workdir, "--dag")
+    nodes = re.findall(r'label = "(\w+)".*?style="([\w,]+)"', dot)
+    assert nodes, dot[-2000:]
+    styles: dict[str, set[str]] = {}
+    for rule, style in nodes:
+        styles.setdefault(rule, set()).add("dashed" if "dashed" in style else "solid")
+    return styles
+
+
+@pytest.mark.slow
+def test_dag_draws_built_jobs_dashed(built):
+    assert all(s == {"dashed"} for s in dag_styles(built).values())
+    write_config(built, train__learning_rate=1e-3)
+    try:
+        styles = dag_styles(built)
+    finally:
+        write_config(built)
+    assert {r for r, s in styles.items() if s == {"solid"}} == {"train_draft", "export_draft",
+                                                              "evaluate_draft", "all"}
+    assert styles["tokenize_conversations"] == styles["extract_engine"] == {"dashed"}
+
+
 @pytest.mark.slow
 def test_eval_setting_reruns_only_evaluation(built):
     write_config(built, eval__max_new_tokens=12)
