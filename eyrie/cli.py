@@ -35,6 +35,17 @@ STAGES = {
 PLACEMENT_VARS = ("SLURM_JOB_ID", "SLURM_NODELIST", "CUDA_VISIBLE_DEVICES")
 
 
+def usable_threads(asked: int) -> int:
+    """At most as many threads as CPUs this process may run on: a scheduler that grants more
+    CPUs than the node has (or a rule's `threads` above the machine's) would otherwise
+    oversubscribe the cores, which slows torch's CPU kernels many times over."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if asked > cpus:
+        logging.getLogger("eyrie.cli").info("--threads %d: only %d CPUs are usable here; using %d",
+                                            asked, cpus, cpus)
+    return max(1, min(asked, cpus))
+
+
 def describe(exc: BaseException) -> str:
     """An exception's message, never empty: `raise RuntimeError()` or `assert x` carry none, and a
     blank log line is what users then report."""
@@ -78,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(usable_threads(args.threads))
     try:
         result = importlib.import_module(args._module).run(args)
     except EyrieError as exc:

@@ -266,7 +266,9 @@ def serve(socket_path: str | Path, target: str | Path, preflight: str | Path, se
             if torch_threads:
                 import torch
 
-                torch.set_num_threads(torch_threads)
+                from eyrie.cli import usable_threads
+
+                torch.set_num_threads(usable_threads(torch_threads))
             from eyrie.extract import Extractor
 
             load_settings = settings

@@ -179,7 +179,8 @@ def test_shards_killed_mid_write_leave_nothing_that_looks_complete(built, tmp_pa
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
     assert run.returncode != 0, out[-3000:]
-    assert ("CANCELLED" if kill == "scancel" else "FAILED") in out
+    group_job = re.findall(r"SLURM jobid (\d+)", out)[-1]
+    assert sacct(group_job, "State")[0].startswith("CANCELLED" if kill == "scancel" else "FAILED")
     left = list(hidden.glob(".shard_*.h5.tmp-*"))
     assert bool(left) == (kill == "SIGKILL")  # SIGKILL runs no cleanup; the name never passes for a shard
     done = [s for s in shards if (work / s).exists()]
