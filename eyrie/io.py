@@ -16,6 +16,14 @@ from pathlib import Path
 from typing import Iterator
 
 
+def remove_stale_temporaries(final: str | Path) -> None:
+    """Remove what killed writers of `final` left (`.<name>.tmp-<pid>`: SIGKILL runs no
+    cleanup). One writer per output at a time: Snakemake never runs two jobs for one output."""
+    final = Path(final)
+    for stale in final.parent.glob(f".{glob.escape(final.name)}.tmp-*"):
+        _remove(stale)
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling path; rename it to `final` only if the block succeeds.
@@ -25,10 +33,7 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    # What a killed writer of the same output left (SIGKILL runs no cleanup). One writer per
-    # output at a time: Snakemake never runs two jobs for the same output.
-    for stale in final.parent.glob(f".{glob.escape(final.name)}.tmp-*"):
-        _remove(stale)
+    remove_stale_temporaries(final)
     try:
         yield tmp
         _apply_umask(tmp)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from eyrie import EyrieError
+from eyrie.io import remove_stale_temporaries
 
 FORMAT = "eyrie-hidden-states"
 SCHEMA_VERSION = 1
@@ -101,7 +102,7 @@ class ShardWriter:
         self.written = np.zeros(len(sample_ids), dtype=bool)
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp.unlink(missing_ok=True)
+        remove_stale_temporaries(self.path)  # a killed writer's (SIGKILL runs no cleanup)
         self.f = h5py.File(self.tmp, "w")
         try:
             self._create(sample_ids, loss_masks)
