@@ -157,8 +157,8 @@ def test_dag_draws_built_jobs_dashed(built):
         write_config(built)
     assert {r for r, s in styles.items() if s == {"solid"}} == {"train_draft", "export_draft",
                                                               "evaluate_draft", "all"}
-    # (an engine is in the graph only when one of its shards has to run)
-    assert styles["tokenize_conversations"] == styles["extract_hidden_states"] == {"dashed"}
+    # everything upstream stays dashed (the graph holds only the jobs the targets need)
+    assert styles["tokenize_conversations"] == styles["preflight"] == {"dashed"}
 
 
 @pytest.mark.slow
