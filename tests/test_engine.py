@@ -302,7 +302,10 @@ def test_sigterm_during_load_exits_promptly_and_the_client_hears_it(tmp_path):
     waiter.join(timeout=30)
     assert time.monotonic() - t0 < 10
     assert rc == 128 + signal.SIGTERM  # interrupted while busy (loading)
-    assert "SIGTERM received while busy" in log.read_text()
+    # unwound at once, or (when the signal lands in a C extension's init inside `import torch`,
+    # which swallows it) ended by the watchdog STOP_GRACE_S later: 4 of 10 loaded runs here
+    text = log.read_text()
+    assert "SIGTERM received while busy" in text or "forcing the exit" in text
     assert placeholder_left(sock)
     assert errors and ("without a reply" in errors[0] or "dropped the connection" in errors[0])
     assert str(log) in errors[0]
