@@ -46,6 +46,14 @@ def usable_threads(asked: int) -> int:
     return max(1, min(asked, cpus))
 
 
+def set_torch_threads(asked: int, share: int = 1) -> None:
+    """torch's CPU threads: `asked` capped at the usable CPUs, split among `share` processes of
+    one node (torchrun's local ranks)."""
+    import torch
+
+    torch.set_num_threads(max(1, usable_threads(asked) // share))
+
+
 def describe(exc: BaseException) -> str:
     """An exception's message, never empty: `raise RuntimeError()` or `assert x` carry none, and a
     blank log line is what users then report."""
@@ -87,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("eyrie.cli").info("eyrie %s on %s: %s", args.stage, socket.gethostname(),
                                             " ".join(placement))
     if args.threads:
-        import torch
-
-        torch.set_num_threads(usable_threads(args.threads))
+        set_torch_threads(args.threads)
     try:
         result = importlib.import_module(args._module).run(args)
     except EyrieError as exc:

@@ -61,6 +61,13 @@ class EngineError(EyrieError):
 _stop_signum = 0  # set by the signal handler of serve(): a stop in progress (0: none)
 
 
+def _raise_if_stopping(exc: BaseException | None) -> None:
+    """A stop in progress that a library turned into an error (numpy's C init inside `import
+    torch` makes it "cannot load module more than once") or swallowed is still a stop."""
+    if _stop_signum:
+        raise _Stop(_stop_signum) from exc
+
+
 class _Stop(BaseException):
     """SIGTERM/SIGINT: unwinds whatever the engine is doing (a BaseException, so no request
     handler turns it into a reply)."""
@@ -167,8 +174,7 @@ class Engine:
             try:
                 conn, _ = self.sock.accept()
             except socket.timeout:
-                if _stop_signum:  # the stop was swallowed somewhere on its way here
-                    raise _Stop(_stop_signum)
+                _raise_if_stopping(None)  # swallowed somewhere on its way here
                 idle = time.monotonic() - idle_since
                 if idle >= self.idle_exit_s:
                     self._drain(handle)
@@ -194,8 +200,7 @@ class Engine:
                 raise EngineError(f"request {line[:200]!r} is not a JSON object")
             reply = handle(request)
         except Exception as exc:  # every failure goes to the client (and the log)
-            if _stop_signum:  # a library turned the stop into an error: still a stop
-                raise _Stop(_stop_signum) from exc
+            _raise_if_stopping(exc)
             log.error("engine: request failed: %s: %s\n%s", type(exc).__name__, exc,
                       traceback.format_exc())
             reply = error_reply(exc)
@@ -264,11 +269,9 @@ def serve(socket_path: str | Path, target: str | Path, preflight: str | Path, se
         t0 = time.monotonic()
         try:
             if torch_threads:
-                import torch
+                from eyrie.cli import set_torch_threads
 
-                from eyrie.cli import usable_threads
-
-                torch.set_num_threads(usable_threads(torch_threads))
+                set_torch_threads(torch_threads)
             from eyrie.extract import Extractor
 
             load_settings = settings
@@ -277,8 +280,7 @@ def serve(socket_path: str | Path, target: str | Path, preflight: str | Path, se
                                                       "gpu_memory_utilization": gpu_memory_utilization}}
             extractor = Extractor(target, preflight, load_settings)
         except Exception as exc:
-            if _stop_signum:  # e.g. numpy's C init turns it into "cannot load module more than once"
-                raise _Stop(_stop_signum) from exc
+            _raise_if_stopping(exc)
             log.error("engine: loading the target failed: %s: %s\n%s", type(exc).__name__, exc,
                       traceback.format_exc())
             failure = error_reply(exc)

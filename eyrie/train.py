@@ -601,9 +601,9 @@ def run(args: argparse.Namespace) -> int:
         return relaunch(worker_args(args), args.nproc_per_node, args.nnodes)
     dist = Dist.from_env()
     if dist.world > 1 and getattr(args, "threads", None):  # --threads is the node's: share it
-        from eyrie.cli import usable_threads
+        from eyrie.cli import set_torch_threads
 
-        torch.set_num_threads(max(1, usable_threads(args.threads) // dist.local_world))
+        set_torch_threads(args.threads, share=dist.local_world)
     try:
         summary = train(args.target, args.preflight, args.vocab, args.shards, args.out_dir,
                         args.state_dir, args.settings, stop_after_steps=args.stop_after_steps)
