@@ -1,10 +1,18 @@
-"""Workflow overhead: wall time of `snakemake -n` (a dry run that plans everything) on an empty
-working directory, for configs with N tokenized/hidden-state shards (issue 5, item 4: goal
-<= 15 s at N = 10,000 on 2 cores).
+"""Workflow overhead: wall and CPU time of `snakemake -n` for configs with N tokenized/hidden-state
+shards (issue 5, item 4: goal <= 15 s at N = 10,000 on 2 cores), in two states:
 
-    .venv/bin/python benchmarks/workflow_overhead.py --shards 500 1000 2000 [--timeout 300]
+- plan all: an empty working directory, so the dry run plans every job (N shard jobs, N/16
+  engines and the rest);
+- complete: every output present and recorded (created, then `snakemake --touch -F`), so the
+  dry run must plan 0 jobs.
 
-Prints a table and writes benchmarks/results/workflow_overhead.json.
+The peer, run the same way in the same run: a one-rule Snakefile with as many trivial jobs as the
+plan-all DAG, i.e. what Snakemake itself needs per job before any of this workflow's rules count.
+
+    .venv/bin/python benchmarks/workflow_overhead.py --shards 1000 2000 4000 10000 [--repeat 2] [--no-complete]
+
+Prints a table and writes benchmarks/results/workflow_overhead.json. Times are the best of
+--repeat runs (the machine may be shared; CPU time is user + system of the snakemake process).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -23,46 +32,135 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+PEER = """\
+rule all:
+    input: expand("out/{{i}}.txt", i=range({n}))
+
+rule one:
+    input: "src.txt"
+    output: "out/{{i}}.txt"
+    shell: "cp {{input}} {{output}}"
+"""
 
 
-def dry_run(shards: int, timeout: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="eyrie-overhead-") as work:
+def timed(cmd: list[str], timeout: float) -> tuple[subprocess.CompletedProcess | None, float, float]:
+    """(process or None on timeout, wall seconds, CPU seconds of the child)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    try:
+        # SIGKILL on timeout: a planning Snakemake may not stop on SIGTERM
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, timeout, float("nan")
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return proc, wall, cpu
+
+
+def planned_jobs(out: str) -> int | None:
+    """The `total` of Snakemake's job table; 0 for "Nothing to be done"."""
+    if "Nothing to be done" in out:
+        return 0
+    return next((int(line.split()[-1]) for line in out.splitlines() if line.startswith("total")), None)
+
+
+def best_dry_run(cmd: list[str], repeat: int, timeout: float, what: str) -> dict:
+    runs = []
+    for _ in range(repeat):
+        proc, wall, cpu = timed(cmd, timeout)
+        if proc is None:
+            return {"seconds": None, "timed_out_after_s": timeout}
+        if proc.returncode != 0:
+            raise SystemExit(f"{what}: snakemake -n failed:\n{proc.stderr[-3000:]}")
+        runs.append((wall, cpu, planned_jobs(proc.stdout + proc.stderr)))
+    wall, cpu, jobs = min(runs)
+    return {"seconds": round(wall, 2), "cpu_seconds": round(cpu, 2), "jobs": jobs,
+            "all_seconds": [round(r[0], 2) for r in runs]}
+
+
+def make_complete(work: Path, smk: list[str], timeout: float) -> None:
+    """Create every output the DAG lists (`--summary`; a path without a suffix is a directory()
+    output), then let `snakemake --touch -F` order their mtimes and record their metadata."""
+    proc = subprocess.run([*smk, "--summary"], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"snakemake --summary failed:\n{proc.stderr[-3000:]}")
+    for line in proc.stdout.splitlines()[1:]:
+        path = work / line.split("\t", 1)[0]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix:
+            path.touch()
+        else:
+            path.mkdir(exist_ok=True)
+    touch = subprocess.run([*smk, "--touch", "-F", "--cores", "1", "--quiet", "all"],
+                           capture_output=True, text=True, timeout=timeout)
+    if touch.returncode != 0:
+        raise SystemExit(f"snakemake --touch -F failed:\n{touch.stderr[-3000:]}")
+
+
+def measure(shards: int, repeat: int, timeout: float, complete: bool) -> dict:
+    row: dict = {"shards": shards}
+    with tempfile.TemporaryDirectory(prefix="eyrie-overhead-") as tmp:
+        work = Path(tmp)
         config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
         config["data"]["num_shards"] = shards
-        path = Path(work) / "config.yaml"
-        path.write_text(yaml.safe_dump(config))
-        cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", work,
-               "--configfile", str(path), "-n", "--quiet", "rules"]
-        start = time.perf_counter()
-        try:
-            # SIGKILL: a planning Snakemake may not stop on SIGTERM
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"shards": shards, "seconds": None, "timed_out_after_s": timeout}
-        seconds = time.perf_counter() - start
-        if proc.returncode != 0:
-            raise SystemExit(f"snakemake -n failed for {shards} shards:\n{proc.stderr[-3000:]}")
-        jobs = next((int(line.split()[-1]) for line in proc.stdout.splitlines()
-                     if line.startswith("total")), None)
-        return {"shards": shards, "seconds": round(seconds, 2), "jobs": jobs}
+        (work / "config.yaml").write_text(yaml.safe_dump(config))
+        smk = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(work),
+               "--configfile", str(work / "config.yaml")]
+        row["plan_all"] = best_dry_run([*smk, "-n", "--quiet", "rules"], repeat, timeout,
+                                       f"{shards} shards, empty directory")
+        jobs = row["plan_all"].get("jobs")
+        if jobs:
+            peer = work / "peer"
+            peer.mkdir()
+            (peer / "Snakefile").write_text(PEER.format(n=jobs - 1))  # + rule all = jobs
+            (peer / "src.txt").touch()
+            row["peer"] = best_dry_run([*SNAKEMAKE, "-s", str(peer / "Snakefile"), "-d", str(peer),
+                                        "-n", "--quiet", "rules"], repeat, timeout,
+                                       f"peer with {jobs} jobs")
+        if complete and row["plan_all"]["seconds"] is not None:
+            make_complete(work, smk, timeout=max(timeout, 1800))
+            row["complete"] = best_dry_run([*smk, "-n"], repeat, timeout,
+                                           f"{shards} shards, complete workflow")
+            if row["complete"].get("jobs") not in (0, None):
+                raise SystemExit(f"{shards} shards: an unchanged complete workflow planned "
+                                 f"{row['complete']['jobs']} jobs (want 0)")
+    return row
+
+
+def cell(result: dict | None, key: str = "seconds") -> str:
+    if not result:
+        return "-"
+    if result.get("seconds") is None:
+        return f"> {result['timed_out_after_s']:.0f}"
+    return f"{result[key]:.1f}"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", type=int, nargs="+", default=[500, 1000, 2000])
-    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--shards", type=int, nargs="+", default=[1000, 2000, 4000, 10000])
+    parser.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best counts")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per dry run")
+    parser.add_argument("--no-complete", dest="complete", action="store_false",
+                        help="skip the complete-workflow state (its --touch -F takes minutes at 10,000)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "workflow_overhead.json"))
     args = parser.parse_args()
-    rows = [dry_run(n, args.timeout) for n in args.shards]
-    print(f"{'shards':>8} {'jobs':>7} {'snakemake -n (s)':>17}")
-    for r in rows:
-        t = f"{r['seconds']:.1f}" if r["seconds"] is not None else f"> {r['timed_out_after_s']:.0f}"
-        print(f"{r['shards']:>8} {str(r.get('jobs', '-')):>7} {t:>17}")
+    rows = []
+    print(f"{'shards':>7} {'jobs':>6} {'plan all (s)':>12} {'CPU (s)':>8} {'peer (s)':>9} "
+          f"{'complete (s)':>12} {'jobs':>5}", flush=True)
+    for n in args.shards:
+        r = measure(n, args.repeat, args.timeout, args.complete)
+        rows.append(r)
+        print(f"{n:>7} {str(r['plan_all'].get('jobs', '-')):>6} {cell(r['plan_all']):>12} "
+              f"{cell(r['plan_all'], 'cpu_seconds'):>8} {cell(r.get('peer')):>9} "
+              f"{cell(r.get('complete')):>12} {str((r.get('complete') or {}).get('jobs', '-')):>5}",
+              flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "date": date.today().isoformat(), "machine": f"{platform.node()} {os.cpu_count()} cores",
-        "command": " ".join(["benchmarks/workflow_overhead.py", *sys.argv[1:]]), "goal": "<= 15 s at 10000 shards",
-        "rows": rows}, indent=1) + "\n")
+        "command": " ".join(["benchmarks/workflow_overhead.py", *sys.argv[1:]]),
+        "goal": "<= 15 s at 10000 shards", "rows": rows}, indent=1) + "\n")
     return 0
 
 

@@ -61,7 +61,7 @@ class ExtractSettings:
     backend: str
     device: str  # resolved: cpu | cuda
     dtype: torch.dtype  # compute dtype (resolved)
-    storage_dtype: str  # bfloat16 | float16 | float32
+    storage_dtype: str  # bfloat16 | float16 | float32 | float8_e4m3
     max_tokens_per_batch: int
     aux_ids: list[int] | None
     trust_remote_code: bool
@@ -329,7 +329,7 @@ class Extractor:
         (`tokenized`: the shard already read by read_tokenized, to skip reading it again)."""
         import torch
 
-        from eyrie.shards import ShardMeta, ShardWriter
+        from eyrie.shards import ShardMeta, ShardWriter, transfer_dtype
 
         sample_ids, input_ids, loss_masks = tokenized or read_tokenized(shard, self.info.vocab_size)
         meta = ShardMeta(
@@ -344,7 +344,8 @@ class Extractor:
         lengths = [len(x) for x in input_ids]
         log.info("extract %s: %d samples, %d tokens, aux ids %s, final id %d -> %s %s", shard,
                  len(lengths), sum(lengths), self.aux_ids, self.final_id, out, self.cfg.storage_dtype)
-        storage = getattr(torch, self.cfg.storage_dtype)
+        # float8_e4m3: states arrive in the compute dtype and ShardWriter.put quantizes them
+        storage = transfer_dtype(self.cfg.storage_dtype, self.cfg.dtype)
         start = last_log = time.monotonic()
         write_wait_s = 0.0
         done_samples = done_tokens = 0

@@ -76,12 +76,19 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 
 
 class PackedShards:
-    """All samples of the shards, addressed by a flat index; `batch(indices)` packs some of them."""
+    """All samples of the shards, addressed by a flat index; `batch(indices)` packs some of them.
 
-    def __init__(self, paths: list[Path], expect: dict, max_tokens: int, gap: int):
+    `values_checked=True` says every stored value was scanned before (train's verify_shards pass,
+    or eyrie.shards.validate_shard): reads then skip the per-sample finite check. Otherwise each
+    sample is checked as it is read (a shard is never handed out with inf/NaN unnoticed).
+    """
+
+    def __init__(self, paths: list[Path], expect: dict, max_tokens: int, gap: int,
+                 values_checked: bool = False):
         self.max_tokens, self.gap = max_tokens, gap
         # Opening every reader first: a mismatching shard fails before any training.
-        self.readers = [ShardReader(p, expect=expect) for p in paths]
+        self.readers = [ShardReader(p, expect=expect, check_values=not values_checked)
+                        for p in paths]
         self.refs: list[tuple[int, int]] = []  # (reader, sample) of each usable sample
         self.lengths: list[int] = []  # shifted length (T - 1)
         self.skipped = 0
@@ -109,22 +116,33 @@ class PackedShards:
         int64 [1, L], loss_mask bool [1, L]. After each sample come `gap` = ttt_steps - 1
         padding positions (document id -1, loss mask 0): TTT step s compares a position's
         logits with the target s positions later (speculators' align_for_step), which without
-        the gap would reach into the next sample."""
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in (
-            "input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask",
-            "position_ids", "document_ids")}
+        the gap would reach into the next sample.
+
+        Hidden states go from the file's pages (ShardReader maps them) straight into the
+        preallocated float32 batch: one conversion pass (float8 shards: dequantized to float32
+        first, then copied)."""
         H, n_aux, gap = self.hidden_size, self.n_aux, self.gap
-        for doc, i in enumerate(indices):
+        sizes = [min(self.lengths[i], self.max_tokens - gap) for i in indices]
+        L = sum(sizes) + gap * len(indices)
+        out = {"hidden_states": torch.empty(L, n_aux * H),
+               "verifier_last_hidden_states": torch.empty(L, H),
+               "input_ids": torch.empty(L, dtype=torch.long),
+               "loss_mask": torch.empty(L, dtype=torch.bool),
+               "position_ids": torch.empty(L, dtype=torch.long),
+               "document_ids": torch.empty(L, dtype=torch.long)}
+        pos = 0
+        for doc, (i, n) in enumerate(zip(indices, sizes)):
             r_i, s_i = self.refs[i]
+            # as stored (views of the file's pages), float8 dequantized to float32
             s = shift_sample(self.readers[r_i].read(s_i))
-            n = min(s["input_ids"].shape[0], self.max_tokens - gap)
-            for k in ("input_ids", "loss_mask", "position_ids"):
-                parts[k].append(torch.cat([s[k][:n], s[k].new_zeros(gap)]))
-            for k, width in (("hidden_states", n_aux * H), ("verifier_last_hidden_states", H)):
-                parts[k].append(torch.cat([s[k][:n].float(), torch.zeros(gap, width)]))
-            parts["document_ids"].append(torch.cat([torch.full((n,), doc, dtype=torch.long),
-                                                    torch.full((gap,), -1, dtype=torch.long)]))
-        return {k: torch.cat(v).unsqueeze(0) for k, v in parts.items()}
+            for k in ("input_ids", "loss_mask", "position_ids", "hidden_states",
+                      "verifier_last_hidden_states"):
+                out[k][pos:pos + n].copy_(s[k][:n])
+                out[k][pos + n:pos + n + gap].zero_()
+            out["document_ids"][pos:pos + n].fill_(doc)
+            out["document_ids"][pos + n:pos + n + gap].fill_(-1)
+            pos += n + gap
+        return {k: v.unsqueeze(0) for k, v in out.items()}
 
     def close(self) -> None:
         for r in self.readers:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eyrie import EyrieError, vllm_preflight
 from eyrie.io import provenance, write_json
-from eyrie.shards import STORAGE_DTYPES
+from eyrie.shards import STORAGE_DTYPES, bytes_per_token
 from eyrie.targets import TargetError, inspect_target, resolve_layer_ids, tokenizer_hash
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,6 @@ SAMPLE_CONVERSATIONS = [
         {"role": "assistant", "content": "Eleven."},
     ],
 ]
-STORAGE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DISK_HEADROOM = 1.10  # ask for 10% more than the estimate
 
 
@@ -93,7 +92,9 @@ def check_tokenizer(path: Path, trust_remote_code: bool, check: Check) -> str | 
 
 def check_storage(tokens: int, n_states: int, hidden: int, storage_dtype: str, where: Path,
                   check: Check) -> dict:
-    per_token = n_states * hidden * STORAGE_BYTES[storage_dtype]
+    # hidden states (+ float8_e4m3's two float32 scales) per token; input_ids and loss_mask add
+    # 5 B more, not counted (<= 1% from hidden size 128 up)
+    per_token = bytes_per_token(storage_dtype, n_states, hidden)
     need = per_token * tokens
     probe = where
     while not probe.exists():

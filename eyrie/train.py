@@ -380,7 +380,7 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
 
     gap, P = cfg.ttt_steps - 1, cfg.packs_per_step
     k = P // dist.world  # packs of each step that this rank trains
-    data = PackedShards(shards, expect, cfg.max_tokens_per_batch, gap)
+    data = PackedShards(shards, expect, cfg.max_tokens_per_batch, gap, values_checked=cfg.verify_shards)
     d2t, t2d = read_vocab(vocab)
     plan = [pack(data.lengths, epoch_order(len(data), cfg.seed, e), cfg.max_tokens_per_batch, gap)
             for e in range(cfg.epochs)]

@@ -1,4 +1,11 @@
 # Conversations -> tokenized shards (+ held-out eval set) -> draft vocabulary map.
+#
+# The N shard files are not listed as outputs: report.json, written last into the same folder
+# (the stage replaces the whole folder at once, eyrie.io.atomic_path), is their manifest, and
+# the rules that read shards take it as input and derive the shard paths. A rule with N explicit
+# outputs makes Snakemake's planning quadratic in N (BENCHMARKS.md "Workflow overhead"). So a shard
+# file deleted by hand goes unnoticed until a job reads it (and fails naming it): delete
+# report.json to tokenize again.
 
 
 rule tokenize_conversations:
@@ -6,7 +13,6 @@ rule tokenize_conversations:
         conversations=CONVERSATIONS,
         target=TARGET_FILES,
     output:
-        shards=expand("results/{{name}}/tokenized/shard_{shard}.parquet", shard=SHARDS),
         eval="results/{name}/tokenized/eval.parquet",
         report="results/{name}/tokenized/report.json",
     params:
@@ -22,15 +28,17 @@ rule tokenize_conversations:
 
 rule build_vocab_map:
     input:
-        shards=expand("results/{{name}}/tokenized/shard_{shard}.parquet", shard=SHARDS),
+        tokenized="results/{name}/tokenized/report.json",
         target=TARGET_FILES,
     output:
         "results/{name}/vocab/vocab.safetensors",
     params:
         settings=settings(vocab=config["vocab"]),
         target=TARGET,
+        # the shards report.json lists, in order (the tokenize stage writes them all at once)
+        shards=expand("results/{{name}}/tokenized/shard_{shard}.parquet", shard=SHARDS),
     log:
         "logs/{name}/build_vocab_map.log",
     shell:
-        "eyrie --threads {threads} vocab --target {params.target} --shards {input.shards} --out {output}"
+        "eyrie --threads {threads} vocab --target {params.target} --shards {params.shards} --out {output}"
         " --settings {params.settings:q} > {log} 2>&1"

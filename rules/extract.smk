@@ -75,16 +75,20 @@ rule extract_engine:
 
 
 rule extract_hidden_states:
+    # Few inputs: each costs every one of the N jobs a producer lookup in planning. The target
+    # files are not listed: preflight.json depends on them, so a changed target reruns the shards
+    # through it (and params.target names the folder).
     input:
-        shard="results/{name}/tokenized/shard_{shard}.parquet",
+        # the manifest of the tokenized shards (rules/data.smk): one edge per shard job, not N
+        tokenized="results/{name}/tokenized/report.json",
         preflight="results/{name}/preflight.json",
-        target=TARGET_FILES,
         engine=engine_socket,
     output:
         "results/{name}/hidden/shard_{shard}.h5",
     params:
         settings=EXTRACT_SETTINGS,
         target=TARGET,
+        shard="results/{name}/tokenized/shard_{shard}.parquet",
         engine_log=engine_log,
     log:
         "logs/{name}/extract_hidden_states/shard_{shard}.log",
@@ -99,5 +103,5 @@ rule extract_hidden_states:
     # engine_wait_s comes from config in the command text, not params: changing it reruns nothing.
     shell:
         "eyrie extract --engine {input.engine} --engine-log {params.engine_log}"
-        " --engine-wait-s {config[extract][engine_wait_s]} --target {params.target} --shard {input.shard}"
+        " --engine-wait-s {config[extract][engine_wait_s]} --target {params.target} --shard {params.shard}"
         " --preflight {input.preflight} --out {output} --settings {params.settings:q} > {log} 2>&1"

@@ -180,6 +180,31 @@ def test_float32_storage_matches_reference_exactly(tmp_path):
     assert torch.equal(got["aux_hidden"], torch.cat([ref[k] for k in AUX], dim=-1))
 
 
+def test_float8_storage_is_within_its_bound(tmp_path):
+    """extract.storage_dtype float8_e4m3: e4m3 codes + a float32 scale per token row, read back
+    (dequantized to float32) within amax / 28 of the reference per token row (the derived bound,
+    docs/shard-format.md; one sample at a time, so the values before rounding equal it)."""
+    target, shard, preflight, ids, _ = build_case(tmp_path, "llama")
+    out = tmp_path / "f8.h5"
+    extract_shard(target, shard, preflight, out, settings(1, storage="float8_e4m3"))
+    with h5py.File(out, "r") as f:
+        assert f.attrs["storage_dtype"] == "float8_e4m3" and f["aux_hidden"].dtype == np.uint8
+        assert f["aux_scale"].shape == f["final_scale"].shape == (sum(LENGTHS),)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    worst = 0.0
+    with ShardReader(out) as reader:
+        for i in range(len(ids)):
+            got, ref = reader.read(i), reference(model, ids[i])
+            for name, want in (("aux_hidden", torch.cat([ref[k] for k in AUX], -1)),
+                               ("final_hidden", ref[4])):
+                assert got[name].dtype == torch.float32
+                amax = want.abs().amax(dim=1)  # [T]
+                rel = (got[name] - want).abs().amax(dim=1) / amax
+                assert bool((rel <= (1 + 2.0 ** -18) / 28).all()), (i, name, float(rel.max()))
+                worst = max(worst, float(rel.max()))
+    assert worst > 0.5 / 28  # really quantized (float32 storage would give 0)
+
+
 def test_stale_or_failed_preflight_is_refused(tmp_path):
     target, shard, preflight, _, _ = build_case(tmp_path, "llama")
     out = tmp_path / "out.h5"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import json
 import shutil
 
 import h5py
@@ -9,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from eyrie import shards
+from eyrie.packing import PackedShards
 from eyrie.shards import (CHECKED_FIELDS, ShardError, ShardMeta, ShardReader, ShardWriter,
-                          validate_shard)
+                          bytes_per_token, quantize_e4m3, validate_shard)
 
 H, N_AUX = 8, 3
 LENGTHS = [5, 1, 7]
@@ -53,8 +57,8 @@ def write(path, storage="bfloat16", values=None, m=None):
                 if storage == "bfloat16":
                     values[i] = (random_bf16((LENGTHS[i], N_AUX * H), rng),
                                  random_bf16((LENGTHS[i], H), rng))
-                else:
-                    dt = getattr(torch, storage)
+                else:  # float8_e4m3 is quantized from float32 by put
+                    dt = torch.float32 if storage == "float8_e4m3" else getattr(torch, storage)
                     values[i] = (torch.from_numpy(rng.standard_normal((LENGTHS[i], N_AUX * H))).to(dt),
                                  torch.from_numpy(rng.standard_normal((LENGTHS[i], H))).to(dt))
             w.put(i, *values[i])
@@ -218,7 +222,8 @@ def test_failed_rewrite_keeps_the_previous_complete_file(tmp_path):
 
 
 @pytest.mark.parametrize("storage,bad", [("bfloat16", float("nan")), ("bfloat16", float("inf")),
-                                         ("float32", float("-inf")), ("float16", 1e6)])
+                                         ("float32", float("-inf")), ("float16", 1e6),
+                                         ("float8_e4m3", float("nan")), ("float8_e4m3", float("-inf"))])
 def test_non_finite_values_are_refused(tmp_path, storage, bad):
     sids, ids, masks = tokens()
     path = tmp_path / "s.h5"
@@ -257,3 +262,275 @@ def test_empty_shard_round_trips(tmp_path):
         pass
     with ShardReader(path) as r:
         assert len(r) == 0 and r.sample_ids() == []
+
+
+# ----------------------------------------------------------------------------- read path
+
+STORAGES = ["bfloat16", "float16", "float32", "float8_e4m3"]
+
+
+def raw_hidden(path, i: int) -> dict[str, np.ndarray]:
+    """Sample i's stored hidden rows (and scales), read by h5py."""
+    with h5py.File(path, "r") as f:
+        a, b = f["offsets"][i], f["offsets"][i + 1]
+        return {k: f[k][a:b] for k in ("aux_hidden", "final_hidden", "aux_scale", "final_scale")
+                if k in f}
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_writer_layout_is_contiguous_and_read_by_offset(tmp_path, storage):
+    path = tmp_path / "s.h5"
+    write(path, storage)
+    with h5py.File(path, "r") as f:
+        for name in ("aux_hidden", "final_hidden") + (("aux_scale", "final_scale")
+                                                      if storage == "float8_e4m3" else ()):
+            ds = f[name]
+            assert ds.chunks is None and ds.compression is None and ds.id.get_offset() is not None
+    with ShardReader(path) as r:  # hidden states mapped, the small datasets read by pread
+        assert r.access == {n: "mmap" if n.endswith("hidden") else "pread" for n in r.access}
+
+
+@pytest.fixture
+def map_all(monkeypatch):
+    """Map every hidden-state read (the tiny test samples are below the size that is mapped)."""
+    monkeypatch.setattr(shards, "MAP_MIN_BYTES", 0)
+
+
+def test_returned_tensors_are_private_and_outlive_the_reader(tmp_path, map_all):
+    path = tmp_path / "s.h5"
+    values = write(path)
+    before = path.read_bytes()
+    with ShardReader(path, check_values=False) as r:
+        got = r.read(2)["aux_hidden"]
+        got[0, 0] = 7.0  # copy-on-write: neither the file nor the next read sees it
+        assert r.read(2)["aux_hidden"][0, 0].view(torch.int16) == values[2][0][0, 0].view(torch.int16)
+    assert path.read_bytes() == before
+    assert got[0, 0] == 7.0 and torch.equal(got[1:].view(torch.int16), values[2][0][1:].view(torch.int16))
+    assert maps_of(path) == 1  # the tensor's own map, kept after close
+    del got
+    gc.collect()
+    assert maps_of(path) == 0  # unmapped once freed
+
+
+def maps_of(path) -> int:
+    """Memory maps of `path` in this process."""
+    with open("/proc/self/maps") as f:
+        return sum(line.rstrip().endswith(str(path)) for line in f)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("layout", ["chunked-gzip", "no-mmap"])
+def test_other_layouts_read_the_same(tmp_path, monkeypatch, storage, layout):
+    """A repacked (chunked, compressed) shard reads through h5py; without a memory map the
+    offsets are read by pread. Same values as mapped reads."""
+    path = tmp_path / "s.h5"
+    write(path, storage)
+    with monkeypatch.context() as m:
+        m.setattr(shards, "MAP_MIN_BYTES", 0)
+        with ShardReader(path) as r:
+            want = [{k: v.clone() for k, v in r.read(i).items()} for i in range(len(r))]
+    if layout == "chunked-gzip":
+        with h5py.File(path, "r+") as f:
+            for name in [k for k in f if k not in ("offsets", "sample_ids")]:
+                data = f[name][:]
+                del f[name]
+                f.create_dataset(name, data=data, chunks=True, compression="gzip")
+        mode = "h5py"
+    else:
+        monkeypatch.setattr(shards, "_LIBC", None)
+        mode = "pread"
+    with ShardReader(path) as r:
+        assert set(r.access.values()) == {mode}, r.access
+        for i in range(len(r)):
+            got = r.read(i)
+            for k, v in want[i].items():
+                assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.int16) if
+                                                               v.dtype == torch.bfloat16 else got[k],
+                                                               v.view(torch.int16) if
+                                                               v.dtype == torch.bfloat16 else v), k
+    validate_shard(path)
+
+
+def poison(path, name: str, row: int, pattern: bytes) -> None:
+    """Overwrite the first value of one row of a dataset in the file."""
+    with h5py.File(path, "r") as f:
+        ds = f[name]
+        at = ds.id.get_offset() + row * ds.dtype.itemsize * int(np.prod(ds.shape[1:]))
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        fh.write(pattern)
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+@pytest.mark.parametrize("storage,name,pattern", [
+    ("bfloat16", "final_hidden", b"\x80\x7f"),  # +inf
+    ("float16", "aux_hidden", b"\x01\x7e"),  # NaN
+    ("float32", "aux_hidden", b"\x00\x00\xc0\xff"),  # NaN
+    ("float8_e4m3", "aux_hidden", b"\x7f"),  # e4m3fn NaN code
+    ("float8_e4m3", "final_scale", np.float32(0).tobytes()),  # a zero scale
+    ("float8_e4m3", "aux_scale", np.float32("inf").tobytes()),
+])
+def test_checked_reads_and_the_scan_refuse_bad_values(tmp_path, monkeypatch, mapped, storage,
+                                                      name, pattern):
+    if mapped:
+        monkeypatch.setattr(shards, "MAP_MIN_BYTES", 0)
+    path = tmp_path / "s.h5"
+    write(path, storage)
+    poison(path, name, 5 + 3, pattern)  # sample 2 (rows 6..12), its third row
+    hidden = name.replace("scale", "hidden")
+    with ShardReader(path) as r:  # default: each read checks its sample
+        r.read(0), r.read(1)
+        with pytest.raises(ShardError, match=f"{path}: sample 2: non-finite values in {hidden}"):
+            r.read(2)
+    with pytest.raises(ShardError, match=f"{path}: non-.*values in {name} row 8; rebuild"):
+        validate_shard(path)
+    with ShardReader(path, check_values=False) as r:  # trusts an earlier scan: no check
+        r.read(2)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_bytes_per_token_match_the_files(tmp_path, storage):
+    """Per token, the datasets hold bytes_per_token + 5 (input_ids int32, loss_mask uint8);
+    the rest of the file is a fixed few KiB of HDF5 metadata."""
+    n = 1000
+    path = tmp_path / "s.h5"
+    with ShardWriter(path, meta(storage), ["a:1", "a:2"], [[1] * n, [2] * n], [[1] * n, [0] * n]) as w:
+        for i in range(2):
+            w.put(i, torch.ones(n, N_AUX * H), torch.ones(n, H))
+    with h5py.File(path, "r") as f:
+        per_sample = {"offsets": 8 * 3, "sample_ids": 16 * 2}  # not per token
+        data = sum(f[k].id.get_storage_size() - per_sample.get(k, 0) for k in f)
+    assert data == 2 * n * (bytes_per_token(storage, N_AUX + 1, H) + 5)
+    assert 0 < path.stat().st_size - data < 16 << 10
+    assert bytes_per_token("float8_e4m3", 4, 4096) == 4 * 4096 + 8  # Llama-3.1-8B: 16 KiB + 8
+    assert bytes_per_token("bfloat16", 4, 4096) == 32 * 1024
+
+
+# ----------------------------------------------------------------------------- float8_e4m3
+
+E4M3_VALUES = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn).float()
+E4M3_FINITE = E4M3_VALUES[torch.isfinite(E4M3_VALUES)]  # [254]: NaN codes 0x7F, 0xFF left out
+SLACK = 1 + 2.0 ** -18  # float32 rounding of x / scale and of code * scale
+
+
+def float8_rows(rng) -> torch.Tensor:
+    """[24, 96] float32 rows with very different magnitudes, outliers, a zero row, tiny values."""
+    x = torch.from_numpy(rng.standard_normal((24, 96))).float()
+    x *= torch.logspace(-3, 3, 24)[:, None]  # row amax from ~1e-3 to ~1e3
+    x[3, 5] = 5e4  # one massive activation: the rest of its row falls into subnormal codes
+    x[4] = 0.0
+    x[5, :48] *= 1e-7
+    return x
+
+
+def test_float8_quantization_is_round_to_nearest_with_a_per_token_scale():
+    x = float8_rows(np.random.default_rng(0))
+    codes, scale = quantize_e4m3(x)
+    amax = x.abs().amax(dim=1)
+    assert np.array_equal(scale, np.maximum(amax.numpy() / np.float32(448), np.float32(2.0 ** -126)))
+    q = torch.from_numpy(codes).view(torch.float8_e4m3fn).float()  # [24, 96]
+    y = x / torch.from_numpy(scale)[:, None]  # what the quantizer rounds
+    nearest = (E4M3_FINITE[None, None, :] - y[..., None]).abs().amin(dim=-1)
+    assert torch.equal((q - y).abs(), nearest)  # no closer e4m3 value exists
+    assert q.abs().max() == 448  # every nonzero row's largest value uses the top code
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+def test_float8_round_trip_error_bound(tmp_path, out_dtype, map_all):
+    """Derived bound (docs/shard-format.md): e4m3 keeps 3 mantissa bits, so rounding x / s to
+    the nearest code errs by at most 2^-4 of the value in the normal range (|x / s| >= 2^-6)
+    and by 2^-10 (half the subnormal spacing) below; the top binade [256, 448] has spacing
+    32. With s = amax / 448: |x^ - x| <= 2^-4 |x| + 2^-10 s per value, and per token row
+    max |x^ - x| <= 16 s = amax / 28 (3.6%). Reading to bfloat16 rounds once more (2^-9)."""
+    sids, ids, masks = tokens([24, 3])
+    x = float8_rows(np.random.default_rng(0))
+    path = tmp_path / "s.h5"
+    with ShardWriter(path, meta("float8_e4m3", hidden_size=32), sids, ids, masks) as w:
+        w.put(0, x, x[:, :32] * 3)
+        w.put(1, torch.zeros(3, 96), torch.zeros(3, 32))
+    with ShardReader(path) as r:
+        got = r.read(0, dtype=out_dtype)
+        exact = r.read(0)  # float32 by default
+        assert exact["aux_hidden"].dtype == torch.float32
+        assert torch.equal(r.read(1)["aux_hidden"], torch.zeros(3, 96))
+    raw = raw_hidden(path, 0)
+    codes = torch.from_numpy(raw["aux_hidden"]).view(torch.float8_e4m3fn)
+    s = torch.from_numpy(raw["aux_scale"])[:, None]  # [24, 1]
+    assert torch.equal(exact["aux_hidden"], codes.float() * s)  # dequantization is exact
+    if out_dtype is not None:
+        assert got["aux_hidden"].dtype == out_dtype
+        assert torch.equal(got["aux_hidden"], exact["aux_hidden"].to(out_dtype))
+    for name, ref in (("aux_hidden", x), ("final_hidden", x[:, :32] * 3)):
+        err = (exact[name] - ref).abs()  # [24, W]
+        scale = torch.from_numpy(raw[name.replace("hidden", "scale")])[:, None]
+        assert bool((err <= (2.0 ** -4 * ref.abs() + 2.0 ** -10 * scale) * SLACK).all())
+        amax = ref.abs().amax(dim=1)
+        row = err.amax(dim=1)  # [24]
+        assert bool((row <= amax / 28 * SLACK).all())
+        live = amax > 0
+        assert float((row[live] / amax[live]).max()) > 0.9 / 28  # the bound is tight, not loose
+    # the rows around the outlier keep their sign and about their size
+    assert torch.equal(torch.sign(exact["aux_hidden"][5, 48:]), torch.sign(x[5, 48:]))
+
+
+def test_float8_halves_bfloat16_disk():
+    for H_ in (128, 4096):
+        assert bytes_per_token("float8_e4m3", 4, H_) / bytes_per_token("bfloat16", 4, H_) < 0.51
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3"])
+def test_packed_batches_read_what_the_reader_reads(tmp_path, storage):
+    """PackedShards (training's data path) copies the reader's values, float8 dequantized to
+    float32; values_checked=False keeps the per-sample check, True skips it."""
+    path = tmp_path / "s.h5"
+    write(path, storage)
+    expect = {k: getattr(meta(storage), k) for k in CHECKED_FIELDS}
+    with ShardReader(path) as r:
+        ref = [r.read(i, dtype=torch.float32) for i in range(len(r))]
+    for checked in (False, True):
+        data = PackedShards([path], expect, max_tokens=32, gap=2, values_checked=checked)
+        assert [rd.check_values for rd in data.readers] == [not checked]
+        assert data.refs == [(0, 0), (0, 2)]  # sample 1 has a single token: nothing to predict
+        batch = data.batch([1, 0])
+        n2, n0 = LENGTHS[2] - 1, LENGTHS[0] - 1
+        assert batch["document_ids"][0].tolist() == [0] * n2 + [-1, -1] + [1] * n0 + [-1, -1]
+        h = batch["hidden_states"][0]  # [L, 3H] float32
+        assert torch.equal(h[:n2], ref[2]["aux_hidden"][:-1])
+        assert torch.equal(h[n2 + 2:n2 + 2 + n0], ref[0]["aux_hidden"][:-1])
+        assert not h[n2:n2 + 2].any()
+        v = batch["verifier_last_hidden_states"][0]
+        assert torch.equal(v[:n2], ref[2]["final_hidden"][1:])
+        data.close()
+
+
+@pytest.mark.slow  # builds a tiny target world and trains one epoch (~6 s + imports)
+def test_train_reads_float8_shards(tmp_path):
+    """The pipeline end to end on float8_e4m3 shards of real hidden states: training's batches
+    hold the bf16 shards' values within the float8 bound, and a draft trains on them."""
+    from eyrie.train import _expectation, train
+    from train_helpers import build_world, train_settings, write_shard
+
+    world = build_world(tmp_path / "world", num_conversations=8)
+    fp8 = []
+    for s, path in enumerate(world["shards"]):
+        with ShardReader(path) as r:
+            sids = r.sample_ids()
+        fp8.append(tmp_path / f"fp8_{s}.h5")
+        write_shard(fp8[-1], world["model"], world["samples"][s::len(world["shards"])],
+                    ShardMeta(**world["meta"], storage_dtype="float8_e4m3"), sids)
+    expect = _expectation(world["preflight"])
+    a = PackedShards(world["shards"], expect, max_tokens=128, gap=2)
+    b = PackedShards(fp8, expect, max_tokens=128, gap=2)
+    x, y = a.batch([0, 1]), b.batch([0, 1])
+    for k in ("hidden_states", "verifier_last_hidden_states"):
+        amax = x[k][0].abs().amax(dim=1)  # [L]
+        err = (y[k][0] - x[k][0]).abs().amax(dim=1)
+        # float8 of the float32 states vs their bf16 rounding: 1/28 plus one bf16 rounding step
+        assert bool((err <= amax * (1 / 28 + 2.0 ** -8)).all())
+    assert all(torch.equal(x[k], y[k]) for k in ("input_ids", "loss_mask", "document_ids"))
+    a.close(), b.close()
+    summary = train(world["target"], world["preflight"], world["vocab"], fp8, tmp_path / "train",
+                    tmp_path / "state", train_settings(epochs=1))
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == len(losses) > 0 and all(np.isfinite(losses))
+    assert (tmp_path / "train" / "draft" / "model.safetensors").is_file()

@@ -139,7 +139,8 @@ def test_training_setting_reruns_only_train_export_evaluate(built):
 def dag_styles(workdir: Path) -> dict[str, set[str]]:
     """Rule -> node styles in `snakemake --dag` (dot): "dashed" marks a job that needs no run."""
     dot = snakemake(workdir, "--dag")
-    nodes = re.findall(r'label = "(\w+)".*?style="([\w,]+)"', dot)
+    # a label is the rule's name, then "\n<wildcard>: <value>" for the wildcards its inputs lack
+    nodes = re.findall(r'label = "(\w+)(?:\\n[^"]*)?".*?style="([\w,]+)"', dot)
     assert nodes, dot[-2000:]
     styles: dict[str, set[str]] = {}
     for rule, style in nodes:
@@ -262,6 +263,18 @@ def test_group_size_reruns_the_shards_that_change_group(built):
                     "export_draft": 1, "evaluate_draft": 1, "all": 1}
     changed = re.findall(r"^results/tiny/hidden/(shard_\d+)\.h5$", out, re.M)
     assert sorted(changed) == ["shard_002", "shard_003"]
+
+
+@pytest.mark.slow
+def test_ten_thousand_shards_plan_in_a_dry_run(tmp_path):
+    """The whole DAG of a 10,000-shard config plans (no rule lists the N tokenized shards, which
+    made planning quadratic: BENCHMARKS.md "Workflow overhead"); each hidden-state shard is still
+    its own job, 16 to an engine. No timing here: benchmarks/workflow_overhead.py measures it."""
+    write_config(tmp_path, data__conversations=[], data__num_shards=10_000, extract__group_size=16)
+    assert planned(tmp_path, "--quiet", "rules") == {
+        "build_demo_conversations": 1, "build_demo_target": 1, "tokenize_conversations": 1,
+        "build_vocab_map": 1, "preflight": 1, "extract_engine": 625, "extract_hidden_states": 10_000,
+        "train_draft": 1, "export_draft": 1, "evaluate_draft": 1, "all": 1}
 
 
 @pytest.mark.slow
