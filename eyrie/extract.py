@@ -13,6 +13,12 @@ hooks that capture the residual stream in vLLM layer-id semantics (eyrie.capture
 by length and packed into right-padded batches of at most `extract.max_tokens_per_batch` padded
 tokens. Writing to HDF5 runs in a background thread so it overlaps the next forward pass.
 
+On a GPU the host never waits for the device within a batch: the real (unpadded) rows are cast to
+their stored representation (bfloat16 bits, or float8 codes and scales) and checked finite on the
+GPU, then copied without blocking into one of a few pinned host buffers (`PinnedStaging`); the
+writer thread waits for that copy, writes each sample at its file offset and hands the buffer
+back, while the main thread already runs the next batch's forward pass.
+
 torch, pyarrow and h5py are imported where they are used: the `--engine` client path imports
 none of them (a group of shard clients then costs a few MB each, not ~250 MB).
 """
@@ -21,11 +27,12 @@ from __future__ import annotations
 
 import importlib
 import logging
+import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -45,6 +52,9 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 # backend name -> "module:Class", imported only when chosen (vLLM is not installed everywhere)
 BACKENDS = {"hf": "eyrie.extract:HFBackend", "vllm": "eyrie.vllm_backend:VllmBackend"}
 PROGRESS_EVERY_S = 5.0
+# writer threads: writes at file offsets release the GIL, and one thread's page-cache writes
+# (~2 GB/s) are slower than a GPU's hidden states of a shallow wide target
+WRITERS = 4
 
 # (sample indices, aux [T_i, n_aux*H] per sample, final [T_i, H] per sample), CPU, storage dtype
 States = tuple[list[int], list["torch.Tensor"], list["torch.Tensor"]]
@@ -54,6 +64,68 @@ Tokenized = tuple[list[str], list[np.ndarray], list[np.ndarray]]
 
 class ExtractError(EyrieError):
     pass
+
+
+@dataclass
+class StagedBatch:
+    """A batch in its stored representation, copied (or still being copied) from the GPU into a
+    pinned host buffer. `rows[j]`: {dataset name: numpy [T_i, ...]} of sample batch[j] (views into
+    the buffer); `bad`: [N] host flags of non-finite rows, valid after `wait()`."""
+    batch: list[int]
+    lengths: list[int]
+    rows: list[dict[str, np.ndarray]]
+    bad: np.ndarray
+    done: "torch.cuda.Event"
+    release: "Callable[[], None]"
+
+    def wait(self, out: Path) -> None:
+        """Block until the copy has landed; raise if a row is not finite (storage overflow)."""
+        self.done.synchronize()
+        if self.bad.any():
+            row = int(np.argmax(self.bad))
+            j = int(np.searchsorted(np.cumsum(self.lengths), row, side="right"))
+            raise ExtractError(f"{out}: sample {self.batch[j]}: non-finite hidden states (compute "
+                               "dtype or storage_dtype overflows; use bfloat16 or float32)")
+
+
+class PinnedStaging:
+    """A few pinned host buffers, reused: `stage` copies a batch's stored rows from the GPU into a
+    free one without blocking the host (it waits only when every buffer still awaits its write:
+    the writer's back-pressure, counted in `wait_s`)."""
+
+    ALIGN = 256
+
+    def __init__(self, slots: int = 3):
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(slots):
+            self.free.put(None)  # allocated at first use, at the size the batches need
+        self.wait_s = 0.0
+
+    def stage(self, batch: list[int], lengths: list[int], stored: dict[str, torch.Tensor],
+              bad: torch.Tensor) -> StagedBatch:
+        """stored: {name: device tensor [N, ...]} (N = sum(lengths), samples in batch order)."""
+        import torch
+
+        t = time.monotonic()
+        buf = self.free.get()
+        self.wait_s += time.monotonic() - t
+        parts = [*stored.items(), ("bad", bad.view(torch.uint8))]
+        sizes = [-(-x.numel() * x.element_size() // self.ALIGN) * self.ALIGN for _, x in parts]
+        if buf is None or buf.numel() < sum(sizes):
+            del buf  # a larger batch than before (a long sample alone): grow this slot
+            buf = torch.empty(int(sum(sizes) * 1.25), dtype=torch.uint8, pin_memory=True)
+        host, at = {}, 0
+        for (name, x), size in zip(parts, sizes):
+            view = buf[at:at + x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+            view.copy_(x, non_blocking=True)
+            host[name] = view.numpy()
+            at += size
+        done = torch.cuda.Event()
+        done.record()
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        rows = [{name: host[name][a:b] for name in stored} for a, b in zip(bounds[:-1], bounds[1:])]
+        return StagedBatch(batch, list(lengths), rows, host["bad"].view(bool), done,
+                           lambda: self.free.put(buf))
 
 
 @dataclass(frozen=True)
@@ -226,13 +298,10 @@ def load_target(path: str | Path, device: str, dtype: torch.dtype, trust_remote_
     return model.to(device).eval()
 
 
-def forward_batch(model, batch: list[np.ndarray], aux_ids: list[int], final_id: int,
-                  device: str, storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run one right-padded batch through the target's base model.
-
-    batch: B arrays of token ids [T_b]. Returns (aux [B, T_max, n_aux*H], final [B, T_max, H]) on
-    the CPU in the storage dtype; rows past T_b are padding.
-    """
+def _forward_device(model, batch: list[np.ndarray], aux_ids: list[int], final_id: int,
+                    device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One right-padded batch through the target's base model: (aux [B, T_max, n_aux*H],
+    final [B, T_max, H]) on the device in the compute dtype; rows past T_b are padding."""
     import torch
 
     from eyrie.capture import capture_hidden_states
@@ -251,9 +320,23 @@ def forward_batch(model, batch: list[np.ndarray], aux_ids: list[int], final_id: 
     if missing:
         raise ExtractError(f"layer id {missing[0]} was not captured by the forward pass of "
                            f"{type(model).__name__}; its architecture entry in eyrie.targets is wrong")
-    aux = torch.cat([captured[k] for k in aux_ids], dim=-1).to(storage)  # [B, T, n_aux*H]
-    final = captured[final_id].to(storage)  # [B, T, H]
-    return aux.to("cpu"), final.to("cpu")
+    return torch.cat([captured[k] for k in aux_ids], dim=-1), captured[final_id]
+
+
+def forward_batch(model, batch: list[np.ndarray], aux_ids: list[int], final_id: int,
+                  device: str, storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run one right-padded batch through the target's base model.
+
+    batch: B arrays of token ids [T_b]. Returns (aux [B, T_max, n_aux*H], final [B, T_max, H]) on
+    the CPU in the storage dtype; rows past T_b are padding.
+    """
+    aux, final = _forward_device(model, batch, aux_ids, final_id, device)
+    return aux.to(storage).to("cpu"), final.to(storage).to("cpu")
+
+
+def real_rows(lengths: list[int], T: int) -> np.ndarray:
+    """Flat indices [sum(lengths)] of the real tokens of a right-padded [B, T] batch."""
+    return np.concatenate([b * T + np.arange(n) for b, n in enumerate(lengths)]).astype(np.int64)
 
 
 class HFBackend:
@@ -276,13 +359,32 @@ class HFBackend:
                         too_long, cfg.max_tokens_per_batch)
         log.info("hf: %d batches (<= %d padded tokens), %s on %s", len(batches),
                  cfg.max_tokens_per_batch, cfg.dtype, cfg.device)
+        staging = PinnedStaging() if cfg.device == "cuda" else None
         for batch in batches:
             with torch.inference_mode():  # not held across the yield (it is thread-global state)
-                aux, final = forward_batch(self.model, [input_ids[i] for i in batch], self.aux_ids,
-                                           self.final_id, cfg.device, storage)
+                if staging is None:
+                    aux, final = forward_batch(self.model, [input_ids[i] for i in batch],
+                                               self.aux_ids, self.final_id, cfg.device, storage)
+                else:
+                    from eyrie.shards import stored_tensors
+
+                    aux, final = _forward_device(self.model, [input_ids[i] for i in batch],
+                                                 self.aux_ids, self.final_id, cfg.device)
+                    lens = [lengths[i] for i in batch]
+                    idx = torch.from_numpy(real_rows(lens, aux.shape[1])).to(cfg.device)
+                    stored, bad = stored_tensors(aux.flatten(0, 1).index_select(0, idx),
+                                                 final.flatten(0, 1).index_select(0, idx),
+                                                 cfg.storage_dtype)
+                    staged = staging.stage(batch, lens, stored, bad)
+                    del aux, final, stored, bad
+            if staging is not None:
+                yield staged
+                continue
             # drop the padding rows: aux [T_i, n_aux*H], final [T_i, H] per sample (views)
             yield (batch, [aux[b, : lengths[i]] for b, i in enumerate(batch)],
                    [final[b, : lengths[i]] for b, i in enumerate(batch)])
+        if staging is not None and staging.wait_s > 1.0:
+            log.info("hf: waited %.1f s for the writer to free a pinned buffer", staging.wait_s)
 
     def close(self) -> None:
         import torch
@@ -350,15 +452,23 @@ class Extractor:
         write_wait_s = 0.0
         done_samples = done_tokens = 0
         with ShardWriter(out, meta, sample_ids, input_ids, loss_masks) as writer, \
-                ThreadPoolExecutor(max_workers=1) as pool, torch.inference_mode():
-            pending: Future | None = None
-            for batch, aux, final in self.backend.states(input_ids, storage):
-                self._check(batch, aux, final, lengths)
-                if pending is not None:
+                ThreadPoolExecutor(max_workers=WRITERS) as pool, torch.inference_mode():
+            pending: list[Future] = []
+            for item in self.backend.states(input_ids, storage):
+                if isinstance(item, StagedBatch):
+                    batch = item.batch
+                    self._check_staged(item, lengths)
+                    job = pool.submit(_write_staged, writer, item, Path(out))
+                else:
+                    batch, aux, final = item
+                    self._check(batch, aux, final, lengths)
+                    job = pool.submit(_write_batch, writer, batch, aux, final)
+                pending.append(job)
+                # a failed write surfaces at once; at most two batches wait for the writer
+                while pending and (pending[0].done() or len(pending) > 2):
                     t = time.monotonic()
-                    pending.result()  # re-raises a failed write
+                    pending.pop(0).result()  # re-raises a failed write
                     write_wait_s += time.monotonic() - t
-                pending = pool.submit(_write_batch, writer, batch, aux, final)
                 done_samples += len(batch)
                 done_tokens += sum(lengths[i] for i in batch)
                 now = time.monotonic()
@@ -366,15 +476,24 @@ class Extractor:
                     log.info("%d/%d samples, %d tokens, %.0f tokens/s", done_samples, len(lengths),
                              done_tokens, done_tokens / (now - start))
                     last_log = now
-            if pending is not None:
-                t = time.monotonic()
-                pending.result()
-                write_wait_s += time.monotonic() - t
+            t = time.monotonic()
+            for job in pending:
+                job.result()
+            write_wait_s += time.monotonic() - t
         elapsed = time.monotonic() - start
         log.info("wrote %s: %d samples, %d tokens in %.1f s (%.0f tokens/s; waiting for writes "
                  "%.1f s; target loaded once in %.1f s)", out, len(lengths), sum(lengths), elapsed,
                  sum(lengths) / max(elapsed, 1e-9), write_wait_s, self.load_s)
         return Path(out)
+
+    def _check_staged(self, staged: StagedBatch, lengths: list[int]) -> None:
+        H, n_aux = self.info.hidden_size, len(self.aux_ids)
+        for i, rows in zip(staged.batch, staged.rows):
+            a, f = rows["aux_hidden"], rows["final_hidden"]
+            if a.shape != (lengths[i], n_aux * H) or f.shape != (lengths[i], H):
+                raise ExtractError(f"{self.target}: sample {i}: captured aux {a.shape} final "
+                                   f"{f.shape}, expected ({lengths[i]}, {n_aux * H}) and "
+                                   f"({lengths[i]}, {H}) (config.json hidden_size={H})")
 
     def _check(self, batch: list[int], aux: list[torch.Tensor], final: list[torch.Tensor],
                lengths: list[int]) -> None:
@@ -391,6 +510,16 @@ class Extractor:
             if f.shape[0] != lengths[i] or a.shape[0] != lengths[i]:
                 raise ExtractError(f"backend {self.cfg.backend}: sample {i} has {lengths[i]} tokens "
                                    f"but {f.shape[0]} final / {a.shape[0]} aux rows")
+
+
+def _write_staged(writer: ShardWriter, staged: StagedBatch, out: Path) -> None:
+    """The writer thread's side of a staged batch: wait for its copy, write, free the buffer."""
+    try:
+        staged.wait(out)
+        for i, rows in zip(staged.batch, staged.rows):
+            writer.put_stored(i, rows)
+    finally:
+        staged.release()
 
 
 def _write_batch(writer: ShardWriter, batch: list[int], aux: list[torch.Tensor],

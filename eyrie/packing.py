@@ -16,12 +16,20 @@ positions: TTT step s compares a position's logits with the target s positions l
 (speculators' align_for_step), which without the gap would reach into the next sample.
 `document_ids` keep the samples of a batch apart. The plan (every epoch's batches) is a function
 of the settings and the shards alone.
+
+Loading (`Prefetcher`): a background thread builds the packs of the coming steps (in pinned host
+memory when they go to a GPU, hidden states in their stored dtype when widening them on the
+device gives the same float32 values) while the main thread trains, at most `depth` steps ahead.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from pathlib import Path
+from typing import Iterable
 
+import numpy as np
 import torch
 
 from eyrie import EyrieError
@@ -91,45 +99,63 @@ class PackedShards:
                         for p in paths]
         self.refs: list[tuple[int, int]] = []  # (reader, sample) of each usable sample
         self.lengths: list[int] = []  # shifted length (T - 1)
+        self.loss_tokens: list[int] = []  # loss-masked positions once shifted and truncated
         self.skipped = 0
         for r_i, reader in enumerate(self.readers):
             mask = reader.f["loss_mask"][:]
+            csum = np.concatenate([[0], np.cumsum(mask != 0)])
             for s_i, (a, b) in enumerate(zip(reader.offsets[:-1], reader.offsets[1:])):
                 if b - a < 3 or not mask[a + 2:b].any():
                     self.skipped += 1  # no token to predict under the (shifted) loss mask
                     continue
                 self.refs.append((r_i, s_i))
                 self.lengths.append(int(b - a - 1))
+                # shifted mask = mask[2:] + [0]; its first n positions: mask[a+2 : a+2+min(n, T-2)]
+                n = min(int(b - a - 1), max_tokens - gap)
+                self.loss_tokens.append(int(csum[a + 2 + min(n, b - a - 2)] - csum[a + 2]))
         if not self.refs:
             raise EyrieError(f"{paths[0]}...: no sample has a loss-masked token to predict; "
                              "check the tokenized shards' loss_mask (assistant turns)")
         self.truncated = sum(n > max_tokens - gap for n in self.lengths)
         self.hidden_size = int(expect["hidden_size"])
         self.n_aux = len(expect["aux_layer_ids"])
+        # Hidden states can travel in their stored dtype when widening them to float32 later is
+        # exact and equal to the float32 read (bfloat16, float16); float8 is dequantized to float32.
+        stored = sorted({r.meta.storage_dtype for r in self.readers})
+        exact = len(stored) == 1 and stored[0] in ("bfloat16", "float16", "float32")
+        self.transfer_dtype = getattr(torch, stored[0]) if exact else torch.float32
 
     def __len__(self) -> int:
         return len(self.refs)
 
-    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """Packed batch, each value [1, L, ...]: hidden_states float32 [1, L, n_aux*H],
-        verifier_last_hidden_states float32 [1, L, H], input_ids/position_ids/document_ids
+    def tokens(self, indices: list[int]) -> tuple[int, int]:
+        """(positions that belong to a sample, loss-masked positions) of the pack `indices`:
+        what (document_ids >= 0).sum() and loss_mask.sum() of `batch(indices)` count."""
+        return (sum(min(self.lengths[i], self.max_tokens - self.gap) for i in indices),
+                sum(self.loss_tokens[i] for i in indices))
+
+    def batch(self, indices: list[int], dtype: torch.dtype = torch.float32,
+              pin: bool = False) -> dict[str, torch.Tensor]:
+        """Packed batch, each value [1, L, ...]: hidden_states `dtype` [1, L, n_aux*H],
+        verifier_last_hidden_states `dtype` [1, L, H], input_ids/position_ids/document_ids
         int64 [1, L], loss_mask bool [1, L]. After each sample come `gap` = ttt_steps - 1
         padding positions (document id -1, loss mask 0): TTT step s compares a position's
         logits with the target s positions later (speculators' align_for_step), which without
         the gap would reach into the next sample.
 
         Hidden states go from the file's pages (ShardReader maps them) straight into the
-        preallocated float32 batch: one conversion pass (float8 shards: dequantized to float32
-        first, then copied)."""
+        preallocated batch: one pass (float8 shards: dequantized to float32 first, then copied).
+        `dtype` float32 is the training dtype; `transfer_dtype` keeps the stored values as they
+        are, for a widening to float32 on the device. `pin`: page-locked host memory (CUDA)."""
         H, n_aux, gap = self.hidden_size, self.n_aux, self.gap
         sizes = [min(self.lengths[i], self.max_tokens - gap) for i in indices]
         L = sum(sizes) + gap * len(indices)
-        out = {"hidden_states": torch.empty(L, n_aux * H),
-               "verifier_last_hidden_states": torch.empty(L, H),
-               "input_ids": torch.empty(L, dtype=torch.long),
-               "loss_mask": torch.empty(L, dtype=torch.bool),
-               "position_ids": torch.empty(L, dtype=torch.long),
-               "document_ids": torch.empty(L, dtype=torch.long)}
+        out = {"hidden_states": torch.empty(L, n_aux * H, dtype=dtype, pin_memory=pin),
+               "verifier_last_hidden_states": torch.empty(L, H, dtype=dtype, pin_memory=pin),
+               "input_ids": torch.empty(L, dtype=torch.long, pin_memory=pin),
+               "loss_mask": torch.empty(L, dtype=torch.bool, pin_memory=pin),
+               "position_ids": torch.empty(L, dtype=torch.long, pin_memory=pin),
+               "document_ids": torch.empty(L, dtype=torch.long, pin_memory=pin)}
         pos = 0
         for doc, (i, n) in enumerate(zip(indices, sizes)):
             r_i, s_i = self.refs[i]
@@ -147,3 +173,74 @@ class PackedShards:
     def close(self) -> None:
         for r in self.readers:
             r.close()
+
+
+class Prefetcher:
+    """Builds the packs of the coming steps in a background thread, at most `depth` steps ahead.
+
+    `steps`: for each step, in order, the packs (lists of sample indices) this process trains.
+    `get()` returns the next step's batches (each as `PackedShards.batch(pack, dtype, pin)`); an
+    exception raised in the thread is raised again by `get()`, with the thread's traceback.
+    `close()` (also on leaving a `with`) stops the thread and waits for it; it runs as a daemon,
+    so a process that ends without close() (a signal's exit) does not wait for it.
+    """
+
+    def __init__(self, data: PackedShards, steps: Iterable[list[list[int]]], *,
+                 dtype: torch.dtype = torch.float32, pin: bool = False, depth: int = 2):
+        self._data, self._dtype, self._pin = data, dtype, pin
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(list(steps),),
+                                        name="eyrie-prefetch", daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, steps: list[list[list[int]]]) -> None:
+        try:
+            for packs in steps:
+                batches = [self._data.batch(p, self._dtype, self._pin) for p in packs]
+                if not self._put(("ok", batches)):
+                    return
+            self._put(("end", None))
+        except BaseException as exc:  # handed to the main thread, which raises it
+            self._put(("error", exc))
+
+    def get(self) -> list[dict[str, torch.Tensor]]:
+        """The next step's batches; blocks until they are built."""
+        while True:
+            try:
+                kind, value = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the prefetch thread ended without a result") from None
+        if kind == "error":
+            self.close()
+            raise value
+        if kind == "end":
+            raise StopIteration("no more steps planned")
+        return value
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:  # a producer blocked on a full queue sees the stop flag within 0.1 s
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)  # a read under way finishes (or fails on closed files)
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

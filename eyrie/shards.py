@@ -54,6 +54,7 @@ CHECKED_FIELDS = ("target_fingerprint", "tokenizer_hash", "aux_layer_ids", "fina
 HIDDEN = ("aux_hidden", "final_hidden")
 SCALES = {"aux_hidden": "aux_scale", "final_hidden": "final_scale"}
 E4M3_MAX = 448.0  # largest finite float8 e4m3fn value
+E4M3_INV = 1.0 / E4M3_MAX  # scales are amax times this: a multiply rounds alike on every device
 SCALE_MIN = 2.0 ** -126  # smallest normal float32: the scale of an all-zero (or tiny) row
 STEP_BYTES = 256 << 10  # check / dequantize this much at a time (stays in cache; measured best)
 QUANTIZE_STEP_BYTES = 1 << 20  # quantize on the CPU ~1 MiB of float32 at a time
@@ -128,20 +129,49 @@ def to_storage(x: torch.Tensor, storage_dtype: str) -> np.ndarray:
     return x.detach().to(getattr(torch, storage_dtype)).cpu().contiguous().numpy()
 
 
-def quantize_e4m3(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+def quantize_e4m3_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, W] (any float dtype, any device) -> (codes uint8 [T, W] e4m3fn bit patterns,
-    scale float32 [T]) with x ~ e4m3(codes) * scale[:, None]; scale = max(row amax / 448, 2^-126),
-    codes = x / scale rounded to nearest (even). A non-finite row gives a non-finite scale."""
+    scale float32 [T]) on x's device, with x ~ e4m3(codes) * scale[:, None];
+    scale = max(row amax * (1/448), 2^-126), codes = x * (1 / scale) rounded to nearest (even).
+    A non-finite row gives a non-finite scale."""
     T, W = x.shape
     codes = torch.empty((T, W), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(T, dtype=torch.float32, device=x.device)
     step = T if x.is_cuda else max(1, QUANTIZE_STEP_BYTES // (4 * W))
     for a in range(0, T, step):
         xs = x[a:a + step].detach().to(torch.float32)  # [rows, W]
-        s = (torch.linalg.vector_norm(xs, ord=float("inf"), dim=1) / E4M3_MAX).clamp_(min=SCALE_MIN)
-        codes[a:a + step] = (xs / s[:, None]).clamp_(-E4M3_MAX, E4M3_MAX)  # the cast rounds
+        s = (torch.linalg.vector_norm(xs, ord=float("inf"), dim=1) * E4M3_INV).clamp_(min=SCALE_MIN)
+        # times the reciprocal, not divided: both are correctly rounded on a CPU and a GPU alike, so
+        # codes are the same bytes wherever they are made (division kernels differ: measured)
+        codes[a:a + step] = (xs * s.reciprocal()[:, None]).clamp_(-E4M3_MAX, E4M3_MAX)  # the cast rounds
         scale[a:a + step] = s
-    return codes.view(torch.uint8).cpu().numpy(), scale.cpu().numpy()
+    return codes.view(torch.uint8), scale
+
+
+def quantize_e4m3(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_e4m3_tensor, returned as host numpy arrays (codes uint8 [T, W], scale float32 [T])."""
+    codes, scale = quantize_e4m3_tensor(x)
+    return codes.cpu().numpy(), scale.cpu().numpy()
+
+
+def stored_tensors(aux: torch.Tensor, final: torch.Tensor, storage_dtype: str
+                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The stored representation of rows, computed where they are (on the GPU, before the copy
+    to the host): aux [N, n_aux*H] and final [N, H] -> ({dataset name: tensor [N, ...]} in the
+    on-disk dtype (bfloat16 as int16 bit patterns, float8 as uint8 codes plus float32 scales),
+    bad [N] bool: rows holding inf/NaN after the cast). ShardWriter.put_stored writes them."""
+    stored: dict[str, torch.Tensor] = {}
+    bad = torch.zeros(aux.shape[0], dtype=torch.bool, device=aux.device)
+    for name, x in (("aux_hidden", aux), ("final_hidden", final)):
+        if STORAGE[storage_dtype].scaled:
+            stored[name], stored[SCALES[name]] = quantize_e4m3_tensor(x)
+            s = stored[SCALES[name]]
+            bad |= ~(torch.isfinite(s) & (s > 0))  # amax finite <=> row finite
+        else:
+            y = x.detach().to(getattr(torch, storage_dtype))
+            bad |= ~torch.isfinite(y).all(dim=1)  # after the cast: float16 overflows where bf16 did not
+            stored[name] = y.view(torch.int16) if storage_dtype == "bfloat16" else y
+    return stored, bad
 
 
 E4M3_VALUES = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn) \
@@ -327,6 +357,11 @@ class ShardWriter:
                      num_samples=len(sample_ids), num_tokens=n_tok)
         for k, v in attrs.items():
             f.attrs[k] = np.asarray(v, dtype=np.int64) if k == "aux_layer_ids" else v
+        # Hidden rows go straight to their datasets' file offsets (contiguous, allocated early,
+        # never filled by HDF5, so no HDF5 cache holds their bytes) through a descriptor of our own.
+        f.flush()
+        self.raw = {name: ds.id.get_offset() for name, ds in self.data.items()}
+        self.fd = os.open(self.tmp, os.O_WRONLY)
 
     def put(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
         """aux: [T_i, n_aux * H]; final: [T_i, H] for sample i (any float dtype, any device)."""
@@ -348,9 +383,31 @@ class ShardWriter:
             if not ok:
                 raise ShardError(f"{self.path}: sample {i}: non-finite {name} values (compute dtype "
                                  f"or storage_dtype={d} overflows; use bfloat16 or float32)")
+        self.put_stored(i, stored)
+
+    def put_stored(self, i: int, stored: dict[str, np.ndarray]) -> None:
+        """Write sample i from values already in their stored representation and already checked
+        finite (`stored_tensors` on the device, copied to the host): {dataset name: [T_i, ...]}
+        with the names and dtypes of this shard's hidden datasets (and scales)."""
+        T = int(self.lengths[i])
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        if set(stored) != set(self.data):
+            raise ShardError(f"{self.path}: sample {i}: got datasets {sorted(stored)}, expected "
+                             f"{sorted(self.data)}")
         for name, x in stored.items():
-            self.data[name][a:b] = x
+            ds = self.data[name]
+            if x.shape != (T, *ds.shape[1:]) or x.dtype.itemsize != ds.dtype.itemsize:
+                raise ShardError(f"{self.path}: sample {i}: {name} {x.shape} {x.dtype}, expected "
+                                 f"{(T, *ds.shape[1:])} {ds.dtype}")
+            at = self.raw.get(name)
+            if at is None:
+                ds[a:b] = x.view(ds.dtype)
+            else:  # the dataset's bytes at their file offset: one write, no HDF5 copy, GIL released
+                row = ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))
+                buf = memoryview(np.ascontiguousarray(x)).cast("B")
+                done = 0
+                while done < len(buf):
+                    done += os.pwrite(self.fd, buf[done:], at + a * row + done)
         self.written[i] = True
 
     def __enter__(self):
@@ -358,6 +415,7 @@ class ShardWriter:
 
     def __exit__(self, exc_type, exc, tb):
         try:
+            os.close(self.fd)
             self.f.close()
             if exc_type is None:
                 missing = np.flatnonzero(~self.written)

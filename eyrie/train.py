@@ -8,7 +8,12 @@ optimizer step takes `packs_per_step` consecutive packs of the epoch's plan (a t
 remainder too small for a step is dropped for that epoch); its loss is the mean of its packs'
 losses. The whole plan is a function of the settings and the shards, never of the number of
 processes, so a position (epoch, step in epoch) identifies the data exactly and a resumed run
-sees the same batches as an uninterrupted one.
+sees the same batches as an uninterrupted one. A background thread (`Prefetcher`) builds the
+coming steps' packs while the device trains (on a GPU: pinned, copied on a side stream, hidden
+states widened to float32 there); the time the loop still waits for them is logged per step
+(metrics.jsonl `data_wait_s`) and summed (train.json `data_wait_fraction`). Device-side metrics
+are read at log and checkpoint steps only, so the host waits for the device there and nowhere
+else (`wall_s` of a record is exact at those steps).
 
 Processes (docs/training.md): with W processes each rank trains a contiguous 1/W of every
 step's packs (rank r: packs r*k .. r*k+k-1, k = packs_per_step / W), accumulating gradients
@@ -51,7 +56,7 @@ from eyrie.io import atomic_path, provenance, write_json
 from eyrie.launch import Dist, relaunch, stop, under_torchrun
 from eyrie.preflight import read_report
 from eyrie.vocab import read_vocab
-from eyrie.packing import PackedShards, epoch_order, pack
+from eyrie.packing import PackedShards, Prefetcher, epoch_order, pack
 from eyrie.shards import ShardError, ShardReader, validate_shard
 from eyrie.targets import fingerprint, read_config, tokenizer_hash
 
@@ -61,6 +66,7 @@ log = logging.getLogger(__name__)
 NOT_IN_RUN_ID = ("log_every", "checkpoint_every", "verify_shards")
 KEEP_CHECKPOINTS = 2
 KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+PRECISIONS = ("auto", "float32", "bfloat16")
 VERIFIED_MARKER = "shards_verified.json"  # in the run folder: the value scan passed once
 
 
@@ -79,6 +85,7 @@ class TrainSettings:
     ttt_step_loss_decay: float = 1.0
     num_layers: int = 1
     draft_arch: str = "llama"
+    precision: str = "auto"  # auto: bfloat16 autocast on a GPU, float32 on a CPU
     norm_before_residual: bool = True
     checkpoint_every: int = 100
     log_every: int = 10
@@ -108,6 +115,7 @@ class TrainSettings:
             rules = [
                 (cfg.device in ("auto", "cpu", "cuda"), "device: use auto, cpu or cuda"),
                 (cfg.draft_arch in ("llama", "qwen3"), "draft_arch: use llama or qwen3"),
+                (cfg.precision in PRECISIONS, f"precision: use {', '.join(PRECISIONS)}"),
                 (cfg.ttt_steps >= 1, "ttt_steps: must be >= 1"),
                 (cfg.epochs >= 1, "epochs: must be >= 1"),
                 (cfg.num_layers >= 1, "num_layers: must be >= 1"),
@@ -304,14 +312,48 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _pack_sums(loss: torch.Tensor, metrics: dict, batch: dict, ttt_steps: int) -> list[float]:
-    """One pack's additive metrics: [loss, tokens, loss tokens, loss_k.., acc_sum_k.., acc_total_k..]."""
+def _schedule(plan: list[list[list[int]]], steps_per_epoch: list[int], P: int, k: int, rank: int,
+              epoch: int, step_in_epoch: int) -> list[tuple[int, int, list[list[int]], list[list[int]]]]:
+    """(epoch, step in epoch, this rank's packs, all packs) of every step from a position on."""
+    out = []
+    for e in range(epoch, len(plan)):
+        for s in range(step_in_epoch if e == epoch else 0, steps_per_epoch[e]):
+            packs = plan[e][s * P:(s + 1) * P]
+            out.append((e, s, packs[rank * k:(rank + 1) * k], packs))
+    return out
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device,
+               stream: "torch.cuda.Stream | None") -> dict[str, torch.Tensor]:
+    """A host batch (pinned for CUDA) copied to the device on `stream`, without waiting."""
+    if device.type != "cuda":
+        return batch
+    with torch.cuda.stream(stream):
+        return {n: v.to(device, non_blocking=True) for n, v in batch.items()}
+
+
+def _pack_sums(loss: torch.Tensor, metrics: dict, ttt_steps: int) -> torch.Tensor:
+    """One pack's additive device-side metrics, float64 [1 + 3K]: [loss, loss_k.., acc_sum_k..,
+    acc_total_k..] (the host knows the token counts from the plan)."""
     K = range(ttt_steps)
-    return [float(loss.detach()), float((batch["document_ids"] >= 0).sum()),
-            float(batch["loss_mask"].sum()),
-            *(float(metrics[f"loss_{k}_sum"]) for k in K),
-            *(float(metrics[f"full_acc_{k}_sum"]) for k in K),
-            *(float(metrics[f"full_acc_{k}_total"]) for k in K)]
+    values = [loss, *(metrics[f"loss_{k}_sum"] for k in K), *(metrics[f"full_acc_{k}_sum"] for k in K),
+              *(metrics[f"full_acc_{k}_total"] for k in K)]
+    return torch.stack([torch.as_tensor(v).detach().to(torch.float64) for v in values])
+
+
+def _read_pending(pending: list[tuple[dict, torch.Tensor, torch.Tensor]], packs: int,
+                  ttt_steps: int) -> list[dict]:
+    """The metrics records of steps whose device values were not read yet (one wait)."""
+    sums = torch.stack([s for _, s, _ in pending]).tolist()
+    norms = torch.stack([g.detach().float() for _, _, g in pending]).tolist()
+    records = []
+    for (head, _, _), v, norm in zip(pending, sums, norms):
+        tokens, loss_tokens = head["tokens"]
+        records.append({"step": head["step"], "epoch": head["epoch"],
+                        **_step_record([v[0], tokens, loss_tokens, *v[1:]], packs, ttt_steps),
+                        "lr": head["lr"], "grad_norm": norm, "data_wait_s": head["data_wait_s"],
+                        "wall_s": head["wall_s"]})
+    return records
 
 
 def _step_record(sums: list[float], packs: int, ttt_steps: int) -> dict:
@@ -432,50 +474,87 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
 
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
+    schedule = _schedule(plan, steps_per_epoch, P, k, dist.rank, position["epoch"],
+                         position["step_in_epoch"])
+    cuda = device.type == "cuda"
+    copy_stream = torch.cuda.Stream(device) if cuda else None
     started = time.monotonic()
     wall0 = position["wall_s"]
     window: list[dict] = []
+    # Steps whose device-side values (loss sums, grad norm) are not read yet: read at log and
+    # checkpoint steps only, so the host does not wait for the device after every step.
+    pending: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
+    waited = 0.0  # seconds this process was blocked getting batches (summary: data_wait_fraction)
+    # bfloat16 autocast (weights and optimizer state stay float32; losses and softmax in float32),
+    # what speculators' trainer does on a GPU; float32 throughout on a CPU unless asked
+    bf16 = cfg.precision == "bfloat16" or (cfg.precision == "auto" and device.type == "cuda")
     with contextlib.ExitStack() as stack:
         stack.callback(data.close)
         metrics_file = stack.enter_context(metrics_path.open("a")) if dist.main else None
-        while position["epoch"] < cfg.epochs:
-            e, s = position["epoch"], position["step_in_epoch"]
-            if s >= steps_per_epoch[e]:
-                position.update(epoch=e + 1, step_in_epoch=0)
-                continue
-            mine = plan[e][s * P:(s + 1) * P][dist.rank * k:(dist.rank + 1) * k]
+        # closed before data (ExitStack: last in, first out)
+        loader = stack.enter_context(Prefetcher(
+            data, [mine for _, _, mine, _ in schedule], pin=cuda,
+            dtype=data.transfer_dtype if cuda else torch.float32))
+
+        def stage() -> tuple[list[dict], float]:
+            """The next step's batches, copies to the device under way; seconds blocked."""
+            t = time.perf_counter()
+            batches = [_to_device(b, device, copy_stream) for b in loader.get()]
+            return batches, time.perf_counter() - t
+
+        staged = stage() if schedule else None
+        for n, (e, s, mine, packs) in enumerate(schedule):
+            batches, wait = staged
+            waited += wait
+            if cuda:  # the copies (on copy_stream) complete before the step reads them
+                torch.cuda.current_stream(device).wait_stream(copy_stream)
+                for b in batches:
+                    for v in b.values():
+                        v.record_stream(torch.cuda.current_stream(device))
             optimizer.zero_grad(set_to_none=True)
-            sums = torch.zeros(3 + 3 * cfg.ttt_steps, dtype=torch.float64)
-            for j, indices in enumerate(mine):
-                batch = {n: v.to(device) for n, v in data.batch(indices).items()}
+            sums = torch.zeros(1 + 3 * cfg.ttt_steps, dtype=torch.float64, device=device)
+            for j, batch in enumerate(batches):
+                if not bf16:  # under bfloat16 autocast the layers take the stored bf16 as it is
+                    batch = {n_: (v.float() if v.is_floating_point() else v) for n_, v in batch.items()}
                 # DDP averages gradients over ranks at the backward of a rank's last pack only
                 sync = net is model or j == k - 1
-                with contextlib.nullcontext() if sync else net.no_sync():
+                with contextlib.nullcontext() if sync else net.no_sync(), \
+                        torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                     _, loss, metrics = net(**batch, ttt_steps=cfg.ttt_steps,
                                            ttt_step_loss_decay=cfg.ttt_step_loss_decay,
                                            loss_config=loss_config)
                     (loss / k if k > 1 else loss).backward()
-                sums += torch.tensor(_pack_sums(loss, metrics, batch, cfg.ttt_steps), dtype=torch.float64)
-            sums = dist.all_sum(sums.to(device)).tolist()
+                sums += _pack_sums(loss, metrics, cfg.ttt_steps)
+            dist.all_sum(sums)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
             scheduler.step()
-            record = {"step": position["step"] + 1, "epoch": e, **_step_record(sums, P, cfg.ttt_steps),
-                      "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm)}
-            position.update(step=position["step"] + 1, step_in_epoch=s + 1,
-                            tokens=position["tokens"] + record["tokens"],
+            if n + 1 < len(schedule):  # read while the device still works on this step
+                staged = stage()
+            tokens = [sum(t) for t in zip(*(data.tokens(p) for p in packs))]  # [tokens, loss tokens]
+            position.update(step=position["step"] + 1, epoch=e, step_in_epoch=s + 1,
+                            tokens=position["tokens"] + tokens[0],
                             wall_s=wall0 + time.monotonic() - started)
             step = position["step"]
-            if metrics_file is not None:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-            window = (window + [record])[-cfg.log_every:]
-            if step % cfg.log_every == 0 or step == total_steps:
-                accs = " ".join(f"acc{t}={_fmt(_mean(window, f'full_acc_{t}'))}" for t in range(cfg.ttt_steps))
-                log.info("step %d/%d epoch %d loss %s %s lr %.2e %.0f tok/s", step, total_steps, e,
-                         _fmt(_mean(window, "loss")), accs, record["lr"],
-                         position["tokens"] / max(position["wall_s"], 1e-9))
+            pending.append(({"step": step, "epoch": e, "tokens": tokens,
+                             "lr": scheduler.get_last_lr()[0], "data_wait_s": wait,
+                             "wall_s": position["wall_s"]}, sums, grad_norm))
             stopping = stop_after_steps is not None and step >= stop_after_steps and step < total_steps
+            log_now = step % cfg.log_every == 0 or step == total_steps
+            if log_now or step % cfg.checkpoint_every == 0 or stopping:
+                records = _read_pending(pending, P, cfg.ttt_steps)  # waits for the device
+                position["wall_s"] = records[-1]["wall_s"] = wall0 + time.monotonic() - started
+                pending.clear()
+                if metrics_file is not None:
+                    metrics_file.write("".join(json.dumps(r) + "\n" for r in records))
+                    metrics_file.flush()
+                window = (window + records)[-cfg.log_every:]
+            if log_now:
+                accs = " ".join(f"acc{t}={_fmt(_mean(window, f'full_acc_{t}'))}" for t in range(cfg.ttt_steps))
+                log.info("step %d/%d epoch %d loss %s %s lr %.2e %.0f tok/s (data wait %.1f%%)", step,
+                         total_steps, e, _fmt(_mean(window, "loss")), accs, window[-1]["lr"],
+                         position["tokens"] / max(position["wall_s"], 1e-9),
+                         100 * waited / max(time.monotonic() - started, 1e-9))
             if step % cfg.checkpoint_every == 0 or step == total_steps or stopping:
                 if dist.main:
                     save_checkpoint(run_dir, model, optimizer, scheduler,
@@ -486,12 +565,18 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
             if stopping:
                 log.info("stopping after step %d as asked; rerun to resume", step)
                 return None
+    loop_s = time.monotonic() - started
+    position.update(epoch=cfg.epochs, step_in_epoch=0)
+    timing = {"data_wait_s": waited, "steps_wall_s": loop_s,
+              # of this process's steps (not those before a resume): time blocked on batches
+              "data_wait_fraction": waited / loop_s if loop_s > 0 else 0.0,
+              "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None}
 
     summary = None
     if dist.main:
         records = [json.loads(ln) for ln in metrics_path.read_text().splitlines()]
         summary = _summary(cfg, dist, records, position, total_steps, dropped, resumed_from, data,
-                           device, expect, target, preflight, vocab, shards, settings)
+                           device, expect, target, preflight, vocab, shards, settings, timing)
         write_outputs(out_dir, model, records, summary, cfg.ttt_steps)
         log.info("wrote %s: final loss %s, accuracy per TTT step %s", out_dir,
                  _fmt(summary["final"]["loss"]), [_fmt(a) for a in summary["final"]["full_acc"]])
@@ -500,7 +585,8 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
 
 def _summary(cfg: TrainSettings, dist: Dist, records: list[dict], position: dict, total_steps: int,
              dropped: int, resumed_from: int, data: PackedShards, device: torch.device, expect: dict,
-             target: Path, preflight: Path, vocab: Path, shards: list[Path], settings: dict) -> dict:
+             target: Path, preflight: Path, vocab: Path, shards: list[Path], settings: dict,
+             timing: dict) -> dict:
     last = records[-cfg.log_every:]
     return {
         "steps": total_steps, "epochs": cfg.epochs, "samples": len(data),
@@ -512,6 +598,7 @@ def _summary(cfg: TrainSettings, dist: Dist, records: list[dict], position: dict
                   "over_last_steps": len(last)},
         "wall_time_s": position["wall_s"],
         "tokens_per_s": position["tokens"] / max(position["wall_s"], 1e-9),
+        **timing,
         "resumed_from_step": resumed_from, "run_id": position["run_id"], "device": str(device),
         "target": {"path": str(target), "fingerprint": expect["target_fingerprint"],
                    "tokenizer_hash": expect["tokenizer_hash"], "hidden_size": expect["hidden_size"]},

@@ -33,3 +33,47 @@ def test_read_path_smoke(tmp_path):
     assert r["data"]["shards"] == 2 and r["data"]["samples"] >= 2
     assert r["data"]["hidden_bytes"] == r["data"]["tokens"] * 4 * 64 * 2
     assert not (tmp_path / "data").exists()  # removed without --keep
+
+
+def test_training_benchmark_tiny(tmp_path):
+    """benchmarks/training_gpu.py --tiny on CPU: the data in both formats (speculators' own
+    ArrowDataset reads the converted set back), a real `eyrie train` run, the steady-state table."""
+    out = tmp_path / "training.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "training_gpu.py"), "--tiny", "--warmup", "2",
+           "--steps", "6", "--shards", "2", "--work", str(tmp_path / "work"), "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "eyrie (1 process)" in run.stdout and "data wait" in run.stdout
+    r = json.loads(out.read_text())
+    e = r["runs"]["eyrie"]
+    assert e["measured_steps"] >= 6 and e["tokens_per_s"] > 0 and 0 <= e["data_wait_fraction"] < 1
+    assert 0 < e["tokens_per_step"] <= r["tokens_per_step_budget"] == 256
+    assert r["conversion_check"]["samples"] == r["samples"] and r["conversion_check"]["checked_samples"] > 0
+    assert r["conversion_check"]["collated_tokens"] > 0
+    if "speculators" in r["runs"]:  # a CUDA machine
+        s = r["runs"]["speculators"]
+        assert s["tokens_per_s"] > 0 and r["ratios"]["tokens_per_s"] > 0
+    else:  # its config, vocabulary map, draft, loader and loss on the converted data, on the CPU
+        assert r["speculators"].startswith("not run: speculators.train needs an accelerator")
+        c = r["speculators_cpu_check"]
+        assert c["train_batches"] >= 2 + 6 + 1 and c["draft_vocab"] == 128 and c["batch_tokens"] > 0
+        assert c["loss"] > 0 and c["loss"] == c["loss"]  # finite, not NaN
+    assert r["speculators_settings"]["total_seq_len"] == 256 and r["speculators_settings"]["max_steps"] == 9
+    assert not (tmp_path / "work").exists()  # removed without --keep
+
+
+def test_speculators_launcher_times_each_batch():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from speculators_launch import TimedLoader
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    docs = [torch.tensor([[0, 0, -1]]), torch.tensor([[0, 1, 1]])]
+    loader = DataLoader([{"document_ids": d} for d in docs], batch_size=None)
+    log: list[dict] = []
+    timed = TimedLoader(loader, log)
+    assert len(timed) == 2 and timed.dataset is loader.dataset
+    assert [b["document_ids"].tolist() for b in timed] == [d.tolist() for d in docs]
+    assert [r["tokens"] for r in log] == [2, 3]
+    assert all(r["got"] >= r["request"] for r in log)

@@ -427,9 +427,9 @@ def test_float8_quantization_is_round_to_nearest_with_a_per_token_scale():
     x = float8_rows(np.random.default_rng(0))
     codes, scale = quantize_e4m3(x)
     amax = x.abs().amax(dim=1)
-    assert np.array_equal(scale, np.maximum(amax.numpy() / np.float32(448), np.float32(2.0 ** -126)))
+    assert np.array_equal(scale, np.maximum(amax.numpy() * np.float32(1 / 448), np.float32(2.0 ** -126)))
     q = torch.from_numpy(codes).view(torch.float8_e4m3fn).float()  # [24, 96]
-    y = x / torch.from_numpy(scale)[:, None]  # what the quantizer rounds
+    y = x * (1 / torch.from_numpy(scale))[:, None]  # what the quantizer rounds
     nearest = (E4M3_FINITE[None, None, :] - y[..., None]).abs().amin(dim=-1)
     assert torch.equal((q - y).abs(), nearest)  # no closer e4m3 value exists
     assert q.abs().max() == 448  # every nonzero row's largest value uses the top code

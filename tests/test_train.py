@@ -254,3 +254,80 @@ def test_corrupted_shard_values_are_refused_before_the_first_step(world, tmp_pat
     with pytest.raises(ShardError, match=r"sample \d+: non-finite values in aux_hidden"):
         train(world["target"], world["preflight"], world["vocab"], shards, tmp_path / "train",
               tmp_path / "state", train_settings(verify_shards=False))
+
+
+# ---------------------------------------------------------------- the prefetching loader
+
+def _expect(world):
+    from eyrie.train import _expectation
+    return _expectation(world["preflight"])
+
+
+def test_prefetcher_gives_the_synchronous_batches_and_token_counts(world):
+    from eyrie.packing import Prefetcher
+
+    data = PackedShards(world["shards"], _expect(world), max_tokens=64, gap=2)
+    packs = pack(data.lengths, epoch_order(len(data), 0, 0), 64, 2)
+    steps = [packs[i:i + 2] for i in range(0, len(packs) - 1, 2)]
+    assert len(steps) >= 3 and data.transfer_dtype == torch.bfloat16  # the world's shards: bf16
+    with Prefetcher(data, steps, depth=1) as loader:
+        for step in steps:
+            got = loader.get()
+            assert len(got) == len(step)
+            for batch, p in zip(got, step):
+                want = data.batch(p)
+                assert batch.keys() == want.keys()
+                for k in want:
+                    assert batch[k].dtype == want[k].dtype and torch.equal(batch[k], want[k]), k
+                assert data.tokens(p) == (int((want["document_ids"] >= 0).sum()),
+                                          int(want["loss_mask"].sum()))
+                # stored dtype on the way, widened later: the same float32 values
+                narrow = data.batch(p, data.transfer_dtype)
+                assert narrow["hidden_states"].dtype == torch.bfloat16
+                assert torch.equal(narrow["hidden_states"].float(), want["hidden_states"])
+        with pytest.raises(StopIteration):
+            loader.get()
+    data.close()
+    short = PackedShards(world["shards"], _expect(world), max_tokens=24, gap=2)  # truncates
+    assert short.truncated > 0
+    for i in range(len(short)):
+        b = short.batch([i])
+        assert short.tokens([i]) == (int((b["document_ids"] >= 0).sum()), int(b["loss_mask"].sum()))
+    short.close()
+
+
+def test_prefetcher_raises_the_thread_error_with_its_traceback_and_stops(world):
+    import threading
+    import traceback
+
+    from eyrie.packing import Prefetcher
+
+    class Boom(ShardError):
+        pass
+
+    class Failing(PackedShards):
+        def batch(self, indices, dtype=torch.float32, pin=False):
+            if indices == [2]:
+                raise Boom("shard x.h5: sample 2 unreadable")
+            return super().batch(indices, dtype, pin)
+
+    data = Failing(world["shards"], _expect(world), max_tokens=64, gap=2)
+    loader = Prefetcher(data, [[[0]], [[1]], [[2]], [[3]]])
+    assert len(loader.get()) == 1 and len(loader.get()) == 1
+    with pytest.raises(Boom, match="sample 2 unreadable") as err:
+        loader.get()
+    frames = [f.name for f in traceback.extract_tb(err.value.__traceback__)]
+    assert "_run" in frames and "batch" in frames  # where the thread raised it
+    assert not any(t.name == "eyrie-prefetch" and t.is_alive() for t in threading.enumerate())
+    data.close()
+
+
+def test_prefetcher_close_stops_a_thread_waiting_on_a_full_queue(world):
+    from eyrie.packing import Prefetcher
+
+    data = PackedShards(world["shards"], _expect(world), max_tokens=64, gap=2)
+    loader = Prefetcher(data, [[[i]] for i in range(len(data))], depth=1)
+    loader.get()
+    loader.close()  # the thread is blocked putting the next step
+    assert not loader._thread.is_alive()
+    data.close()

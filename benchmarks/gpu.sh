@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every GPU measurement of issue 5 in one go, on an NVIDIA machine (an H200 here; about 6-9 minutes).
+#
+#   bash benchmarks/gpu-wheels.sh                 # where pip reaches an index: fills .whl/
+#   bash benchmarks/gpu.sh [extraction] [read_path] [training]     # on the GPU machine; default: all
+#
+# Installs .whl/*.whl (speculators 0.9.0 and what the image lacks) into a private folder when
+# present, then runs each benchmark; each prints its table and writes
+# benchmarks/results/<name>-<gpu>.json. With $OUT set (the device tool), the JSON files and the
+# logs are copied there too. Training runs its two-GPU scaling cell when two GPUs are visible.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  site=${TMPDIR:-/tmp}/eyrie-bench-site
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+  export PYTHONPATH=$PYTHONPATH:$site   # after the image's own packages: only what it lacks comes from here
+fi
+parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(extraction read_path training)
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+logs=$(mktemp -d); touch "$logs/.start"
+for part in "${parts[@]}"; do
+  t0=$SECONDS; echo "== $part $(date +%T)"
+  case $part in
+    extraction) "$PY" benchmarks/extraction_gpu.py --models llama8b deepseek ;;
+    read_path)  "$PY" benchmarks/read_path.py --gb 5 --repeats 3 ;;
+    training)   "$PY" benchmarks/training_gpu.py --gpus "$gpus" ;;
+    *) echo "gpu.sh: unknown part '$part' (use extraction, read_path or training)" >&2; exit 2 ;;
+  esac 2>&1 | tee "$logs/$part.log"
+  echo "== $part took $((SECONDS - t0)) s"
+done
+if [ -n "${OUT:-}" ]; then
+  cp "$logs"/*.log "$OUT"/
+  find benchmarks/results -name '*.json' -newer "$logs/.start" -exec cp {} "$OUT"/ \;
+fi
