@@ -135,7 +135,7 @@ class PackedShards:
                 sum(self.loss_tokens[i] for i in indices))
 
     def batch(self, indices: list[int], dtype: torch.dtype = torch.float32,
-              pin: bool = False) -> dict[str, torch.Tensor]:
+              pin: bool = False, pad_to: int | None = None) -> dict[str, torch.Tensor]:
         """Packed batch, each value [1, L, ...]: hidden_states `dtype` [1, L, n_aux*H],
         verifier_last_hidden_states `dtype` [1, L, H], input_ids/position_ids/document_ids
         int64 [1, L], loss_mask bool [1, L]. After each sample come `gap` = ttt_steps - 1
@@ -146,16 +146,19 @@ class PackedShards:
         Hidden states go from the file's pages (ShardReader maps them) straight into the
         preallocated batch: one pass (float8 shards: dequantized to float32 first, then copied).
         `dtype` float32 is the training dtype; `transfer_dtype` keeps the stored values as they
-        are, for a widening to float32 on the device. `pin`: page-locked host memory (CUDA)."""
+        are, for a widening to float32 on the device. `pin`: page-locked host memory (CUDA).
+        `pad_to`: at least this many positions, the rest padding like the gaps (document id -1,
+        loss mask 0, zeros): one shape for every pack, so a compiled draft compiles once."""
         H, n_aux, gap = self.hidden_size, self.n_aux, self.gap
         sizes = [min(self.lengths[i], self.max_tokens - gap) for i in indices]
         L = sum(sizes) + gap * len(indices)
-        out = {"hidden_states": torch.empty(L, n_aux * H, dtype=dtype, pin_memory=pin),
-               "verifier_last_hidden_states": torch.empty(L, H, dtype=dtype, pin_memory=pin),
-               "input_ids": torch.empty(L, dtype=torch.long, pin_memory=pin),
-               "loss_mask": torch.empty(L, dtype=torch.bool, pin_memory=pin),
-               "position_ids": torch.empty(L, dtype=torch.long, pin_memory=pin),
-               "document_ids": torch.empty(L, dtype=torch.long, pin_memory=pin)}
+        L_all = max(L, pad_to or 0)
+        out = {"hidden_states": torch.empty(L_all, n_aux * H, dtype=dtype, pin_memory=pin),
+               "verifier_last_hidden_states": torch.empty(L_all, H, dtype=dtype, pin_memory=pin),
+               "input_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin),
+               "loss_mask": torch.empty(L_all, dtype=torch.bool, pin_memory=pin),
+               "position_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin),
+               "document_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin)}
         pos = 0
         for doc, (i, n) in enumerate(zip(indices, sizes)):
             r_i, s_i = self.refs[i]
@@ -168,6 +171,8 @@ class PackedShards:
             out["document_ids"][pos:pos + n].fill_(doc)
             out["document_ids"][pos + n:pos + n + gap].fill_(-1)
             pos += n + gap
+        for k, v in out.items():  # the tail up to pad_to
+            v[L:].fill_(-1 if k == "document_ids" else 0)
         return {k: v.unsqueeze(0) for k, v in out.items()}
 
     def close(self) -> None:
@@ -179,15 +184,16 @@ class Prefetcher:
     """Builds the packs of the coming steps in a background thread, at most `depth` steps ahead.
 
     `steps`: for each step, in order, the packs (lists of sample indices) this process trains.
-    `get()` returns the next step's batches (each as `PackedShards.batch(pack, dtype, pin)`); an
+    `get()` returns the next step's batches (each as `PackedShards.batch(pack, dtype, pin, pad_to)`); an
     exception raised in the thread is raised again by `get()`, with the thread's traceback.
     `close()` (also on leaving a `with`) stops the thread and waits for it; it runs as a daemon,
     so a process that ends without close() (a signal's exit) does not wait for it.
     """
 
     def __init__(self, data: PackedShards, steps: Iterable[list[list[int]]], *,
-                 dtype: torch.dtype = torch.float32, pin: bool = False, depth: int = 2):
-        self._data, self._dtype, self._pin = data, dtype, pin
+                 dtype: torch.dtype = torch.float32, pin: bool = False, depth: int = 2,
+                 pad_to: int | None = None):
+        self._data, self._dtype, self._pin, self._pad_to = data, dtype, pin, pad_to
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(list(steps),),
@@ -206,7 +212,7 @@ class Prefetcher:
     def _run(self, steps: list[list[list[int]]]) -> None:
         try:
             for packs in steps:
-                batches = [self._data.batch(p, self._dtype, self._pin) for p in packs]
+                batches = [self._data.batch(p, self._dtype, self._pin, self._pad_to) for p in packs]
                 if not self._put(("ok", batches)):
                     return
             self._put(("end", None))

@@ -67,6 +67,7 @@ NOT_IN_RUN_ID = ("log_every", "checkpoint_every", "verify_shards")
 KEEP_CHECKPOINTS = 2
 KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 PRECISIONS = ("auto", "float32", "bfloat16")
+PACK_SHAPES = ("auto", "fixed", "exact")
 VERIFIED_MARKER = "shards_verified.json"  # in the run folder: the value scan passed once
 
 
@@ -86,6 +87,7 @@ class TrainSettings:
     num_layers: int = 1
     draft_arch: str = "llama"
     precision: str = "auto"  # auto: bfloat16 autocast on a GPU, float32 on a CPU
+    pack_shape: str = "auto"  # auto: fixed on a GPU (one compiled shape), exact on a CPU
     norm_before_residual: bool = True
     checkpoint_every: int = 100
     log_every: int = 10
@@ -116,6 +118,7 @@ class TrainSettings:
                 (cfg.device in ("auto", "cpu", "cuda"), "device: use auto, cpu or cuda"),
                 (cfg.draft_arch in ("llama", "qwen3"), "draft_arch: use llama or qwen3"),
                 (cfg.precision in PRECISIONS, f"precision: use {', '.join(PRECISIONS)}"),
+                (cfg.pack_shape in PACK_SHAPES, f"pack_shape: use {', '.join(PACK_SHAPES)}"),
                 (cfg.ttt_steps >= 1, "ttt_steps: must be >= 1"),
                 (cfg.epochs >= 1, "epochs: must be >= 1"),
                 (cfg.num_layers >= 1, "num_layers: must be >= 1"),
@@ -488,13 +491,19 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
     # bfloat16 autocast (weights and optimizer state stay float32; losses and softmax in float32),
     # what speculators' trainer does on a GPU; float32 throughout on a CPU unless asked
     bf16 = cfg.precision == "bfloat16" or (cfg.precision == "auto" and device.type == "cuda")
+    # The draft's forward is compiled on a GPU (speculators' model class) and recompiles for every
+    # new pack length; past dynamo's recompile limit it runs uncompiled (measured on an H200: 0.6-0.9
+    # s per step against speculators' 0.17 s at one padded shape). Fixed: every pack padded to
+    # max_tokens_per_batch positions, outside the loss (tests/test_train.py: same loss).
+    fixed = cfg.pack_shape == "fixed" or (cfg.pack_shape == "auto" and device.type == "cuda")
+    pad_to = cfg.max_tokens_per_batch if fixed else None
     with contextlib.ExitStack() as stack:
         stack.callback(data.close)
         metrics_file = stack.enter_context(metrics_path.open("a")) if dist.main else None
         # closed before data (ExitStack: last in, first out)
         loader = stack.enter_context(Prefetcher(
             data, [mine for _, _, mine, _ in schedule], pin=cuda,
-            dtype=data.transfer_dtype if cuda else torch.float32))
+            dtype=data.transfer_dtype if cuda else torch.float32, pad_to=pad_to))
 
         def stage() -> tuple[list[dict], float]:
             """The next step's batches, copies to the device under way; seconds blocked."""

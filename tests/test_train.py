@@ -100,6 +100,35 @@ def test_forward_backward_trains_only_draft_weights(world):
     data.close()
 
 
+def test_a_pack_padded_to_a_fixed_shape_trains_the_same(world):
+    """train.pack_shape fixed (the GPU default: one shape for the compiled draft) pads each pack to
+    max_tokens_per_batch outside the loss: the loss, the metrics and the gradients stay the same."""
+    from speculators.losses import resolve_loss_config
+
+    from eyrie.draft import build_draft
+    from eyrie.train import _expectation
+    from eyrie.vocab import read_vocab
+
+    data = PackedShards(world["shards"], _expectation(world["preflight"]), max_tokens=128, gap=2)
+    d2t, t2d = read_vocab(world["vocab"])
+    out = {}
+    for name, pad_to in (("exact", None), ("fixed", 128)):
+        batch = data.batch([0, 1], pad_to=pad_to)
+        assert batch["input_ids"].shape[1] == (128 if pad_to else data.tokens([0, 1])[0] + 2 * 2)
+        model = build_draft(world["target"], AUX_IDS, d2t, t2d, ttt_steps=3, seed=0)
+        _, loss, metrics = model(**batch, ttt_steps=3, loss_config=resolve_loss_config("kl_div", "eager"))
+        loss.backward()
+        out[name] = (loss.detach(), {k: v.detach() for k, v in metrics.items()},
+                     model.fc.weight.grad.clone())
+    (l0, m0, g0), (l1, m1, g1) = out["exact"], out["fixed"]
+    assert torch.allclose(l0, l1, rtol=1e-5, atol=1e-7)
+    for k in m0:
+        assert torch.allclose(torch.as_tensor(m0[k]).float(), torch.as_tensor(m1[k]).float(),
+                              rtol=1e-5, atol=1e-6), k
+    assert torch.allclose(g0, g1, rtol=1e-4, atol=1e-7)
+    data.close()
+
+
 def test_loss_falls_and_outputs_are_written(world, tmp_path):
     summary = run_train(world, tmp_path, train_settings(epochs=5, log_every=7))
     records = [json.loads(ln) for ln in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
@@ -306,10 +335,10 @@ def test_prefetcher_raises_the_thread_error_with_its_traceback_and_stops(world):
         pass
 
     class Failing(PackedShards):
-        def batch(self, indices, dtype=torch.float32, pin=False):
+        def batch(self, indices, dtype=torch.float32, pin=False, pad_to=None):
             if indices == [2]:
                 raise Boom("shard x.h5: sample 2 unreadable")
-            return super().batch(indices, dtype, pin)
+            return super().batch(indices, dtype, pin, pad_to)
 
     data = Failing(world["shards"], _expect(world), max_tokens=64, gap=2)
     loader = Prefetcher(data, [[[0]], [[1]], [[2]], [[3]]])
