@@ -7,6 +7,9 @@
   (c) the naive peer of the original EAGLE scripts: one sample at a time, `output_hidden_states`,
       the chosen layers copied to the host and one `torch.save` per sample.
 
+(d) the write side's physical limit: the shard's byte count written by as many threads with pwrite
+    into one file on the same disk, nothing else; b/min(a, d) is eyrie against the slower limit.
+
 Targets: random-weight models built from a config (no download): Llama-3.1-8B's shape
 (32 layers, hidden 4096, bf16) and a DeepSeek-V3-shaped MLA + MoE model with few layers.
 Goals: (b) >= 0.85 x (a) tokens/s and (b) >= 3 x (c).
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import tempfile
@@ -148,6 +152,34 @@ def naive(model, ids: list[np.ndarray], layer_ids: list[int], device: str, out: 
     return time.perf_counter() - t0
 
 
+def raw_writes(path: Path, nbytes: int, threads: int) -> float:
+    """(d), the physical limit of the write side: the same number of bytes written to one
+    preallocated file on the same disk by `threads` threads with pwrite (eyrie's writers' call), in
+    64 MiB pieces, no forward pass, no HDF5. Seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    piece = 64 << 20
+    buf = np.random.default_rng(0).integers(0, 255, piece, dtype=np.uint8)
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, nbytes)
+        offsets = list(range(0, nbytes, piece))
+
+        def write(at: int) -> None:
+            view = memoryview(buf)[: min(piece, nbytes - at)]
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], at + done)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(write, offsets))
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
 def run_shape(shape: str, args, device: str, work: Path) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     t0 = time.perf_counter()
@@ -187,6 +219,12 @@ def run_shape(shape: str, args, device: str, work: Path) -> dict:
     })
     row["eyrie_vs_bare"] = row["eyrie_tok_s"] / row["bare_tok_s"]
     row["eyrie_vs_naive"] = row["eyrie_tok_s"] / row["naive_tok_s"]
+    from eyrie.extract import WRITERS
+
+    # (d) right after (b), like (b)'s second pass: into a page cache holding (b)'s dirty pages
+    raw_s = raw_writes(work / shape / "raw.bin", row["shard_bytes"], WRITERS)
+    row.update(raw_write_GB_s=row["shard_bytes"] / raw_s / 1e9, raw_write_tok_s=tokens / raw_s,
+               eyrie_write_GB_s=row["shard_bytes"] / times["eyrie"] / 1e9)
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -217,10 +255,13 @@ def main() -> None:
     print(f"\nextraction on {name} ({date.today()}), bf16 storage, prompts "
           f"{'16-64' if args.tiny else '1024-2048'} tokens")
     print(f"{'model':10} {'tokens':>8} {'(a) bare':>10} {'(b) eyrie':>10} {'(c) naive':>10} "
-          f"{'b/a':>6} {'b/c':>6}")
+          f"{'(d) disk':>10} {'b/a':>6} {'b/c':>6} {'b/min(a,d)':>10}   (tokens/s; (d): raw writes of b's bytes)")
     for r in rows:
         print(f"{r['shape']:10} {r['tokens']:>8} {r['bare_tok_s']:>10.0f} {r['eyrie_tok_s']:>10.0f} "
-              f"{r['naive_tok_s']:>10.0f} {r['eyrie_vs_bare']:>6.2f} {r['eyrie_vs_naive']:>6.2f}")
+              f"{r['naive_tok_s']:>10.0f} {r['raw_write_tok_s']:>10.0f} {r['eyrie_vs_bare']:>6.2f} "
+              f"{r['eyrie_vs_naive']:>6.2f} "
+              f"{r['eyrie_tok_s'] / min(r['bare_tok_s'], r['raw_write_tok_s']):>10.2f}   "
+              f"(eyrie writes {r['eyrie_write_GB_s']:.2f} GB/s, raw {r['raw_write_GB_s']:.2f} GB/s)")
     out = args.out or REPO / "benchmarks" / "results" / (
         f"extraction-{'tiny-' if args.tiny else ''}{name.split()[-1].lower() if device == 'cuda' else device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
