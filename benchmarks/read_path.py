@@ -18,6 +18,8 @@ What it does, in one run on one machine:
        compressed layouts; also what every read did before offsets were used);
      - eyrie_fp8: the float8_e4m3 shards, ShardReader(check_values=False).read(i, bfloat16)
        (dequantized to the dtype the peer returns);
+     - eyrie_fp8_codes: the same, read(i, uint8): codes and per-token scales as stored, what
+       training moves to a GPU and decodes there (eyrie.packing.decode_batch);
      - peer: hs_connectors.FileTransfer.get_cached(i) (safetensors.torch.load_file), the call
        speculators 0.9.0's data path makes for a cached sample;
      every reader's hidden tensors get the same `touch` (one value per 4 KiB page), because
@@ -56,7 +58,7 @@ from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from eyrie.shards import ShardMeta, ShardReader, ShardWriter, validate_shard  # noqa: E402
+from eyrie.shards import ShardMeta, ShardReader, ShardWriter, decode_e4m3, validate_shard  # noqa: E402
 
 try:  # speculators' own loader for a cached sample (hs_connectors ships with speculators 0.9.0)
     from hs_connectors import FileTransfer
@@ -64,7 +66,7 @@ except ImportError:  # same call underneath: safetensors.torch.load_file(path)
     FileTransfer = None
 
 N_AUX = 3
-KINDS = ("eyrie", "eyrie_checked", "eyrie_h5py", "eyrie_fp8", "peer", "verify")
+KINDS = ("eyrie", "eyrie_checked", "eyrie_h5py", "eyrie_fp8", "eyrie_fp8_codes", "peer", "verify")
 
 
 # ----------------------------------------------------------------------------- data
@@ -136,7 +138,7 @@ def touch(x: torch.Tensor) -> int:
 
 
 def open_readers(kind: str, root: Path, n_shards: int) -> list[ShardReader]:
-    folder = root / ("h5_fp8" if kind == "eyrie_fp8" else "h5")
+    folder = root / ("h5_fp8" if kind.startswith("eyrie_fp8") else "h5")
     readers = [ShardReader(folder / f"shard_{s:03d}.h5", check_values=kind in ("eyrie_checked",
                                                                                  "eyrie_h5py"))
                for s in range(n_shards)]
@@ -158,11 +160,13 @@ def run_reader(kind: str, root: Path, refs, order: list[int]) -> float:
         return time.perf_counter() - t0
     if kind.startswith("eyrie"):
         readers = open_readers(kind, root, n_shards)
-        dtype = torch.bfloat16 if kind == "eyrie_fp8" else None
+        dtype = {"eyrie_fp8": torch.bfloat16, "eyrie_fp8_codes": torch.uint8}.get(kind)
         for i in order:
             s, j, _ = refs[i]
             x = readers[s].read(j, dtype)
             sink += touch(x["aux_hidden"]) + touch(x["final_hidden"])
+            if kind == "eyrie_fp8_codes":
+                x["aux_scale"].sum(), x["final_scale"].sum()
         for r in readers:
             r.close()
     else:
@@ -197,6 +201,10 @@ def check_equal(root: Path, refs, n: int = 3) -> None:
                     assert bool((err <= amax / 28 * (1 + 2 ** -18)).all()), (k, name)
                 else:
                     assert torch.equal(got[name].view(torch.int16), ref.view(torch.int16)), (k, name)
+        codes = open_readers("eyrie_fp8_codes", root, n_shards)[s].read(j, torch.uint8)
+        fp8 = readers["eyrie_fp8"][s].read(j, torch.float32)
+        for name, scale in (("aux_hidden", "aux_scale"), ("final_hidden", "final_scale")):
+            assert torch.equal(decode_e4m3(codes[name], codes[scale]), fp8[name]), ("codes", name)
     for rs in readers.values():
         for r in rs:
             r.close()

@@ -60,7 +60,28 @@ def shift_sample(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         "verifier_last_hidden_states": sample["final_hidden"][1:],
         "loss_mask": torch.cat([mask[2:], mask.new_zeros(min(1, T - 1))]),
         "position_ids": torch.arange(1, T, dtype=torch.long),
+        # float8 codes read as stored (ShardReader.read(i, torch.uint8)): their per-token scales
+        **({"hidden_states_scale": sample["aux_scale"][:-1],
+            "verifier_last_hidden_states_scale": sample["final_scale"][1:]}
+           if "aux_scale" in sample else {}),
     }
+
+
+CODE_SCALES = {"hidden_states": "hidden_states_scale",
+               "verifier_last_hidden_states": "verifier_last_hidden_states_scale"}
+
+
+def decode_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A batch of float8 codes (PackedShards.batch(..., torch.uint8), on any device) with its
+    hidden states decoded to float32 and the scales dropped; other batches as they are."""
+    if "hidden_states_scale" not in batch:
+        return batch
+    from eyrie.shards import decode_e4m3
+
+    out = {k: v for k, v in batch.items() if k not in CODE_SCALES.values()}
+    for name, scale in CODE_SCALES.items():
+        out[name] = decode_e4m3(batch[name], batch[scale])
+    return out
 
 
 def pack(lengths: list[int], order: list[int], max_tokens: int, gap: int) -> list[list[int]]:
@@ -123,7 +144,10 @@ class PackedShards:
         # exact and equal to the float32 read (bfloat16, float16); float8 is dequantized to float32.
         stored = sorted({r.meta.storage_dtype for r in self.readers})
         exact = len(stored) == 1 and stored[0] in ("bfloat16", "float16", "float32")
-        self.transfer_dtype = getattr(torch, stored[0]) if exact else torch.float32
+        # float8 shards travel as their codes and scales, decoded on the device (decode_batch)
+        codes = stored == ["float8_e4m3"]
+        self.transfer_dtype = getattr(torch, stored[0]) if exact else (
+            torch.uint8 if codes else torch.float32)
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -153,19 +177,27 @@ class PackedShards:
         sizes = [min(self.lengths[i], self.max_tokens - gap) for i in indices]
         L = sum(sizes) + gap * len(indices)
         L_all = max(L, pad_to or 0)
+        codes = dtype == torch.uint8  # float8 shards: codes as stored + per-token scales
+        if codes and self.transfer_dtype != torch.uint8:
+            raise EyrieError("PackedShards.batch: uint8 (float8 codes) needs every shard stored "
+                             "as float8_e4m3")
         out = {"hidden_states": torch.empty(L_all, n_aux * H, dtype=dtype, pin_memory=pin),
                "verifier_last_hidden_states": torch.empty(L_all, H, dtype=dtype, pin_memory=pin),
                "input_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin),
                "loss_mask": torch.empty(L_all, dtype=torch.bool, pin_memory=pin),
                "position_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin),
                "document_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin)}
+        if codes:
+            for scale in CODE_SCALES.values():
+                out[scale] = torch.empty(L_all, dtype=torch.float32, pin_memory=pin)
+        keys = ["input_ids", "loss_mask", "position_ids", "hidden_states",
+                "verifier_last_hidden_states", *(CODE_SCALES.values() if codes else ())]
         pos = 0
         for doc, (i, n) in enumerate(zip(indices, sizes)):
             r_i, s_i = self.refs[i]
             # as stored (views of the file's pages), float8 dequantized to float32
-            s = shift_sample(self.readers[r_i].read(s_i))
-            for k in ("input_ids", "loss_mask", "position_ids", "hidden_states",
-                      "verifier_last_hidden_states"):
+            s = shift_sample(self.readers[r_i].read(s_i, torch.uint8 if codes else None))
+            for k in keys:
                 out[k][pos:pos + n].copy_(s[k][:n])
                 out[k][pos + n:pos + n + gap].zero_()
             out["document_ids"][pos:pos + n].fill_(doc)

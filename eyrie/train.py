@@ -56,7 +56,7 @@ from eyrie.io import atomic_path, provenance, write_json
 from eyrie.launch import Dist, relaunch, stop, under_torchrun
 from eyrie.preflight import read_report
 from eyrie.vocab import read_vocab
-from eyrie.packing import PackedShards, Prefetcher, epoch_order, pack
+from eyrie.packing import PackedShards, Prefetcher, decode_batch, epoch_order, pack
 from eyrie.shards import ShardError, ShardReader, validate_shard
 from eyrie.targets import fingerprint, read_config, tokenizer_hash
 
@@ -523,6 +523,7 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
             optimizer.zero_grad(set_to_none=True)
             sums = torch.zeros(1 + 3 * cfg.ttt_steps, dtype=torch.float64, device=device)
             for j, batch in enumerate(batches):
+                batch = decode_batch(batch)  # float8 codes (GPU transfers) to float32, on the device
                 if not bf16:  # under bfloat16 autocast the layers take the stored bf16 as it is
                     batch = {n_: (v.float() if v.is_floating_point() else v) for n_, v in batch.items()}
                 # DDP averages gradients over ranks at the backward of a rank's last pack only

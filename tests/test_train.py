@@ -129,6 +129,35 @@ def test_a_pack_padded_to_a_fixed_shape_trains_the_same(world):
     data.close()
 
 
+def test_float8_codes_decoded_on_the_device_equal_the_host_dequantized_batch(world, tmp_path):
+    """float8_e4m3 shards travel to the GPU as codes + per-token scales (transfer_dtype uint8,
+    a quarter of float32's bytes, nothing dequantized on the host) and decode_batch there gives
+    the float32 batch that host dequantizing gives, bit for bit (padding and gaps included)."""
+    from eyrie.packing import decode_batch
+    from train_helpers import write_shard
+
+    meta = ShardMeta(**{**world["meta"], "storage_dtype": "float8_e4m3"})
+    paths = []
+    for s in range(2):
+        part = world["samples"][s::2]
+        paths.append(tmp_path / f"fp8_{s}.h5")
+        write_shard(paths[-1], world["model"], part, meta, [f"c:{s}:{i}" for i in range(len(part))])
+    data = PackedShards(paths, _expect(world), max_tokens=96, gap=2)
+    assert data.transfer_dtype == torch.uint8
+    for p in pack(data.lengths, epoch_order(len(data), 0, 0), 96, 2)[:4]:
+        want = data.batch(p, pad_to=96)
+        raw = data.batch(p, torch.uint8, pad_to=96)
+        assert raw["hidden_states"].dtype == torch.uint8
+        assert raw["hidden_states"].nbytes * 4 == want["hidden_states"].nbytes
+        got = decode_batch(raw)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    data.close()
+    with pytest.raises(EyrieError, match="needs every shard stored as float8_e4m3"):
+        PackedShards(world["shards"], _expect(world), max_tokens=96, gap=2).batch([0], torch.uint8)
+
+
 def test_loss_falls_and_outputs_are_written(world, tmp_path):
     summary = run_train(world, tmp_path, train_settings(epochs=5, log_every=7))
     records = [json.loads(ln) for ln in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
