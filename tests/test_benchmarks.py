@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/read_path.py: a few MB, warm cache only, in a subprocess.
+"""Smoke tests of the benchmarks (read_path.py, extraction_gpu.py --tiny, training_gpu.py --tiny): small data, CPU, in subprocesses.
 
 Checks the script runs end to end (builds both layouts, checks the readers agree, times them)
 and writes JSON with every cell and positive ratios; the figures themselves are in BENCHMARKS.md.
@@ -25,7 +25,7 @@ def test_read_path_smoke(tmp_path):
     r = json.loads(out.read_text())
     assert set(r["cells"]) == {"warm"}
     cell = r["cells"]["warm"]
-    for k in ("eyrie", "eyrie_checked", "eyrie_h5py", "eyrie_fp8", "peer", "verify"):
+    for k in ("eyrie", "eyrie_checked", "eyrie_h5py", "eyrie_fp8", "eyrie_fp8_codes", "peer", "verify"):
         assert cell[k]["GB_per_s"] > 0 and cell[k]["samples_per_s"] > 0, k
         if k != "peer":
             assert cell[f"ratio_{k}_over_peer"] > 0 and len(cell[f"ratio_{k}_over_peer_per_pass"]) == 1
@@ -33,6 +33,24 @@ def test_read_path_smoke(tmp_path):
     assert r["data"]["shards"] == 2 and r["data"]["samples"] >= 2
     assert r["data"]["hidden_bytes"] == r["data"]["tokens"] * 4 * 64 * 2
     assert not (tmp_path / "data").exists()  # removed without --keep
+
+
+def test_extraction_benchmark_tiny(tmp_path):
+    """benchmarks/extraction_gpu.py --tiny on CPU: the bare forward, eyrie's Extractor into a
+    real shard, the naive peer and the raw-write limit, both model shapes, JSON with every cell."""
+    out = tmp_path / "extraction.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "extraction_gpu.py"), "--tiny", "--tokens",
+           "1500", "--work", str(tmp_path / "work"), "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["shape"] for r in rows] == ["llama8b", "deepseek"]
+    for r in rows:
+        assert r["tokens"] >= 1500 and r["shard_bytes"] > r["tokens"] * 4 * r["hidden"] * 2
+        for k in ("bare_tok_s", "eyrie_tok_s", "naive_tok_s", "raw_write_tok_s", "eyrie_vs_bare",
+                  "eyrie_vs_naive"):
+            assert r[k] > 0, k
+        assert len(r["bare_passes_tok_s"]) == len(r["eyrie_passes_tok_s"]) == 2
 
 
 def test_training_benchmark_tiny(tmp_path):
