@@ -1,7 +1,8 @@
-"""Smoke tests of the benchmarks (read_path.py, extraction_gpu.py --tiny, training_gpu.py --tiny): small data, CPU, in subprocesses.
+"""Smoke tests of the benchmarks (read_path.py, extraction_gpu.py --tiny, training_gpu.py --tiny):
+small data, on the CPU, each script in a subprocess.
 
-Checks the script runs end to end (builds both layouts, checks the readers agree, times them)
-and writes JSON with every cell and positive ratios; the figures themselves are in BENCHMARKS.md.
+Each checks that its script runs end to end and writes JSON with every cell and positive ratios;
+the figures themselves are in BENCHMARKS.md.
 """
 
 from __future__ import annotations
