@@ -147,7 +147,8 @@ class Backend(Protocol):
 
     def states(self, input_ids: list[np.ndarray], storage: torch.dtype) -> Iterator[States]:
         """Hidden states of every sample of `input_ids` (token ids int32 [T_i] each), batch after
-        batch, each sample exactly once, as CPU tensors in the `storage` dtype."""
+        batch, each sample exactly once: as CPU tensors in the `storage` dtype (States), or as a
+        StagedBatch already in the stored representation (the HF backend on a GPU)."""
 
     def close(self) -> None:
         """Release the model (GPU memory, worker processes)."""
