@@ -343,6 +343,8 @@ def real_rows(lengths: list[int], T: int) -> np.ndarray:
 class HFBackend:
     """Hugging Face transformers forward with capture hooks; length-sorted padded batches."""
 
+    staging: PinnedStaging | None = None  # on a GPU: made at the first shard, kept for the others
+
     def __init__(self, target: Path, info: TargetInfo, cfg: ExtractSettings, aux_ids: list[int],
                  final_id: int):
         self.cfg, self.aux_ids, self.final_id = cfg, list(aux_ids), final_id
@@ -350,6 +352,8 @@ class HFBackend:
 
     def states(self, input_ids: list[np.ndarray], storage: torch.dtype) -> Iterator[States]:
         import torch
+
+        from eyrie.shards import stored_tensors
 
         cfg = self.cfg
         lengths = [len(x) for x in input_ids]
@@ -360,37 +364,38 @@ class HFBackend:
                         too_long, cfg.max_tokens_per_batch)
         log.info("hf: %d batches (<= %d padded tokens), %s on %s", len(batches),
                  cfg.max_tokens_per_batch, cfg.dtype, cfg.device)
-        staging = PinnedStaging() if cfg.device == "cuda" else None
+        if cfg.device == "cuda" and self.staging is None:  # one set of pinned buffers per load
+            self.staging = PinnedStaging()
+        waited = self.staging.wait_s if self.staging is not None else 0.0
         for batch in batches:
+            ids = [input_ids[i] for i in batch]
             with torch.inference_mode():  # not held across the yield (it is thread-global state)
-                if staging is None:
-                    aux, final = forward_batch(self.model, [input_ids[i] for i in batch],
-                                               self.aux_ids, self.final_id, cfg.device, storage)
+                if self.staging is None:
+                    aux, final = forward_batch(self.model, ids, self.aux_ids, self.final_id,
+                                               cfg.device, storage)
+                    # drop the padding rows: aux [T_i, n_aux*H], final [T_i, H] per sample (views)
+                    item = (batch, [aux[b, : lengths[i]] for b, i in enumerate(batch)],
+                            [final[b, : lengths[i]] for b, i in enumerate(batch)])
                 else:
-                    from eyrie.shards import stored_tensors
-
-                    aux, final = _forward_device(self.model, [input_ids[i] for i in batch],
-                                                 self.aux_ids, self.final_id, cfg.device)
+                    aux, final = _forward_device(self.model, ids, self.aux_ids, self.final_id,
+                                                 cfg.device)
                     lens = [lengths[i] for i in batch]
                     idx = torch.from_numpy(real_rows(lens, aux.shape[1])).to(cfg.device)
                     stored, bad = stored_tensors(aux.flatten(0, 1).index_select(0, idx),
                                                  final.flatten(0, 1).index_select(0, idx),
                                                  cfg.storage_dtype)
-                    staged = staging.stage(batch, lens, stored, bad)
-                    del aux, final, stored, bad
-            if staging is not None:
-                yield staged
-                continue
-            # drop the padding rows: aux [T_i, n_aux*H], final [T_i, H] per sample (views)
-            yield (batch, [aux[b, : lengths[i]] for b, i in enumerate(batch)],
-                   [final[b, : lengths[i]] for b, i in enumerate(batch)])
-        if staging is not None and staging.wait_s > 1.0:
-            log.info("hf: waited %.1f s for the writer to free a pinned buffer", staging.wait_s)
+                    item = self.staging.stage(batch, lens, stored, bad)
+                    del stored, bad  # the copies are queued: the device memory can go
+                del aux, final
+            yield item
+        if self.staging is not None and self.staging.wait_s - waited > 1.0:
+            log.info("hf: waited %.1f s for the writer to free a pinned buffer",
+                     self.staging.wait_s - waited)
 
     def close(self) -> None:
         import torch
 
-        self.model = None
+        self.model = self.staging = None
         if self.cfg.device == "cuda":
             torch.cuda.empty_cache()
 
@@ -458,7 +463,11 @@ class Extractor:
             for item in self.backend.states(input_ids, storage):
                 if isinstance(item, StagedBatch):
                     batch = item.batch
-                    self._check_staged(item, lengths)
+                    try:
+                        self._check_staged(item, lengths)
+                    except BaseException:
+                        item.release()  # the backend's buffers outlive this shard
+                        raise
                     job = pool.submit(_write_staged, writer, item, Path(out))
                 else:
                     batch, aux, final = item
