@@ -19,7 +19,8 @@ of the settings and the shards alone.
 
 Loading (`Prefetcher`): a background thread builds the packs of the coming steps (in pinned host
 memory when they go to a GPU, hidden states in their stored dtype when widening them on the
-device gives the same float32 values) while the main thread trains, at most `depth` steps ahead.
+device gives the same float32 values, float8 as codes and scales that `decode_batch` decodes
+there) while the main thread trains, at most `depth` steps ahead.
 """
 
 from __future__ import annotations
@@ -140,11 +141,11 @@ class PackedShards:
         self.truncated = sum(n > max_tokens - gap for n in self.lengths)
         self.hidden_size = int(expect["hidden_size"])
         self.n_aux = len(expect["aux_layer_ids"])
-        # Hidden states can travel in their stored dtype when widening them to float32 later is
-        # exact and equal to the float32 read (bfloat16, float16); float8 is dequantized to float32.
+        # Hidden states travel in their stored dtype when widening them to float32 later is exact
+        # and equal to the float32 read (bfloat16, float16); float8 shards as their codes and
+        # scales, decoded on the device (decode_batch); a mix of storage dtypes as float32.
         stored = sorted({r.meta.storage_dtype for r in self.readers})
         exact = len(stored) == 1 and stored[0] in ("bfloat16", "float16", "float32")
-        # float8 shards travel as their codes and scales, decoded on the device (decode_batch)
         codes = stored == ["float8_e4m3"]
         self.transfer_dtype = getattr(torch, stored[0]) if exact else (
             torch.uint8 if codes else torch.float32)
@@ -170,7 +171,8 @@ class PackedShards:
         Hidden states go from the file's pages (ShardReader maps them) straight into the
         preallocated batch: one pass (float8 shards: dequantized to float32 first, then copied).
         `dtype` float32 is the training dtype; `transfer_dtype` keeps the stored values as they
-        are, for a widening to float32 on the device. `pin`: page-locked host memory (CUDA).
+        are, for a widening to float32 on the device (uint8 for float8 shards: their codes, plus
+        hidden_states_scale / verifier_last_hidden_states_scale float32 [1, L]; decode_batch). `pin`: page-locked host memory (CUDA).
         `pad_to`: at least this many positions, the rest padding like the gaps (document id -1,
         loss mask 0, zeros): one shape for every pack, so a compiled draft compiles once."""
         H, n_aux, gap = self.hidden_size, self.n_aux, self.gap
@@ -195,7 +197,7 @@ class PackedShards:
         pos = 0
         for doc, (i, n) in enumerate(zip(indices, sizes)):
             r_i, s_i = self.refs[i]
-            # as stored (views of the file's pages), float8 dequantized to float32
+            # as stored (views of the file's pages); float8 dequantized to float32, or as codes
             s = shift_sample(self.readers[r_i].read(s_i, torch.uint8 if codes else None))
             for k in keys:
                 out[k][pos:pos + n].copy_(s[k][:n])

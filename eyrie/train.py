@@ -490,12 +490,12 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
     waited = 0.0  # seconds this process was blocked getting batches (summary: data_wait_fraction)
     # bfloat16 autocast (weights and optimizer state stay float32; losses and softmax in float32),
     # what speculators' trainer does on a GPU; float32 throughout on a CPU unless asked
-    bf16 = cfg.precision == "bfloat16" or (cfg.precision == "auto" and device.type == "cuda")
+    bf16 = cfg.precision == "bfloat16" or (cfg.precision == "auto" and cuda)
     # The draft's forward is compiled on a GPU (speculators' model class) and recompiles for every
     # new pack length; past dynamo's recompile limit it runs uncompiled (measured on an H200: 0.6-0.9
     # s per step against speculators' 0.17 s at one padded shape). Fixed: every pack padded to
     # max_tokens_per_batch positions, outside the loss (tests/test_train.py: same loss).
-    fixed = cfg.pack_shape == "fixed" or (cfg.pack_shape == "auto" and device.type == "cuda")
+    fixed = cfg.pack_shape == "fixed" or (cfg.pack_shape == "auto" and cuda)
     pad_to = cfg.max_tokens_per_batch if fixed else None
     with contextlib.ExitStack() as stack:
         stack.callback(data.close)
