@@ -12,8 +12,9 @@ states, the same draft and the same token budget per optimizer step.
          only the tensors the draft reads (embed_tokens, lm_head, final norm; bf16).
   draft  1 layer, hidden 4096, target vocab 128256, draft vocab 32000 (eyrie's vocabulary map,
          from the data's assistant tokens, handed to speculators as d2t/t2d .npy), 3 TTT steps.
-  runs   (A) `python -m eyrie train` (its CLI, one process; `--nproc-per-node 2` too with --gpus 2),
-         --max-tokens per pack x --packs-per-step packs per step, one epoch;
+  runs   (A) `python -m eyrie train` (its CLI, one process), --max-tokens per pack (8192) x
+             --packs-per-step packs (1) per step, one epoch; with --gpus 2 also twice the packs per
+             step on one process and on two (`--nproc-per-node 2`), half the steps;
          (B) `torchrun --nproc-per-node 1 benchmarks/speculators_launch.py -- <flags>`: runpy runs
              speculators.train as __main__ with total_seq_len = the same token budget per step,
              max_steps = warm-up + measured + 1 and epochs 1 (its default 20 would add an epoch-end
@@ -25,8 +26,9 @@ states, the same draft and the same token budget per optimizer step.
 Measured over steady-state steps (after --warmup steps): tokens/s (real tokens: document_ids >= 0),
 peak GPU memory (torch.cuda.max_memory_allocated in the training process), and the fraction of
 step time blocked waiting for data (eyrie: its own `data_wait_s` per step; speculators: the
-launcher times each `next()` on its train loader). With --gpus 2: eyrie's scaling (2 processes, same
-global batch: one pack per rank) and the largest difference of the final weights and losses.
+launcher times each `next()` on its train loader). With --gpus 2: eyrie's scaling (2 processes
+against 1 on the same global batch of 2 x --packs-per-step packs: --packs-per-step per rank) and
+the largest difference of their final weights and losses.
 Goals (issue 5): eyrie/speculators tokens/s >= 1.2, peak memory <= 1.0x, data wait < 5%;
 2-GPU scaling >= 1.8x with results identical to one GPU.
 
@@ -235,11 +237,12 @@ def check_converted(world: dict, conv: dict, shape: dict, budget: int) -> dict:
 
 # ---------------------------------------------------------------- runs
 
-def run_eyrie(world: dict, root: Path, args, gpus: int, device: str) -> dict:
-    """`python -m eyrie train` (with --nproc-per-node: eyrie starts torchrun itself)."""
+def run_eyrie(world: dict, root: Path, args, gpus: int, device: str, packs: int) -> dict:
+    """`python -m eyrie train` with `packs` packs per step (with --nproc-per-node: eyrie starts
+    torchrun itself)."""
     settings = {"train": {"seed": 0, "device": device, "epochs": 1, "num_layers": 1,
                           "ttt_steps": TTT_STEPS, "max_tokens_per_batch": args.max_tokens,
-                          "packs_per_step": args.packs_per_step, "log_every": args.warmup,
+                          "packs_per_step": packs, "log_every": args.warmup,
                           "checkpoint_every": 1_000_000}}
     cmd = [sys.executable, "-m", "eyrie", "train", "--target", str(world["target"]),
            "--preflight", str(world["preflight"]), "--vocab", str(world["vocab"]),
@@ -405,8 +408,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=6, help="steps left out of the measurement")
     p.add_argument("--steps", type=int, default=24, help="measured steps (at least)")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="eyrie train.max_tokens_per_batch (default 4096; --tiny 128)")
-    p.add_argument("--packs-per-step", type=int, default=2,
+                   help="eyrie train.max_tokens_per_batch (default 8192; --tiny 128)")
+    p.add_argument("--packs-per-step", type=int, default=1,
                    help="eyrie train.packs_per_step; speculators' total_seq_len = max-tokens x this")
     p.add_argument("--min-len", type=int, default=None, help="sample tokens, least (default 1024)")
     p.add_argument("--max-len", type=int, default=None, help="sample tokens, most (default 2048)")
@@ -422,14 +425,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     shape = SHAPES["tiny" if args.tiny else "full"]
-    args.max_tokens = args.max_tokens or (128 if args.tiny else 4096)
+    args.max_tokens = args.max_tokens or (128 if args.tiny else 8192)
     args.min_len = args.min_len or (16 if args.tiny else 1024)
     args.max_len = args.max_len or (64 if args.tiny else 2048)
     if args.warmup < 1 or args.steps < 2:
         p.error("--warmup must be >= 1 (eyrie logs, and waits for the device, every --warmup steps) "
                 "and --steps >= 2")
-    if args.packs_per_step % args.gpus:
-        p.error(f"--packs-per-step {args.packs_per_step} must be a multiple of --gpus {args.gpus}")
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     if args.gpus > (torch.cuda.device_count() if cuda else 1):
@@ -479,15 +480,20 @@ def main() -> None:
                 runs["speculators"] = got
                 log(f"speculators: {got['tokens_per_s']:.0f} tok/s")
         t = time.perf_counter()
-        runs["eyrie"] = run_eyrie(world, work / "run_eyrie_1", args, 1, device)
+        runs["eyrie"] = run_eyrie(world, work / "run_eyrie_1", args, 1, device, args.packs_per_step)
         phases["eyrie_1_s"] = time.perf_counter() - t
         log(f"eyrie, 1 process: {runs['eyrie']['tokens_per_s']:.0f} tok/s")
         parity = None
-        if args.gpus == 2:
+        if args.gpus == 2:  # the same global batch of 2 x --packs-per-step packs on 1 and 2 GPUs
             t = time.perf_counter()
-            runs["eyrie_2"] = run_eyrie(world, work / "run_eyrie_2", args, 2, device)
+            P2 = 2 * args.packs_per_step
+            runs["eyrie_1x"] = run_eyrie(world, work / "run_eyrie_1x", args, 1, device, P2)
+            phases["eyrie_1x_s"] = time.perf_counter() - t
+            log(f"eyrie, 1 process, {P2} packs per step: {runs['eyrie_1x']['tokens_per_s']:.0f} tok/s")
+            t = time.perf_counter()
+            runs["eyrie_2"] = run_eyrie(world, work / "run_eyrie_2", args, 2, device, P2)
             phases["eyrie_2_s"] = time.perf_counter() - t
-            parity = compare_runs(work / "run_eyrie_1", work / "run_eyrie_2")
+            parity = compare_runs(work / "run_eyrie_1x", work / "run_eyrie_2")
             log(f"eyrie, 2 processes: {runs['eyrie_2']['tokens_per_s']:.0f} tok/s")
     finally:
         if not args.keep:
@@ -499,7 +505,7 @@ def main() -> None:
         ratios = {"tokens_per_s": e["tokens_per_s"] / s["tokens_per_s"],
                   "peak_memory": (e["peak_memory_bytes"] / s["peak_memory_bytes"])
                   if e["peak_memory_bytes"] and s["peak_memory_bytes"] else None}
-    scaling = runs["eyrie_2"]["tokens_per_s"] / e["tokens_per_s"] if "eyrie_2" in runs else None
+    scaling = runs["eyrie_2"]["tokens_per_s"] / runs["eyrie_1x"]["tokens_per_s"] if "eyrie_2" in runs else None
     goals = {"tokens_per_s_ratio": 1.2, "peak_memory_ratio": 1.0, "data_wait_fraction": 0.05,
              "scaling_2_gpus": 1.8}
     name = torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu"
@@ -510,6 +516,7 @@ def main() -> None:
           f"tokens, {args.warmup} warm-up steps left out")
     print(f"{'run':24} {'steps':>6} {'tok/step':>9} {'tok/s':>9} {'peak GiB':>9} {'data wait':>10}")
     for label, key in (("speculators (1 GPU)", "speculators"), ("eyrie (1 process)", "eyrie"),
+                       (f"eyrie (1 proc, x{2 * args.packs_per_step} packs)", "eyrie_1x"),
                        ("eyrie (2 processes)", "eyrie_2")):
         r = runs.get(key)
         if r:

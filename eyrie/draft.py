@@ -1,6 +1,7 @@
-"""Build the EAGLE-3 draft: speculators' own Eagle3DraftModel, constructed the way that works
-on CPU and GPU (sdpa attention; the verifier's embeddings, final norm and lm_head loaded from the
-target folder)."""
+"""Build the EAGLE-3 draft: speculators' own Eagle3DraftModel (the verifier's embeddings, final
+norm and lm_head loaded from the target folder), with sdpa attention by default, which runs on CPU
+and GPU; training on a GPU asks for speculators' block-sparse flex attention instead (FlexAttention
+has no backward on a CPU)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ from eyrie import EyrieError
 def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Tensor,
                 t2d: torch.Tensor, *, num_layers: int = 1, draft_arch: str = "llama",
                 norm_before_residual: bool = True, ttt_steps: int = 3,
-                trust_remote_code: bool = False, seed: int | None = None):
+                trust_remote_code: bool = False, seed: int | None = None,
+                attn_impl: str = "sdpa"):
     """A fresh (untrained) draft for the target at `target_path`.
 
     d2t: int64 [draft_vocab] offsets (target_id = i + d2t[i]); t2d: bool [target_vocab].
     Seeded when `seed` is given, so the same call builds the same weights.
+    attn_impl: "sdpa" (dense masks; CPU and GPU) or "simple_flex_attention" (block masks that
+    skip the masked blocks of packed documents and TTT steps; GPU training only).
     """
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
@@ -43,7 +47,7 @@ def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Te
         model = Eagle3DraftModel.from_training_args(
             verifier_config=layer_config, t2d=t2d, d2t=d2t, verifier_name_or_path=target_path,
             draft_vocab_size=int(d2t.shape[0]), norm_before_residual=norm_before_residual,
-            ttt_steps=ttt_steps, target_layer_ids=list(aux_layer_ids), draft_attn_impl="sdpa",
+            ttt_steps=ttt_steps, target_layer_ids=list(aux_layer_ids), draft_attn_impl=attn_impl,
             trust_remote_code=trust_remote_code,
         )
     return model

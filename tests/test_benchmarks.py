@@ -59,7 +59,7 @@ def test_training_benchmark_tiny(tmp_path):
     ArrowDataset reads the converted set back), a real `eyrie train` run, the steady-state table."""
     out = tmp_path / "training.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "training_gpu.py"), "--tiny", "--warmup", "2",
-           "--steps", "6", "--shards", "2", "--work", str(tmp_path / "work"), "--out", str(out)]
+           "--steps", "6", "--packs-per-step", "2", "--shards", "2", "--work", str(tmp_path / "work"), "--out", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "eyrie (1 process)" in run.stdout and "data wait" in run.stdout
