@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU measurement of issue 5 in one go, on an NVIDIA machine (an H200 here). Measured
-# 2026-11-30: extraction 145 s, read_path 157 s, training over 420 s on two GPUs (speculators'
-# first step compiles for 133 s), so more than 10 minutes in all; run the parts one by one where a
-# call is limited to 10 minutes.
+# 2026-11-30, part by part: extraction 162 s, read_path 157 s, training 539 s on two GPUs (of
+# which speculators' run 199 s, 133 s of it compiling), so about 14 minutes in all; where a call
+# is limited to 10 minutes, run the parts one by one.
 #
 #   bash benchmarks/gpu-wheels.sh                 # where pip reaches an index: fills .whl/
 #   bash benchmarks/gpu.sh [extraction] [read_path] [training]     # on the GPU machine; default: all

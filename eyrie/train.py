@@ -479,6 +479,12 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
     if dist.world > 1:  # after loading: DDP starts from rank 0's (identical) weights
         from torch.nn.parallel import DistributedDataParallel
 
+        # The compiled draft (on a GPU) would otherwise be split into graphs at DDP's bucket
+        # boundaries, fused differently from one process's: on an H200, 1 and 2 GPUs on the same
+        # global batch ended 0.012 apart in weights. Unsplit, the kernels are a single process's
+        # (whose steps repeat bit for bit run to run) and the weights were identical, at 1.89x
+        # the tokens/s of one GPU (BENCHMARKS.md).
+        torch._dynamo.config.optimize_ddp = False
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     schedule = _schedule(plan, steps_per_epoch, P, k, dist.rank, position["epoch"],

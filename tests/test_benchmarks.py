@@ -8,6 +8,7 @@ the figures themselves are in BENCHMARKS.md.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,16 @@ def test_speculators_launcher_times_each_batch():
     assert [b["document_ids"].tolist() for b in timed] == [d.tolist() for d in docs]
     assert [r["tokens"] for r in log] == [2, 3]
     assert all(r["got"] >= r["request"] for r in log)
+
+
+def test_train_step_benchmark_tiny(tmp_path):
+    """benchmarks/train_step_gpu.py --tiny on CPU: a variant builds the draft, trains its timed steps
+    on packed batches and prints its line; flex is refused on the CPU (no backward there)."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "train_step_gpu.py"), "--tiny", "time"]
+    env = dict(os.environ, EYRIE_BENCH_WORK=str(tmp_path))
+    run = subprocess.run([*cmd, "attn=sdpa,T=256"], capture_output=True, text=True, timeout=180, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    line = json.loads(run.stdout.strip().splitlines()[-1])
+    assert line["variant"] == "attn=sdpa,T=256" and line["tok_s"] > 0 and line["s_per_step"] > 0
+    refused = subprocess.run([*cmd, "attn=flex,T=256"], capture_output=True, text=True, timeout=60, env=env)
+    assert refused.returncode != 0 and "attn=sdpa only" in refused.stderr
