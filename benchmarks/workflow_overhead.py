@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -129,6 +130,20 @@ def measure(shards: int, repeat: int, timeout: float, complete: bool) -> dict:
     return row
 
 
+def slurm_probe_s(timeout: float = 15.0) -> float | None:
+    """Seconds of `scontrol show config`, which the SLURM executor plugin runs (timeout 10 s) when
+    Snakemake loads its plugins, i.e. in every cell of this benchmark; None without scontrol.
+    With SLURM's client tools installed and no controller answering, every call waits ~9 s."""
+    if shutil.which("scontrol") is None:
+        return None
+    start = time.perf_counter()
+    try:
+        subprocess.run(["scontrol", "show", "config"], capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    return round(time.perf_counter() - start, 3)
+
+
 def cell(result: dict | None, key: str = "seconds") -> str:
     if not result:
         return "-"
@@ -146,6 +161,9 @@ def main() -> int:
                         help="skip the complete-workflow state (its --touch -F takes minutes at 10,000)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "workflow_overhead.json"))
     args = parser.parse_args()
+    probe = slurm_probe_s()
+    print(f"scontrol show config (run by the SLURM executor plugin in every cell): "
+          f"{'no scontrol' if probe is None else f'{probe:.2f} s'}", flush=True)
     rows = []
     print(f"{'shards':>7} {'jobs':>6} {'plan all (s)':>12} {'CPU (s)':>8} {'peer (s)':>9} "
           f"{'complete (s)':>12} {'jobs':>5}", flush=True)
@@ -160,7 +178,8 @@ def main() -> int:
     Path(args.out).write_text(json.dumps({
         "date": date.today().isoformat(), "machine": f"{platform.node()} {os.cpu_count()} cores",
         "command": " ".join(["benchmarks/workflow_overhead.py", *sys.argv[1:]]),
-        "goal": "<= 15 s at 10000 shards", "rows": rows}, indent=1) + "\n")
+        "goal": "<= 15 s at 10000 shards", "scontrol_show_config_s": probe, "rows": rows},
+        indent=1) + "\n")
     return 0
 
 

@@ -534,3 +534,26 @@ def test_train_reads_float8_shards(tmp_path):
     losses = [json.loads(x)["loss"] for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == len(losses) > 0 and all(np.isfinite(losses))
     assert (tmp_path / "train" / "draft" / "model.safetensors").is_file()
+
+
+def test_cold_first_page_is_told_from_a_cached_one(tmp_path):
+    """map_private asks the kernel for a whole sample (WILLNEED) only when its first page is not
+    in the page cache: the probe must tell the two apart (RWF_NOWAIT), or cold reads lose their
+    readahead or warm reads pay for a useless one."""
+    import os
+
+    from eyrie.shards import _first_page_cached
+
+    path = tmp_path / "pages.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.read(fd, 1 << 20)  # cached now
+        assert _first_page_cached(fd, 8192, 4096)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if not hasattr(os, "RWF_NOWAIT"):
+            pytest.skip("no RWF_NOWAIT (not Linux): the probe reads the page and says cached")
+        assert not _first_page_cached(fd, 8192, 4096)
+    finally:
+        os.close(fd)
