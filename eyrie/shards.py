@@ -298,8 +298,8 @@ def map_private(fd: int, start: int, length: int) -> np.ndarray:
     at the first page then started readahead forward from there; a first fault would read half
     a window (4 MiB here) of the rows before the sample first (0.81-0.94x -> 0.95-1.0x). Now,
     when the first page is not in the page cache, posix_fadvise(WILLNEED) asks for the whole
-    range at once, so the disk gets large requests before the first fault (cold: 1.10x -> 1.53x
-    of the peer, 2 GB, median of 3); a cached first page skips it, because WILLNEED over cached
+    range at once, so the disk gets large requests before the first fault (cold: 1.10x -> 1.63x
+    of the peer at 2 GB, 1.92x at 5 GB, medians of 3); a cached first page skips it, because WILLNEED over cached
     pages costs a warm read ~16 ms per 24 MB sample (24.7 -> 41 ms). libc's mmap, not
     Python's: a Python mmap object holds a duplicate file descriptor while alive."""
     base = start - start % mmap.PAGESIZE
