@@ -64,18 +64,11 @@ def setup():
 
 
 def build(shape, d2t, t2d, attn: str):
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from speculators.train.cli import create_transformer_layer_config
+    """The draft as `eyrie train` builds it (eyrie.draft.build_draft, seed 0), on the device."""
+    from eyrie.draft import build_draft
 
-    torch.manual_seed(0)
-    target = str(WORK / "target")
-    layer = create_transformer_layer_config(
-        verifier_name_or_path=target, num_layers=1, draft_arch="llama", hidden_act=None,
-        sliding_window=2048, full_attention_indices=[0], trust_remote_code=False)
-    model = Eagle3DraftModel.from_training_args(
-        verifier_config=layer, t2d=t2d, d2t=d2t, verifier_name_or_path=target,
-        draft_vocab_size=int(d2t.shape[0]), norm_before_residual=True, ttt_steps=3,
-        target_layer_ids=shape["aux"], draft_attn_impl=attn)
+    model = build_draft(WORK / "target", shape["aux"], d2t, t2d, num_layers=1, ttt_steps=3, seed=0,
+                        attn_impl=attn)
     return model.to(DEVICE).train()
 
 

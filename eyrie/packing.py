@@ -172,7 +172,8 @@ class PackedShards:
         preallocated batch: one pass (float8 shards: dequantized to float32 first, then copied).
         `dtype` float32 is the training dtype; `transfer_dtype` keeps the stored values as they
         are, for a widening to float32 on the device (uint8 for float8 shards: their codes, plus
-        hidden_states_scale / verifier_last_hidden_states_scale float32 [1, L]; decode_batch). `pin`: page-locked host memory (CUDA).
+        hidden_states_scale / verifier_last_hidden_states_scale float32 [1, L]; decode_batch).
+        `pin`: page-locked host memory (CUDA).
         `pad_to`: at least this many positions, the rest padding like the gaps (document id -1,
         loss mask 0, zeros): one shape for every pack, so a compiled draft compiles once."""
         H, n_aux, gap = self.hidden_size, self.n_aux, self.gap

@@ -270,19 +270,18 @@ class _Map:
 
 def _first_page_cached(fd: int, offset: int, size: int) -> bool:
     """Read the page at `offset` only if the page cache holds it (RWF_NOWAIT): True if it did.
-    Without RWF_NOWAIT (not Linux), a plain read, which starts the kernel's readahead there."""
-    page = bytearray(size)
+    Where RWF_NOWAIT is missing (not Linux, or a filesystem without it), a plain read, which
+    starts the kernel's readahead there, and True."""
     nowait = getattr(os, "RWF_NOWAIT", None)
-    if nowait is None:
-        os.pread(fd, size, offset)
-        return True
-    try:
-        return os.preadv(fd, [page], offset, nowait) > 0
-    except BlockingIOError:  # EAGAIN: not cached
-        return False
-    except OSError:  # a filesystem without RWF_NOWAIT (EOPNOTSUPP): read it, as above
-        os.pread(fd, size, offset)
-        return True
+    if nowait is not None:
+        try:
+            return os.preadv(fd, [bytearray(size)], offset, nowait) > 0
+        except BlockingIOError:  # EAGAIN: not cached
+            return False
+        except OSError:  # EOPNOTSUPP: the plain read below
+            pass
+    os.pread(fd, size, offset)
+    return True
 
 
 def map_private(fd: int, start: int, length: int) -> np.ndarray:
@@ -299,9 +298,10 @@ def map_private(fd: int, start: int, length: int) -> np.ndarray:
     a window (4 MiB here) of the rows before the sample first (0.81-0.94x -> 0.95-1.0x). Now,
     when the first page is not in the page cache, posix_fadvise(WILLNEED) asks for the whole
     range at once, so the disk gets large requests before the first fault (cold: 1.10x -> 1.63x
-    of the peer at 2 GB, 1.92x at 5 GB, medians of 3); a cached first page skips it, because WILLNEED over cached
-    pages costs a warm read ~16 ms per 24 MB sample (24.7 -> 41 ms). libc's mmap, not
-    Python's: a Python mmap object holds a duplicate file descriptor while alive."""
+    of the peer at 2 GB, 1.92x at 5 GB, medians of 3); a cached first page skips it, because
+    WILLNEED over cached pages costs a warm read ~16 ms per 24 MB sample (24.7 -> 41 ms).
+    libc's mmap, not Python's: a Python mmap object holds a duplicate file descriptor while
+    alive."""
     base = start - start % mmap.PAGESIZE
     size = length + start - base
     try:

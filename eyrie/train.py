@@ -443,7 +443,8 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
     # On a GPU speculators' own attention (flex, block-sparse over the packed documents and TTT
     # steps): measured on an H200 (BENCHMARKS.md), 1.18x the tokens/s of dense-mask sdpa at 4096
     # tokens per pack. FlexAttention has no backward on a CPU, where sdpa stays.
-    attn = "simple_flex_attention" if device.type == "cuda" else "sdpa"
+    cuda = device.type == "cuda"
+    attn = "simple_flex_attention" if cuda else "sdpa"
     model = build_draft(target, expect["aux_layer_ids"], d2t, t2d, num_layers=cfg.num_layers,
                         draft_arch=cfg.draft_arch, norm_before_residual=cfg.norm_before_residual,
                         ttt_steps=cfg.ttt_steps, seed=cfg.seed, attn_impl=attn).to(device)
@@ -489,7 +490,6 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
 
     schedule = _schedule(plan, steps_per_epoch, P, k, dist.rank, position["epoch"],
                          position["step_in_epoch"])
-    cuda = device.type == "cuda"
     copy_stream = torch.cuda.Stream(device) if cuda else None
     started = time.monotonic()
     wall0 = position["wall_s"]
