@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import shutil
+import time
 
 import h5py
 import numpy as np
@@ -560,50 +561,63 @@ def _resident(fd: int, offset: int) -> bool:
         libc.munmap(addr, mmap.PAGESIZE)
 
 
-@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT (not Linux): the probe "
-                    "reads the page and says cached")
-def test_cold_first_page_is_told_from_a_cached_one(tmp_path):
-    """map_private asks the kernel for a whole sample (WILLNEED) only when its first page is not
-    in the page cache: the probe (RWF_NOWAIT) must agree with the kernel's own residency report
-    (mincore), or cold reads lose their readahead or warm reads pay for a useless one.
-
-    The cold page is made by writing the file with O_DIRECT, which bypasses the page cache, and
-    then asking for its pages to be dropped (after a buffered write and DONTNEED, one CI machine
-    still had the page cached); the test starts only from a page that mincore says is not there."""
+def _write_uncached(path, data: bytes) -> None:
+    """Write `data` to `path` bypassing the page cache (O_DIRECT) where the filesystem allows,
+    then ask for whatever it cached to be dropped."""
     import mmap
 
-    from eyrie.shards import _first_page_cached
-
-    page, offset = mmap.PAGESIZE, 2 * mmap.PAGESIZE
-    path = tmp_path / "pages.bin"
-    with mmap.mmap(-1, 1 << 20) as data:  # page-aligned, as O_DIRECT wants
-        data.write(os.urandom(1 << 20))
+    with mmap.mmap(-1, len(data)) as buf:  # page-aligned, as O_DIRECT wants
+        buf.write(data)
         for flags in (getattr(os, "O_DIRECT", 0), 0):  # a filesystem without O_DIRECT: buffered
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags)
             try:
-                os.write(fd, data)
+                os.write(fd, buf)
                 os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 break
             except OSError:
                 if not flags:
                     raise
             finally:
                 os.close(fd)
+
+
+@pytest.mark.skipif(shards._LIBC is None or not hasattr(os, "posix_fadvise"),
+                    reason="map_private needs Linux (MAP_NORESERVE, posix_fadvise)")
+def test_a_cold_sample_is_asked_for_whole_and_a_cached_one_is_not(tmp_path, monkeypatch):
+    """map_private asks the kernel for a whole sample at once (WILLNEED) only when its first page
+    is not in the page cache: cold reads then get large disk requests before the first fault,
+    and warm reads skip a WILLNEED that costs them ~16 ms per 24 MB. The cold file is written
+    with O_DIRECT (no page cache; after a buffered write and DONTNEED one CI machine still had
+    the page cached), and the test starts only where mincore says its pages are not cached."""
+    import mmap
+
+    page = mmap.PAGESIZE
+    path = tmp_path / "pages.bin"
+    data = os.urandom(1 << 20)
+    _write_uncached(path, data)
+    asked = []
+    fadvise = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise",
+                        lambda fd, offset, length, advice: (asked.append((offset, length, advice)),
+                                                            fadvise(fd, offset, length, advice)))
+    start, length = 2 * page + 100, 512 << 10
+    last = (start + length - 1) // page * page
     fd = os.open(path, os.O_RDONLY)
     try:
-        # The probe starts readahead (RWF_NOWAIT does); a device that completed it before the
-        # probe looked again would make the page cached in between: three tries, dropped anew.
-        for _ in range(3):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            if _resident(fd, offset):
-                pytest.skip(f"{path.parent}: its filesystem keeps the page cached after O_DIRECT "
-                            "writes and DONTNEED, so no cold page can be made here")
-            if not _first_page_cached(fd, offset, page):
-                break
-        else:
-            pytest.fail("the probe said cached for a page that mincore said was not, 3 times of 3")
-        os.pread(fd, page, offset)
-        assert _resident(fd, offset)
-        assert _first_page_cached(fd, offset, page)
+        if _resident(fd, 2 * page) or _resident(fd, last):
+            pytest.skip(f"{path.parent}: its filesystem keeps pages cached after O_DIRECT writes "
+                        "and DONTNEED, so no cold sample can be made here")
+        cold = shards.map_private(fd, start, length)
+        assert asked == [(2 * page, length + 100, os.POSIX_FADV_WILLNEED)]
+        # nothing touched the map: only WILLNEED brings the sample's last page in
+        deadline = time.monotonic() + 30
+        while not _resident(fd, last) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _resident(fd, last), "WILLNEED brought nothing in within 30 s"
+        assert cold.tobytes() == data[start:start + length]
+        asked.clear()
+        warm = shards.map_private(fd, start, length)
+        assert asked == [] and warm.tobytes() == data[start:start + length]
     finally:
         os.close(fd)
