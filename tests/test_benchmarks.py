@@ -1,4 +1,5 @@
-"""Smoke tests of the benchmarks (read_path.py, extraction_gpu.py --tiny, training_gpu.py --tiny):
+"""Smoke tests of the benchmarks (read_path.py, page_cache_fill.py, extraction_gpu.py --tiny,
+training_gpu.py --tiny):
 small data, on the CPU, each script in a subprocess.
 
 Each checks that its script runs end to end and writes JSON with every cell and positive ratios;
@@ -12,6 +13,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,6 +38,21 @@ def test_read_path_smoke(tmp_path):
     assert r["data"]["shards"] == 2 and r["data"]["samples"] >= 2
     assert r["data"]["hidden_bytes"] == r["data"]["tokens"] * 4 * 64 * 2
     assert not (tmp_path / "data").exists()  # removed without --keep
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="eyrie maps samples only on Linux")
+def test_page_cache_fill_smoke(tmp_path):
+    out = tmp_path / "page_cache_fill.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "page_cache_fill.py"), "--file-mb", "8",
+           "--sample-mb", "1", "--samples", "3", "--rounds", "1", "--repeats", "2", "--dontneed",
+           "--dir", str(tmp_path), "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["cold_cache_method"] == "posix_fadvise_dontneed"
+    assert set(r["ways"]) == {"fault", "willneed", "populate", "pread", "sequential"}
+    assert all(w["cold_gb_s"] > 0 and w["warm_ms"] > 0 for w in r["ways"].values())
+    assert list(tmp_path.iterdir()) == [out]  # the data file is removed
 
 
 def test_extraction_benchmark_tiny(tmp_path):
