@@ -299,7 +299,9 @@ def map_private(fd: int, start: int, length: int) -> np.ndarray:
     range at once, so the disk gets large requests before the first fault (cold: 1.10x -> 1.63x
     of the peer at 2 GB, 1.92x at 5 GB, medians of 3); a cached first page (mincore over the
     new map) skips it, because WILLNEED over cached pages costs a warm read ~16 ms per 24 MB
-    sample (24.7 -> 41 ms).
+    sample (24.7 -> 41 ms). The price, paid by later warm reads: WILLNEED fills the page cache
+    with 4 KiB pages where fault readahead builds large folios, so a warm read of a sample first
+    read cold costs ~1.3x more (BENCHMARKS.md, benchmarks/page_cache_fill.py).
     libc's mmap, not Python's: a Python mmap object holds a duplicate file descriptor while
     alive."""
     base = start - start % mmap.PAGESIZE
