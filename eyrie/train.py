@@ -486,7 +486,7 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
         # (whose steps repeat bit for bit run to run) and the weights were identical, at 1.89x
         # the tokens/s of one GPU (BENCHMARKS.md).
         torch._dynamo.config.optimize_ddp = False
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        net = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
 
     schedule = _schedule(plan, steps_per_epoch, P, k, dist.rank, position["epoch"],
                          position["step_in_epoch"])

@@ -540,17 +540,12 @@ def test_train_reads_float8_shards(tmp_path):
 
 def _resident(fd: int, offset: int) -> bool:
     """The kernel's own word on whether the page at `offset` of the file open as `fd` is in the
-    page cache: mincore(2) over a fresh read-only map of it, which faults nothing in."""
+    page cache: mincore(2) over a fresh read-only map of it, which faults nothing in (through
+    eyrie.shards' libc, whose mmap, munmap and mincore it declares)."""
     import ctypes
-    import ctypes.util
     import mmap
 
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc = shards._LIBC
     addr = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
     assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
     try:
@@ -582,8 +577,9 @@ def _write_uncached(path, data: bytes) -> None:
                 os.close(fd)
 
 
-@pytest.mark.skipif(shards._LIBC is None or not hasattr(os, "posix_fadvise"),
-                    reason="map_private needs Linux (MAP_NORESERVE, posix_fadvise)")
+@pytest.mark.skipif(shards._LIBC is None or not hasattr(shards._LIBC, "mincore")
+                    or not hasattr(os, "posix_fadvise"),
+                    reason="map_private needs Linux (MAP_NORESERVE, mincore, posix_fadvise)")
 def test_a_cold_sample_is_asked_for_whole_and_a_cached_one_is_not(tmp_path, monkeypatch):
     """map_private asks the kernel for a whole sample at once (WILLNEED) only when its first page
     is not in the page cache: cold reads then get large disk requests before the first fault,
