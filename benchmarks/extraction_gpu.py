@@ -89,7 +89,7 @@ def sync(device: str) -> None:
 
 def bare_forward(model, ids: list[np.ndarray], max_tokens: int, device: str) -> float:
     """(a): the same length-sorted padded batches as eyrie's, forward only."""
-    from eyrie.extract import plan_batches
+    from eyrie.extract.extractor import plan_batches
 
     batches = plan_batches([len(x) for x in ids], max_tokens)
     sync(device)
@@ -110,8 +110,9 @@ def bare_forward(model, ids: list[np.ndarray], max_tokens: int, device: str) -> 
 def eyrie_extract(model, config, ids: list[np.ndarray], aux_ids: list[int] | None, max_tokens: int,
                   device: str, out: Path) -> float:
     """(b): eyrie's Extractor.extract on the in-memory model (its load skipped, nothing else)."""
-    from eyrie.extract import Extractor, HFBackend, parse_settings
-    from eyrie.targets import inspect_target, resolve_layer_ids
+    from eyrie.arch.target import inspect_target, resolve_layer_ids
+    from eyrie.extract.extractor import Extractor, parse_settings
+    from eyrie.extract.hf import HFBackend
 
     folder = out.parent / "target"
     config.save_pretrained(folder)  # config.json only: what inspect_target reads
@@ -186,7 +187,7 @@ def run_shape(shape: str, args, device: str, work: Path) -> dict:
     model, config = build(shape, args.tiny, device, dtype)
     build_s = time.perf_counter() - t0
     n = config.num_hidden_layers
-    from eyrie.targets import resolve_layer_ids
+    from eyrie.arch.target import resolve_layer_ids
 
     aux_ids = None if n >= 8 else [1, 2, 3]  # EAGLE-3's default [2, N//2, N-3] needs N >= 8
     aux, final = resolve_layer_ids(aux_ids, n)
@@ -219,7 +220,7 @@ def run_shape(shape: str, args, device: str, work: Path) -> dict:
     })
     row["eyrie_vs_bare"] = row["eyrie_tok_s"] / row["bare_tok_s"]
     row["eyrie_vs_naive"] = row["eyrie_tok_s"] / row["naive_tok_s"]
-    from eyrie.extract import WRITERS
+    from eyrie.extract.extractor import WRITERS
 
     # (d) right after (b), like (b)'s second pass: into a page cache holding (b)'s dirty pages
     raw_s = raw_writes(work / shape / "raw.bin", row["shard_bytes"], WRITERS)

@@ -1,6 +1,6 @@
 """What the way a cold read fills the page cache costs the warm reads that come after it.
 
-Why: eyrie's ShardReader maps a sample's bytes (eyrie.shards.map_private) and, when the first page
+Why: eyrie's ShardReader maps a sample's bytes (eyrie.formats.pagecache.map_private) and, when the first page
 is not cached, asks for the whole range at once with posix_fadvise(WILLNEED). That readahead
 fills the page cache with 4 KiB pages, while the readahead of page faults (and of large reads)
 builds large folios, which a later warm fault maps many pages at a time. This measures both
@@ -39,7 +39,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from eyrie import shards  # noqa: E402
+from eyrie.formats import pagecache as shards_pagecache
 
 MADV_POPULATE_READ = 22  # Linux 5.14
 WAYS = ("fault", "willneed", "populate", "pread", "sequential")
@@ -67,11 +67,11 @@ def private_map(fd: int, start: int, length: int) -> tuple[int, int, np.ndarray]
     """map_private's map without its probe or advice: (address, size, array over the range)."""
     base = start - start % mmap.PAGESIZE
     size = length + start - base
-    addr = shards._LIBC.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE,
-                             mmap.MAP_PRIVATE | shards.MAP_NORESERVE, fd, base)
+    addr = shards_pagecache._LIBC.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                             mmap.MAP_PRIVATE | shards_pagecache.MAP_NORESERVE, fd, base)
     if addr is None or addr == ctypes.c_void_p(-1).value:
         raise OSError(ctypes.get_errno(), "mmap")
-    return addr, size, np.asarray(shards._Map(addr, size))[start - base:]
+    return addr, size, np.asarray(shards_pagecache._Map(addr, size))[start - base:]
 
 
 def read_cold(way: str, fd: int, start: int, length: int) -> None:
@@ -83,7 +83,7 @@ def read_cold(way: str, fd: int, start: int, length: int) -> None:
     addr, size, a = private_map(fd, start, length)
     if way == "willneed":
         os.posix_fadvise(fd, start - start % mmap.PAGESIZE, size, os.POSIX_FADV_WILLNEED)
-    elif way == "populate" and shards._LIBC.madvise(addr, size, MADV_POPULATE_READ):
+    elif way == "populate" and shards_pagecache._LIBC.madvise(addr, size, MADV_POPULATE_READ):
         raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_READ)")
     touch(a)
 
@@ -120,7 +120,7 @@ def one_round(way: str, path: Path, starts: list[int], length: int, repeats: int
             best = float("inf")
             for _ in range(repeats):
                 t = time.perf_counter()
-                touch(shards.map_private(fd, s, length))
+                touch(shards_pagecache.map_private(fd, s, length))
                 best = min(best, time.perf_counter() - t)
             warm += best
         return {"cold_gb_s": cold_bytes / cold_s / 1e9, "warm_ms": warm * 1e3,
@@ -143,9 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
                                   "system temp)")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/page_cache_fill-cpu.json)")
     args = ap.parse_args(argv)
-    if shards._LIBC is None:
-        sys.exit("page_cache_fill: needs Linux (eyrie.shards maps samples only there)")
-    shards._LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if shards_pagecache._LIBC is None:
+        sys.exit("page_cache_fill: needs Linux (eyrie.formats.hidden maps samples only there)")
+    shards_pagecache._LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     size, length = args.file_mb << 20, int(args.sample_mb * (1 << 20))
     if length * args.samples > size:
         sys.exit("page_cache_fill: --samples x --sample-mb must fit in --file-mb")

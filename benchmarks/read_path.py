@@ -6,20 +6,20 @@ than the format it replaces (eyrie issue 5, item 2; goal: eyrie/peer >= 1.0x in 
 What it does, in one run on one machine:
   1. builds random bf16 hidden states of a realistic shape ([T, n_aux + 1, H] per sample, T in
      --min-tokens..--max-tokens, ~--gb GB in all) and writes the SAME tensors three times:
-     - eyrie: several HDF5 shards through eyrie.shards.ShardWriter (docs/shard-format.md), bfloat16;
+     - eyrie: several HDF5 shards through eyrie.formats.hidden.ShardWriter (docs/shard-format.md), bfloat16;
      - eyrie_fp8: the same shards with storage_dtype float8_e4m3 (quantized by ShardWriter);
      - peer: one `hs_<i>.safetensors` per sample with speculators' keys
        (`hidden_states` [T, n_aux + 1, H] bfloat16, `token_ids` [T] int64; speculators/train/data.py).
   2. reads every sample once, in one random order shared by all readers, with
      - eyrie: ShardReader(check_values=False).read(i), readers opened once per shard: the read
-       training makes after its verify_shards pass (eyrie.packing.PackedShards, values_checked);
+       training makes after its verify_shards pass (eyrie.train.packing.PackedShards, values_checked);
      - eyrie_checked: ShardReader(path).read(i), the default: each read checks its sample finite;
      - eyrie_h5py: eyrie_checked through h5py slicing (the reader's fallback for chunked or
        compressed layouts; also what every read did before offsets were used);
      - eyrie_fp8: the float8_e4m3 shards, ShardReader(check_values=False).read(i, bfloat16)
        (dequantized to the dtype the peer returns);
      - eyrie_fp8_codes: the same, read(i, uint8): codes and per-token scales as stored, what
-       training moves to a GPU and decodes there (eyrie.packing.decode_batch);
+       training moves to a GPU and decodes there (eyrie.train.packing.decode_batch);
      - peer: hs_connectors.FileTransfer.get_cached(i) (safetensors.torch.load_file), the call
        speculators 0.9.0's data path makes for a cached sample;
      every reader's hidden tensors get the same `touch` (one value per 4 KiB page), because
@@ -58,7 +58,8 @@ from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from eyrie.shards import ShardMeta, ShardReader, ShardWriter, decode_e4m3, validate_shard  # noqa: E402
+from eyrie.formats.codecs import decode_e4m3
+from eyrie.formats.hidden import ShardMeta, ShardReader, ShardWriter, validate_shard
 
 try:  # speculators' own loader for a cached sample (hs_connectors ships with speculators 0.9.0)
     from hs_connectors import FileTransfer

@@ -56,8 +56,8 @@ def main() -> int:
     rank = int(os.environ.get("RANK", "0"))
     steps: list[dict] = []
 
-    import torch
     import speculators.train.cli as cli
+    import torch
 
     make_loaders = cli.create_train_val_loaders
 

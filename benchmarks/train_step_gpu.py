@@ -53,7 +53,7 @@ def setup():
     """The full training-benchmark shape, its target folder (built once) and a vocabulary map."""
     from training_gpu import SHAPES, build_target
 
-    from eyrie.vocab import vocab_mappings
+    from eyrie.data.vocab import vocab_mappings
 
     shape = SHAPES["tiny" if TINY else "full"]
     if not (WORK / "target" / "model.safetensors").exists():

@@ -85,8 +85,8 @@ def build_target(folder: Path, shape: dict, seed: int) -> dict:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
+    from eyrie.arch.target import fingerprint, read_config, tokenizer_hash
     from eyrie.demo.tokenizer import build_chat_tokenizer
-    from eyrie.targets import fingerprint, read_config, tokenizer_hash
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_chat_tokenizer(TOKENIZER_TEXTS, 300)
@@ -111,9 +111,11 @@ def build_target(folder: Path, shape: dict, seed: int) -> dict:
 def plan_samples(shape: dict, args, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """(input_ids int32 [T], loss_mask uint8 [T]) of just enough samples that eyrie's one-epoch
     plan has warmup + steps steps and speculators' sampler (on its 90% train split) one more."""
-    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from speculators.train.distributed_batch_sampler import (
+        MultipackDistributedBatchSamplerV2,
+    )
 
-    from eyrie.packing import epoch_order, pack
+    from eyrie.train.packing import epoch_order, pack
 
     rng = np.random.default_rng(seed)
     need = args.warmup + args.steps
@@ -140,8 +142,8 @@ def write_world(root: Path, shape: dict, samples, target_ids: dict, n_shards: in
     """eyrie's inputs: vocab.safetensors (eyrie's map), preflight.json, HDF5 shards (bf16)."""
     from safetensors.torch import save_file
 
-    from eyrie.shards import ShardMeta, ShardWriter
-    from eyrie.vocab import select_draft_ids, vocab_mappings
+    from eyrie.data.vocab import select_draft_ids, vocab_mappings
+    from eyrie.formats.hidden import ShardMeta, ShardWriter
 
     V, H, aux = shape["vocab"], shape["hidden"], shape["aux"]
     counts = np.zeros(V, np.int64)
@@ -182,7 +184,7 @@ def convert_to_speculators(world: dict, out: Path, shape: dict) -> dict:
     from datasets import Dataset
     from safetensors.torch import save_file
 
-    from eyrie.shards import ShardReader
+    from eyrie.formats.hidden import ShardReader
 
     (out / "hidden_states").mkdir(parents=True, exist_ok=True)
     n_aux, H = len(shape["aux"]), shape["hidden"]
@@ -215,7 +217,7 @@ def check_converted(world: dict, conv: dict, shape: dict, budget: int) -> dict:
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
 
-    from eyrie.shards import ShardReader
+    from eyrie.formats.hidden import ShardReader
 
     ds = ArrowDataset(max_len=budget, datapath=str(conv["data_path"]), on_missing="raise", train_ratio=1.0)
     first = []

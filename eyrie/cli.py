@@ -6,69 +6,33 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import os
 import socket
 import sys
 import traceback
 
-from eyrie import EyrieError
+from eyrie.errors import EyrieError
+from eyrie.runtime import describe, set_torch_threads
 
 # stage name -> module providing add_arguments(parser) and run(args)
 STAGES = {
     "demo-conversations": ("eyrie.demo.conversations", "write the demo conversations (stdlib docstrings)"),
     "demo-target": ("eyrie.demo.target", "build and train the small demo target model"),
-    "preflight": ("eyrie.preflight", "CPU checks that gate every GPU job"),
-    "tokenize": ("eyrie.tokenize", "render conversations, loss masks, shards and eval split"),
-    "vocab": ("eyrie.vocab", "draft vocabulary map (d2t/t2d)"),
-    "extract": ("eyrie.extract", "target hidden states of one tokenized shard into HDF5"),
-    "extract-engine": ("eyrie.engine", "load the target once, extract the shards sent over a socket"),
-    "train": ("eyrie.train", "train the EAGLE-3 draft"),
-    "export": ("eyrie.export", "export the draft in the format vLLM loads"),
-    "evaluate": ("eyrie.evaluate", "acceptance length by real speculative decoding"),
-    "evaluate-vllm": ("eyrie.evaluate_vllm", "acceptance length measured by vLLM itself (vLLM environment)"),
+    "preflight": ("eyrie.preflight.preflight", "CPU checks that gate every GPU job"),
+    "tokenize": ("eyrie.data.tokenize", "render conversations, loss masks, shards and eval split"),
+    "vocab": ("eyrie.data.vocab", "draft vocabulary map (d2t/t2d)"),
+    "extract": ("eyrie.extract.extract", "target hidden states of one tokenized shard into HDF5"),
+    "extract-engine": ("eyrie.extract.engine", "load the target once, extract the shards sent over a socket"),
+    "train": ("eyrie.train.train", "train the EAGLE-3 draft"),
+    "export": ("eyrie.train.export", "export the draft in the format vLLM loads"),
+    "evaluate": ("eyrie.evaluate.evaluate", "acceptance length by real speculative decoding"),
+    "evaluate-vllm": ("eyrie.vllm.evaluate_vllm", "acceptance length measured by vLLM itself (vLLM environment)"),
 }
 
 
 # Logged at the start of a stage when set: the SLURM job and the GPUs the job saw.
 PLACEMENT_VARS = ("SLURM_JOB_ID", "SLURM_NODELIST", "CUDA_VISIBLE_DEVICES")
-
-
-def usable_threads(asked: int) -> int:
-    """At most as many threads as CPUs this process may run on: a scheduler that grants more
-    CPUs than the node has (or a rule's `threads` above the machine's) would otherwise
-    oversubscribe the cores, which slows torch's CPU kernels many times over."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if asked > cpus:
-        logging.getLogger("eyrie.cli").info("--threads %d: only %d CPUs are usable here; using %d",
-                                            asked, cpus, cpus)
-    return max(1, min(asked, cpus))
-
-
-def set_torch_threads(asked: int, share: int = 1) -> None:
-    """torch's CPU threads: `asked` capped at the usable CPUs, split among `share` processes of
-    one node (torchrun's local ranks)."""
-    import torch
-
-    torch.set_num_threads(max(1, usable_threads(asked) // share))
-
-
-def describe(exc: BaseException) -> str:
-    """An exception's message, never empty: `raise RuntimeError()` or `assert x` carry none, and a
-    blank log line is what users then report."""
-    text = str(exc).strip()
-    return text if text else f"{type(exc).__name__} (no message)"
-
-
-def settings_arg(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--settings is not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--settings must be a JSON object")
-    return value
 
 
 def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
@@ -112,3 +76,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from eyrie import EyrieError
+from eyrie.errors import EyrieError
 
 
 def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Tensor,
@@ -51,3 +51,5 @@ def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Te
             trust_remote_code=trust_remote_code,
         )
     return model
+
+

@@ -95,3 +95,5 @@ def provenance(settings: dict | None = None) -> dict:
         "host": platform.node(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+

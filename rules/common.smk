@@ -3,7 +3,7 @@
 
 import json
 
-from eyrie.config import settings_json, validate_config
+from eyrie.settings import settings_json, validate_config
 
 config = validate_config(config)  # all schema errors at once, each naming its key
 

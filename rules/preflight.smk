@@ -1,10 +1,10 @@
 # CPU-only checks in seconds; every GPU-costly rule takes the report as input.
 # With extract.backend: vllm or eval.vllm: true preflight also checks the installed vLLM
-# (eyrie.vllm_preflight, docs/vllm.md). params.settings holds what changes the extraction;
+# (eyrie.vllm.preflight_checks, docs/vllm.md). params.settings holds what changes the extraction;
 # PREFLIGHT_RUNTIME (the vLLM environment, GPU memory, eval.vllm) is read but not compared, so
 # changing it reruns nothing downstream.
 
-from eyrie.vllm_preflight import rule_settings, runtime_settings
+from eyrie.vllm.preflight_checks import rule_settings, runtime_settings
 
 PREFLIGHT_RUNTIME = settings(**runtime_settings(config))
 

@@ -102,9 +102,8 @@ def test_training_benchmark_tiny(tmp_path):
 
 def test_speculators_launcher_times_each_batch():
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from speculators_launch import TimedLoader
-
     import torch
+    from speculators_launch import TimedLoader
     from torch.utils.data import DataLoader
 
     docs = [torch.tensor([[0, 0, -1]]), torch.tensor([[0, 1, 1]])]

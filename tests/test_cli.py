@@ -2,7 +2,7 @@
 
 import os
 
-from eyrie.cli import usable_threads
+from eyrie.runtime import usable_threads
 
 
 def test_threads_are_capped_at_the_usable_cpus():

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eyrie.config import ConfigError, load_config, validate_config
+from eyrie.errors import ConfigError
+from eyrie.settings import load_config, validate_config
 
 REPO = Path(__file__).resolve().parent.parent
 

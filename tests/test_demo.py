@@ -10,11 +10,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eyrie import EyrieError
 from eyrie.demo import conversations as conv_mod
 from eyrie.demo import target as target_mod
-from eyrie.demo.conversations import clean_summary, read_conversations, write_conversations
+from eyrie.demo.conversations import (
+    clean_summary,
+    read_conversations,
+    write_conversations,
+)
 from eyrie.demo.target import train_target
+from eyrie.errors import EyrieError
 
 TINY = {
     "seed": 0, "num_conversations": 80, "vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 2,

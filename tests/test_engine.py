@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -24,7 +24,9 @@ import pytest
 from test_extract import build_case, run_stage, settings
 
 from eyrie.cli import main as cli_main
-from eyrie.engine import STOP_GRACE_S, Engine, EngineError, request
+from eyrie.errors import EngineError
+from eyrie.extract.engine import STOP_GRACE_S, Engine
+from eyrie.extract.protocol import request
 
 DATASETS = ("input_ids", "loss_mask", "offsets", "sample_ids", "aux_hidden", "final_hidden")
 
@@ -201,8 +203,8 @@ def test_a_sigterm_a_library_catches_still_ends_the_engine(tmp_path, library):
     sock, log = tmp_path / "e.sock", tmp_path / "engine.log"
     script = f"""
 import logging, sys, time
-import eyrie.extract
-from eyrie import engine
+import eyrie.extract.extractor
+from eyrie.extract import engine
 
 class Stubborn:
     def __init__(self, *args):
@@ -215,7 +217,7 @@ class Stubborn:
                 if {library!r} == "converts":
                     raise ImportError("cannot load module more than once per process")
 
-eyrie.extract.Extractor = Stubborn
+eyrie.extract.extractor.Extractor = Stubborn
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 sys.exit(engine.serve({str(sock)!r}, "t", "p.json", {{}}, idle_exit_s=60))
 """

@@ -10,16 +10,23 @@ import math
 import pytest
 import torch
 from safetensors.torch import save_file
+from train_helpers import write_eval_set, write_preflight
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from eyrie import cli
-from eyrie import evaluate as ev
+from eyrie import cli as cli
+from eyrie import errors as ev_errors
 from eyrie.demo.tokenizer import build_chat_tokenizer
 from eyrie.draft import build_draft
-from eyrie.evaluate import load_draft
-from eyrie.specdec import (Eagle3Proposer, SpecStats, greedy_generate, speculative_generate,
-                           target_step)
-from train_helpers import write_eval_set, write_preflight
+from eyrie.evaluate import evaluate as ev
+from eyrie.evaluate import specdec as ev_specdec
+from eyrie.evaluate.evaluate import load_draft
+from eyrie.evaluate.specdec import (
+    Eagle3Proposer,
+    SpecStats,
+    greedy_generate,
+    speculative_generate,
+    target_step,
+)
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "def f(x): return x + 1",
          "speculative decoding drafts tokens", "hidden states of the target model"] * 8
@@ -250,7 +257,7 @@ def test_cli_mismatched_aux_ids_one_line_error(case, tmp_path, capsys):
 
 
 def test_cli_output_mismatch_names_prompt(case, tmp_path, monkeypatch, capsys):
-    real = ev.speculative_generate
+    real = ev_specdec.speculative_generate
 
     def broken(*args, **kwargs):  # a decoding bug: drops the last token
         return real(*args, **kwargs)[:-1]
@@ -262,6 +269,6 @@ def test_cli_output_mismatch_names_prompt(case, tmp_path, monkeypatch, capsys):
 
 
 def test_bad_settings_listed_together():
-    with pytest.raises(ev.EvaluateError, match="num_speculative_tokens.*device"):
+    with pytest.raises(ev_errors.EvaluateError, match="num_speculative_tokens.*device"):
         ev.parse_settings({"eval": {"num_speculative_tokens": 0, "max_new_tokens": 4,
                                     "num_prompts": 1, "device": "tpu"}})

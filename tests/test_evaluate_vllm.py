@@ -15,16 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from train_helpers import train_settings, write_eval_set, write_preflight
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from eyrie import cli
-from eyrie import evaluate_vllm as ev
+from eyrie import cli as cli
+from eyrie.arch.target import fingerprint, read_config
 from eyrie.demo.tokenizer import build_chat_tokenizer
 from eyrie.draft import build_draft
-from eyrie.export import export
-from eyrie.specdec import EvaluateError, SpecStats
-from eyrie.targets import fingerprint, read_config
-from train_helpers import train_settings, write_eval_set, write_preflight
+from eyrie.errors import EvaluateError
+from eyrie.evaluate.specdec import SpecStats
+from eyrie.train.export import export
+from eyrie.vllm import evaluate_vllm as ev
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path(os.environ.get("EYRIE_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -60,7 +61,7 @@ def settings(**overrides) -> dict:
 def world(tmp_path_factory):
     """A tiny Llama target (head_dim 32, as the demo's; weights large enough for clear argmax
     margins in bfloat16), a vocabulary map, eval prompts, a preflight report, a draft exported by
-    `eyrie.export` and the Hugging Face evaluation of that draft (`eyrie evaluate`)."""
+    `eyrie.train.export` and the Hugging Face evaluation of that draft (`eyrie evaluate`)."""
     root = tmp_path_factory.mktemp("evaluate_vllm")
     tok = build_chat_tokenizer(TEXTS, vocab_size=300)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=4,
@@ -312,7 +313,7 @@ def test_installed_vllm_check_in_the_vllm_environment(tmp_path, arch, ok):
     target's class can serve an EAGLE-3 draft (GPT-2 cannot)."""
     model_type = "llama" if arch.startswith("Llama") else "gpt2"
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type}))
-    proc = vllm_python("import sys; from eyrie.evaluate_vllm import check_installed_vllm; "
+    proc = vllm_python("import sys; from eyrie.vllm.evaluate_vllm import check_installed_vllm; "
                        f"check_installed_vllm({str(tmp_path)!r}); print('ok')", timeout=180)
     if ok:
         assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
@@ -323,7 +324,7 @@ def test_installed_vllm_check_in_the_vllm_environment(tmp_path, arch, ok):
 
 @needs_vllm_env
 def test_module_imports_in_vllm_environment():
-    proc = vllm_python("import sys, eyrie.evaluate_vllm, eyrie.cli; "
+    proc = vllm_python("import sys, eyrie.vllm.evaluate_vllm, eyrie.cli; "
                        "print(sorted(m for m in ('speculators', 'matplotlib') if m in sys.modules))")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -332,8 +333,8 @@ def test_module_imports_in_vllm_environment():
 COUNTERS_SCRIPT = r"""
 import json
 from vllm.v1.metrics.reader import Counter, Gauge, Vector
-from eyrie.evaluate_vllm import spec_counters
-from eyrie.specdec import EvaluateError
+from eyrie.vllm.evaluate_vllm import spec_counters
+from eyrie.evaluate.specdec import EvaluateError
 
 def engine(idx, drafts, draft_tokens, accepted, per_pos):
     labels = {"model_name": "t", "engine": str(idx)}

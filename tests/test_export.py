@@ -9,12 +9,18 @@ import shutil
 import pytest
 import torch
 from safetensors import safe_open
+from train_helpers import AUX_IDS, DRAFT_VOCAB, HIDDEN, build_world, train_settings
 
 from eyrie.cli import main as cli_main
-from eyrie.export import (CONFIG_FIELDS, ExportError, draft_outputs, export, load_draft,
-                          random_packed_batch)
-from eyrie.train import train
-from train_helpers import AUX_IDS, DRAFT_VOCAB, HIDDEN, build_world, train_settings
+from eyrie.errors import ExportError
+from eyrie.formats.draft import (
+    CONFIG_FIELDS,
+    draft_outputs,
+    load_draft,
+    random_packed_batch,
+)
+from eyrie.train.export import export
+from eyrie.train.recipe import train
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +118,7 @@ def test_export_refuses_another_target(trained, tmp_path):
 def test_validation_catches_changed_weights_and_tensor_sets(trained, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from eyrie.export import validate_export
+    from eyrie.formats.draft import validate_export
 
     world, train_dir, settings = trained
     out = tmp_path / "draft"

@@ -3,6 +3,7 @@ gives the same stored values as one sample at a time (tiny Llama and tiny Deepse
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import h5py
@@ -13,15 +14,22 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig
 
-from eyrie import EyrieError
-import argparse
-
-from eyrie import extract as extract_stage
+from eyrie.arch.target import inspect_target, tokenizer_hash
 from eyrie.demo.tokenizer import build_chat_tokenizer
-from eyrie.extract import (Extractor, HFBackend, backend_class, extract_shard, parse_settings,
-                           plan_batches, read_tokenized)
-from eyrie.shards import ShardReader
-from eyrie.targets import inspect_target, tokenizer_hash
+from eyrie.errors import EyrieError
+from eyrie.extract import extract as extract_stage_extract
+from eyrie.extract import extractor as extract_stage
+from eyrie.extract import hf as extract_stage_hf
+from eyrie.extract.extractor import (
+    Extractor,
+    backend_class,
+    extract_shard,
+    parse_settings,
+    plan_batches,
+)
+from eyrie.extract.hf import HFBackend
+from eyrie.formats.hidden import ShardReader
+from eyrie.formats.tokenized import read_tokenized
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "def f(x): return x + 1",
          "speculative decoding drafts tokens", "hidden states of the target model"] * 8
@@ -33,8 +41,8 @@ AUX = [1, 2, 3]
 def run_stage(argv: list[str]) -> int:
     """`eyrie extract ARGS` through the stage's own argument parser and run()."""
     parser = argparse.ArgumentParser(prog="eyrie extract")
-    extract_stage.add_arguments(parser)
-    return extract_stage.run(parser.parse_args(argv))
+    extract_stage_extract.add_arguments(parser)
+    return extract_stage_extract.run(parser.parse_args(argv))
 
 
 def make_config(kind: str, vocab_size: int):
@@ -243,13 +251,13 @@ def test_bad_settings_and_shard_are_refused(tmp_path):
 def test_one_extractor_loads_the_target_once_for_many_shards(tmp_path, monkeypatch):
     target, shard, preflight, _, _ = build_case(tmp_path, "llama")
     loads = []
-    real_load = extract_stage.load_target
+    real_load = extract_stage_hf.load_target
 
     def counting_load(*args, **kwargs):
         loads.append(args[0])
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(extract_stage, "load_target", counting_load)
+    monkeypatch.setattr(extract_stage_hf, "load_target", counting_load)
     with Extractor(target, preflight, settings(96)) as extractor:
         assert isinstance(extractor.backend, HFBackend)
         first = extractor.extract(shard, tmp_path / "first.h5")
@@ -339,8 +347,9 @@ def test_gpu_staging_writes_what_the_host_path_writes(tmp_path, storage):
     """The GPU path (stored representation computed on the device, non-blocking copies into
     pinned buffers, writes at file offsets from the writer thread) stores exactly the bytes that
     ShardWriter.put stores from the same values on the host; a non-finite row is named."""
-    from eyrie.extract import PinnedStaging, _write_staged
-    from eyrie.shards import ShardMeta, ShardWriter, stored_tensors
+    from eyrie.extract.extractor import PinnedStaging, _write_staged
+    from eyrie.formats.codecs import stored_tensors
+    from eyrie.formats.hidden import ShardMeta, ShardWriter
 
     H, n_aux, lengths = 64, 3, [7, 3, 12]
     ids = [list(range(n)) for n in lengths]

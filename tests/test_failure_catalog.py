@@ -5,7 +5,7 @@ key or file and the fix.
 Where an entry is about the INSTALLED vLLM the facts are real (`.venv-vllm`, gathered once for all
 configs); API changes that vLLM 0.22 does not have are real facts modified with dataclasses.replace,
 and for signature changes real Python classes with the changed signatures go through the same
-inspection code (eyrie.vllm_adapters.inspect_classes) as vLLM's own classes.
+inspection code (eyrie.vllm.facts.inspect_classes) as vLLM's own classes.
 """
 
 from __future__ import annotations
@@ -22,17 +22,31 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
-from eyrie import preflight as pf
-from eyrie.demo.tokenizer import build_chat_tokenizer
-from eyrie.export import ExportError, export
-from eyrie.targets import TargetError, inspect_target, resolve_layer_ids
-from eyrie.vllm_adapters import inspect_classes, llama_4_scaling
-from eyrie.vllm_preflight import vllm_checks
-from eyrie.vocab import VocabError, build_vocab
 from train_helpers import train_settings
-from vllm_helpers import (DEEPSEEK, KIMI_K25, LLAMA, NO_VLLM, REPO, VLLM_PYTHON, need_vllm,
-                          real_facts, vllm_settings, write_target)
+from vllm_helpers import (
+    DEEPSEEK,
+    KIMI_K25,
+    LLAMA,
+    NO_VLLM,
+    REPO,
+    VLLM_PYTHON,
+    need_vllm,
+    real_facts,
+    vllm_settings,
+    write_target,
+)
+
+from eyrie import errors as pf_errors
+from eyrie.arch.target import inspect_target, resolve_layer_ids
+from eyrie.data.vocab import build_vocab
+from eyrie.demo.tokenizer import build_chat_tokenizer
+from eyrie.errors import ExportError, TargetError, VocabError
+from eyrie.preflight import checks as pf_checks
+from eyrie.preflight import preflight as pf
+from eyrie.train.export import export
+from eyrie.vllm.adapters import llama_4_scaling
+from eyrie.vllm.facts import inspect_classes
+from eyrie.vllm.preflight_checks import vllm_checks
 
 # entry -> where it is caught. "preflight": eyrie preflight (CPU, before every GPU job); the
 # others are CPU stages that refuse in their first seconds.
@@ -339,7 +353,7 @@ def test_aux_ids_off_by_one(tmp_path):
         resolve_layer_ids([0, 30, 58], 61)
     # through preflight, with the tiny-target default formula named
     folder = write_target(tmp_path / "t", {**LLAMA, "num_hidden_layers": 4})
-    with pytest.raises(pf.PreflightError, match=r"default \[2, N//2, N-3\] = \[2, 2, 1\] for N=4"):
+    with pytest.raises(pf_errors.PreflightError, match=r"default \[2, N//2, N-3\] = \[2, 2, 1\] for N=4"):
         pf.preflight(folder, None, tmp_path, {})
 
 
@@ -350,8 +364,8 @@ def test_all_zero_loss_mask(tmp_path):
     tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '\\n' }}"
                          "{% else %}{{ m['content'] + '\\n' }}{% endif %}{% endfor %}")
     tok.save_pretrained(tmp_path)
-    check = pf.Check([], [])
-    pf.check_tokenizer(tmp_path, False, check)
+    check = pf_checks.Check([], [])
+    pf_checks.check_tokenizer(tmp_path, False, check)
     assert len(check.problems) == 2  # both sample conversations
     assert check.problems[0] == (f"{tmp_path}: chat template yields an all-zero assistant loss mask "
                                  "on sample conversation 0; the template must render assistant "
@@ -372,8 +386,8 @@ def test_disk_too_small(tmp_path):
     free = shutil.disk_usage(tmp_path).free
     per_token = 4 * 7168 * 2  # Kimi: 3 aux + final, bf16
     tokens = 2 * free // per_token  # twice what fits on this disk
-    check = pf.Check([], [])
-    pf.check_storage(tokens, 4, 7168, "bfloat16", tmp_path / "results" / "hidden", check)
+    check = pf_checks.Check([], [])
+    pf_checks.check_storage(tokens, 4, 7168, "bfloat16", tmp_path / "results" / "hidden", check)
     (problem,) = check.problems
     assert problem.startswith(f"{tmp_path}: hidden states need ~")
     assert f"({tokens} tokens x {per_token} B/token)" in problem

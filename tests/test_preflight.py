@@ -7,11 +7,14 @@ import shutil
 from collections import namedtuple
 
 import pytest
-
-from eyrie import preflight as pf
-from eyrie.cli import main
-from eyrie.targets import TargetError, inspect_target, resolve_layer_ids
 from train_helpers import save_chat_target
+
+from eyrie import errors as pf_errors
+from eyrie.arch.target import inspect_target, resolve_layer_ids
+from eyrie.cli import main
+from eyrie.errors import TargetError
+from eyrie.preflight import checks as pf_checks
+from eyrie.preflight import preflight as pf
 
 TEXTS = ["What does json.dumps do? It serializes an object to a JSON string."] * 20
 
@@ -43,7 +46,7 @@ def test_ok_report_has_resolved_ids_and_storage(target, tmp_path):
 
 
 def test_no_assistant_tokens_refused(target, tmp_path):
-    with pytest.raises(pf.PreflightError, match="no assistant tokens"):
+    with pytest.raises(pf_errors.PreflightError, match="no assistant tokens"):
         pf.preflight(target, write_report(tmp_path / "r.json", assistant=0), tmp_path, {})
 
 
@@ -109,14 +112,14 @@ def test_remote_code_needs_opt_in(target, tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(pf.PreflightError, match="set target.trust_remote_code: true"):
+    with pytest.raises(pf_errors.PreflightError, match="set target.trust_remote_code: true"):
         pf.preflight(path, None, tmp_path, {})
 
 
 def test_pickle_only_weights_refused(target, tmp_path):
     path = copy_target(target, tmp_path / "t")
     (path / "model.safetensors").rename(path / "pytorch_model.bin")
-    with pytest.raises(pf.PreflightError, match="only in pickle files"):
+    with pytest.raises(pf_errors.PreflightError, match="only in pickle files"):
         pf.preflight(path, None, tmp_path, {})
 
 
@@ -126,21 +129,21 @@ def test_all_zero_loss_mask_template_refused(target, tmp_path):
     (path / "chat_template.jinja").write_text(
         "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}\n"
         "{% endif %}{% endfor %}")
-    with pytest.raises(pf.PreflightError, match="chat template"):
+    with pytest.raises(pf_errors.PreflightError, match="chat template"):
         pf.preflight(path, None, tmp_path, {})
 
 
 def test_missing_chat_template_refused(target, tmp_path):
     path = copy_target(target, tmp_path / "t")
     (path / "chat_template.jinja").unlink()
-    with pytest.raises(pf.PreflightError, match="no chat template"):
+    with pytest.raises(pf_errors.PreflightError, match="no chat template"):
         pf.preflight(path, None, tmp_path, {})
 
 
 def test_too_little_disk(target, tmp_path, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(pf.shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 10**6, 10**6))
-    with pytest.raises(pf.PreflightError, match=r"need ~0\.26 GB .* only 0\.00 GB are free"):
+    monkeypatch.setattr(pf_checks.shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 10**6, 10**6))
+    with pytest.raises(pf_errors.PreflightError, match=r"need ~0\.26 GB .* only 0\.00 GB are free"):
         pf.preflight(target, write_report(tmp_path / "r.json", tokens=1_000_000), tmp_path, {})
 
 
@@ -148,7 +151,7 @@ def test_all_problems_reported_at_once(target, tmp_path):
     path = copy_target(target, tmp_path / "t")
     (path / "model.safetensors").unlink()
     (path / "chat_template.jinja").unlink()
-    with pytest.raises(pf.PreflightError) as err:
+    with pytest.raises(pf_errors.PreflightError) as err:
         pf.preflight(path, None, tmp_path, {"layers": {"aux_ids": [9]}})
     text = str(err.value)
     assert "3 problem(s)" in text
@@ -176,7 +179,7 @@ def test_cli_unexpected_error_logs_type_and_traceback(tmp_path, monkeypatch, cap
 
 def test_cli_user_error_without_message_names_its_type(tmp_path, monkeypatch, capsys):
     def fail(args):
-        raise pf.PreflightError()
+        raise pf_errors.PreflightError()
 
     monkeypatch.setattr(pf, "run", fail)
     assert main(["preflight", "--target", str(tmp_path), "--out", str(tmp_path / "p.json")]) == 2

@@ -13,10 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from eyrie import shards
-from eyrie.packing import PackedShards
-from eyrie.shards import (CHECKED_FIELDS, ShardError, ShardMeta, ShardReader, ShardWriter,
-                          bytes_per_token, quantize_e4m3, validate_shard)
+from eyrie.errors import ShardError
+from eyrie.formats import hidden as shards
+from eyrie.formats import pagecache as shards_pagecache
+from eyrie.formats.codecs import bytes_per_token, quantize_e4m3
+from eyrie.formats.hidden import (
+    CHECKED_FIELDS,
+    ShardMeta,
+    ShardReader,
+    ShardWriter,
+    validate_shard,
+)
+from eyrie.train.packing import PackedShards
 
 H, N_AUX = 8, 3
 LENGTHS = [5, 1, 7]
@@ -509,8 +517,9 @@ def test_packed_batches_read_what_the_reader_reads(tmp_path, storage):
 def test_train_reads_float8_shards(tmp_path):
     """The pipeline end to end on float8_e4m3 shards of real hidden states: training's batches
     hold the bf16 shards' values within the float8 bound, and a draft trains on them."""
-    from eyrie.train import _expectation, train
     from train_helpers import build_world, train_settings, write_shard
+
+    from eyrie.train.recipe import _expectation, train
 
     world = build_world(tmp_path / "world", num_conversations=8)
     fp8 = []
@@ -541,11 +550,11 @@ def test_train_reads_float8_shards(tmp_path):
 def _resident(fd: int, offset: int) -> bool:
     """The kernel's own word on whether the page at `offset` of the file open as `fd` is in the
     page cache: mincore(2) over a fresh read-only map of it, which faults nothing in (through
-    eyrie.shards' libc, whose mmap, munmap and mincore it declares)."""
+    eyrie.formats.hidden' libc, whose mmap, munmap and mincore it declares)."""
     import ctypes
     import mmap
 
-    libc = shards._LIBC
+    libc = shards_pagecache._LIBC
     addr = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
     assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
     try:
@@ -577,7 +586,7 @@ def _write_uncached(path, data: bytes) -> None:
                 os.close(fd)
 
 
-@pytest.mark.skipif(shards._LIBC is None or not hasattr(shards._LIBC, "mincore")
+@pytest.mark.skipif(shards_pagecache._LIBC is None or not hasattr(shards_pagecache._LIBC, "mincore")
                     or not hasattr(os, "posix_fadvise"),
                     reason="map_private needs Linux (MAP_NORESERVE, mincore, posix_fadvise)")
 def test_a_cold_sample_is_asked_for_whole_and_a_cached_one_is_not(tmp_path, monkeypatch):
@@ -604,7 +613,7 @@ def test_a_cold_sample_is_asked_for_whole_and_a_cached_one_is_not(tmp_path, monk
         if _resident(fd, 2 * page) or _resident(fd, last):
             pytest.skip(f"{path.parent}: its filesystem keeps pages cached after O_DIRECT writes "
                         "and DONTNEED, so no cold sample can be made here")
-        cold = shards.map_private(fd, start, length)
+        cold = shards_pagecache.map_private(fd, start, length)
         assert asked == [(2 * page, length + 100, os.POSIX_FADV_WILLNEED)]
         # nothing touched the map: only WILLNEED brings the sample's last page in
         deadline = time.monotonic() + 30
@@ -613,7 +622,7 @@ def test_a_cold_sample_is_asked_for_whole_and_a_cached_one_is_not(tmp_path, monk
         assert _resident(fd, last), "WILLNEED brought nothing in within 30 s"
         assert cold.tobytes() == data[start:start + length]
         asked.clear()
-        warm = shards.map_private(fd, start, length)
+        warm = shards_pagecache.map_private(fd, start, length)
         assert asked == [] and warm.tobytes() == data[start:start + length]
     finally:
         os.close(fd)

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from test_workflow import job_table, write_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,7 +145,7 @@ def test_shards_killed_mid_write_leave_nothing_that_looks_complete(built, tmp_pa
     node: nothing runs, the temporary stays). Either way Snakemake reports the failure, no file
     carries a shard's name unless it is complete, and the next run finishes the work. The copy
     gets 40x the conversations, so that each shard takes seconds to write."""
-    from eyrie.shards import ShardReader
+    from eyrie.formats.hidden import ShardReader
 
     work = tmp_path / "wf"
     shutil.copytree(built["work"], work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))

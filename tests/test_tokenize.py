@@ -1,4 +1,4 @@
-"""eyrie.tokenize: golden loss masks, bad-input reasons, truncation, the CLI end to end."""
+"""eyrie.data.tokenize: golden loss masks, bad-input reasons, truncation, the CLI end to end."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eyrie import cli
+from eyrie import cli as cli
+from eyrie.data.chat import load_chat_tokenizer, prompt_ids, render_with_mask
+from eyrie.data.records import REASONS, RawRecord, RecordError, to_messages
+from eyrie.data.tokenize import collect_examples, tokenize_record
 from eyrie.demo.tokenizer import CHAT_TEMPLATE, build_chat_tokenizer
-from eyrie.records import REASONS, DataError, RawRecord, RecordError, to_messages
-from eyrie.tokenize import (collect_examples, load_chat_tokenizer, prompt_ids, render_with_mask,
-                            tokenize_record)
+from eyrie.errors import DataError
 
 TEXTS = [
     "What is a list? A list is a mutable sequence of items.",

@@ -10,13 +10,14 @@ import h5py
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from eyrie import EyrieError
-from eyrie.cli import main as cli_main
-from eyrie.shards import ShardError, ShardMeta
-from eyrie.packing import PackedShards, epoch_order, pack, shift_sample
-from eyrie.train import VERIFIED_MARKER, TrainSettings, train
 from train_helpers import AUX_IDS, HIDDEN, build_world, train_settings, write_shard
+
+from eyrie.cli import main as cli_main
+from eyrie.errors import EyrieError, ShardError
+from eyrie.formats.hidden import ShardMeta
+from eyrie.train.config import TrainSettings
+from eyrie.train.packing import PackedShards, epoch_order, pack, shift_sample
+from eyrie.train.recipe import VERIFIED_MARKER, train
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +83,8 @@ def test_forward_backward_trains_only_draft_weights(world):
     from speculators.losses import resolve_loss_config
 
     from eyrie.draft import build_draft
-    from eyrie.train import _expectation
-    from eyrie.vocab import read_vocab
+    from eyrie.formats.vocab import read_vocab
+    from eyrie.train.recipe import _expectation
 
     expect = _expectation(world["preflight"])
     data = PackedShards(world["shards"], expect, max_tokens=128, gap=2)
@@ -106,8 +107,8 @@ def test_a_pack_padded_to_a_fixed_shape_trains_the_same(world):
     from speculators.losses import resolve_loss_config
 
     from eyrie.draft import build_draft
-    from eyrie.train import _expectation
-    from eyrie.vocab import read_vocab
+    from eyrie.formats.vocab import read_vocab
+    from eyrie.train.recipe import _expectation
 
     data = PackedShards(world["shards"], _expectation(world["preflight"]), max_tokens=128, gap=2)
     d2t, t2d = read_vocab(world["vocab"])
@@ -133,8 +134,9 @@ def test_float8_codes_decoded_on_the_device_equal_the_host_dequantized_batch(wor
     """float8_e4m3 shards travel to the GPU as codes + per-token scales (transfer_dtype uint8,
     a quarter of float32's bytes, nothing dequantized on the host) and decode_batch there gives
     the float32 batch that host dequantizing gives, bit for bit (padding and gaps included)."""
-    from eyrie.packing import decode_batch
     from train_helpers import write_shard
+
+    from eyrie.train.packing import decode_batch
 
     meta = ShardMeta(**{**world["meta"], "storage_dtype": "float8_e4m3"})
     paths = []
@@ -248,8 +250,8 @@ def test_a_step_is_the_mean_over_consecutive_packs(world, tmp_path):
     from speculators.losses import resolve_loss_config
 
     from eyrie.draft import build_draft
-    from eyrie.train import _expectation
-    from eyrie.vocab import read_vocab
+    from eyrie.formats.vocab import read_vocab
+    from eyrie.train.recipe import _expectation
 
     data = PackedShards(world["shards"], _expectation(world["preflight"]), max_tokens=128, gap=2)
     packs = pack(data.lengths, epoch_order(len(data), 0, 0), 128, 2)
@@ -317,12 +319,12 @@ def test_corrupted_shard_values_are_refused_before_the_first_step(world, tmp_pat
 # ---------------------------------------------------------------- the prefetching loader
 
 def _expect(world):
-    from eyrie.train import _expectation
+    from eyrie.train.recipe import _expectation
     return _expectation(world["preflight"])
 
 
 def test_prefetcher_gives_the_synchronous_batches_and_token_counts(world):
-    from eyrie.packing import Prefetcher
+    from eyrie.train.packing import Prefetcher
 
     data = PackedShards(world["shards"], _expect(world), max_tokens=64, gap=2)
     packs = pack(data.lengths, epoch_order(len(data), 0, 0), 64, 2)
@@ -358,7 +360,7 @@ def test_prefetcher_raises_the_thread_error_with_its_traceback_and_stops(world):
     import threading
     import traceback
 
-    from eyrie.packing import Prefetcher
+    from eyrie.train.packing import Prefetcher
 
     class Boom(ShardError):
         pass
@@ -381,7 +383,7 @@ def test_prefetcher_raises_the_thread_error_with_its_traceback_and_stops(world):
 
 
 def test_prefetcher_close_stops_a_thread_waiting_on_a_full_queue(world):
-    from eyrie.packing import Prefetcher
+    from eyrie.train.packing import Prefetcher
 
     data = PackedShards(world["shards"], _expect(world), max_tokens=64, gap=2)
     loader = Prefetcher(data, [[[i]] for i in range(len(data))], depth=1)

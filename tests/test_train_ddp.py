@@ -21,13 +21,14 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_helpers import build_world, train_settings
 
-from eyrie import EyrieError
 from eyrie.cli import build_parser
 from eyrie.cli import main as cli_main
-from eyrie.launch import Dist, launch_command, rdzv_port
-from eyrie.train import train, worker_args
-from train_helpers import build_world, train_settings
+from eyrie.errors import EyrieError
+from eyrie.train.launch import Dist, launch_command, rdzv_port
+from eyrie.train.recipe import train
+from eyrie.train.train import worker_args
 
 # DDP runs: 4 packs per step, so each of the 2 ranks accumulates 2 packs (no_sync on the first).
 DDP = dict(epochs=4, packs_per_step=4, checkpoint_every=2, log_every=4)

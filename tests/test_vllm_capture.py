@@ -1,4 +1,4 @@
-"""The capture path's forward and recorder (eyrie.vllm_capture) on a decoder stack shaped like
+"""The capture path's forward and recorder (eyrie.vllm.capture) on a decoder stack shaped like
 vLLM's: layers take (positions, hidden_states, residual) and update the residual IN PLACE through a
 fused add-norm, the way vLLM's RMSNorm(x, residual) does. The real-vLLM run is on a GPU
 (tests/vllm_gpu_check.py); this checks the id semantics, the in-place safety and the splitting of a
@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eyrie.vllm_adapters import ADAPTERS, VllmAdapter, VllmAdapterError, call_layer, request_key
-from eyrie.vllm_capture import _Recorder, make_forward
+from eyrie.errors import VllmAdapterError
+from eyrie.vllm.adapters import ADAPTERS, VllmAdapter, call_layer, request_key
+from eyrie.vllm.capture import _Recorder, make_forward
 
 H = 8
 
@@ -171,7 +172,7 @@ def test_request_key_depends_on_every_token():
 
 
 def test_every_registered_target_family_has_an_adapter():
-    from eyrie.targets import REGISTRY
+    from eyrie.arch.registry import REGISTRY
 
     assert set(REGISTRY) <= set(ADAPTERS)
     assert all(isinstance(a, VllmAdapter) and a.call in ("keyword", "positional") for a in ADAPTERS.values())

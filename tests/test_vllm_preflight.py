@@ -13,15 +13,25 @@ import time
 import pytest
 import torch
 import transformers
-
-from eyrie import preflight as pf
-from eyrie import vllm_preflight as vp
-from eyrie.cli import main
-from eyrie.config import validate_config
-from eyrie.targets import inspect_target
 from train_helpers import save_chat_target
-from vllm_helpers import (DEEPSEEK, KIMI_K25, LLAMA, NO_VLLM, REPO, VLLM_PYTHON, need_vllm,
-                          real_facts, vllm_settings, write_target)
+from vllm_helpers import (
+    DEEPSEEK,
+    KIMI_K25,
+    LLAMA,
+    NO_VLLM,
+    REPO,
+    VLLM_PYTHON,
+    need_vllm,
+    real_facts,
+    vllm_settings,
+    write_target,
+)
+
+from eyrie.arch.target import inspect_target
+from eyrie.cli import main
+from eyrie.preflight import preflight as pf
+from eyrie.settings import validate_config
+from eyrie.vllm import preflight_checks as vp
 
 TEXTS = ["What does json.dumps do? It serializes an object to a JSON string."] * 20
 
@@ -146,7 +156,7 @@ def test_quantization_reported_and_refused_only_when_unloadable(facts):
 
 
 def test_model_type_without_adapter_lists_the_supported(tmp_path, monkeypatch):
-    from eyrie import vllm_adapters
+    from eyrie.vllm import adapters as vllm_adapters
 
     monkeypatch.delitem(vllm_adapters.ADAPTERS, "llama")
     folder = write_target(tmp_path / "t", LLAMA)

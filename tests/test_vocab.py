@@ -1,4 +1,4 @@
-"""eyrie.vocab: selection rule, parity with speculators, counting, the CLI end to end."""
+"""eyrie.data.vocab: selection rule, parity with speculators, counting, the CLI end to end."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import load_file
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-from eyrie import cli
+from eyrie import cli as cli
+from eyrie.data.vocab import count_assistant_tokens, select_draft_ids, vocab_mappings
 from eyrie.demo.tokenizer import build_chat_tokenizer
-from eyrie.vocab import VocabError, count_assistant_tokens, select_draft_ids, vocab_mappings
+from eyrie.errors import VocabError
 
 TEXTS = ["What is a list? A list is a mutable sequence.", "Use sorted(x) or x.sort() to sort a list."] * 10
 

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from eyrie.capture import capture_hidden_states
+from eyrie.arch.hooks import capture_hidden_states
+from eyrie.arch.target import fingerprint, read_config, tokenizer_hash
 from eyrie.demo.tokenizer import build_chat_tokenizer
-from eyrie.shards import ShardMeta, ShardWriter
-from eyrie.targets import fingerprint, read_config, tokenizer_hash
+from eyrie.formats.hidden import ShardMeta, ShardWriter
 
 AUX_IDS, FINAL_ID, HIDDEN, DRAFT_VOCAB = [1, 2, 3], 4, 32, 96
 
@@ -100,7 +100,7 @@ def build_world(root: Path, num_conversations: int = 24, shards: int = 2) -> dic
 
 
 def write_shard(path: Path, model, samples, meta: ShardMeta, sample_ids: list[str]) -> None:
-    """Real hidden states of `model` (vLLM layer-id semantics via eyrie.capture)."""
+    """Real hidden states of `model` (vLLM layer-id semantics via eyrie.arch.hooks)."""
     ids_list, masks = [s[0] for s in samples], [s[1] for s in samples]
     with ShardWriter(path, meta, sample_ids, ids_list, masks) as writer, torch.no_grad():
         for i, ids in enumerate(ids_list):

@@ -2,7 +2,7 @@
 the vLLM environment; tests/test_vllm_gpu.py wraps it as a `gpu`-marked test).
 
 For a tiny random-weight Llama and a DeepSeek-V3-style MLA+MoE target built from transformers
-configs: the Hugging Face reference (eyrie.capture hooks, bf16 on cuda) and every vLLM path that
+configs: the Hugging Face reference (eyrie.arch.hooks hooks, bf16 on cuda) and every vLLM path that
 preflight allows (native, capture) on the same prompts; reports the minimum per-token cosine
 similarity per layer id and checks that native is refused where it cannot return id N.
 
@@ -69,7 +69,7 @@ def layer_ids(kind: str) -> list[int]:
 def hf(root: Path, kind: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from eyrie.capture import capture_hidden_states
+    from eyrie.arch.hooks import capture_hidden_states
 
     prompts = json.loads((root / "prompts.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(root / kind, dtype=torch.bfloat16).to("cuda").eval()
@@ -104,8 +104,8 @@ def hf(root: Path, kind: str) -> None:
 def run_vllm(root: Path, kind: str, path: str) -> None:
     from types import SimpleNamespace
 
-    from eyrie.targets import inspect_target
-    from eyrie.vllm_backend import VllmBackend
+    from eyrie.arch.target import inspect_target
+    from eyrie.vllm.backend import VllmBackend
 
     prompts = [np.array(p, dtype=np.int32) for p in json.loads((root / "prompts.json").read_text())]
     info = inspect_target(root / kind)

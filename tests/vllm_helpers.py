@@ -1,6 +1,6 @@
 """Shared by the vLLM preflight tests: target configs, target folders and the REAL facts of the
 installed vLLM (.venv-vllm), gathered once per test session for all configs in one subprocess
-(eyrie.vllm_preflight caches them per process)."""
+(eyrie.vllm.preflight_checks caches them per process)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from eyrie import vllm_preflight
-from eyrie.vllm_adapters import VllmFacts
+from eyrie.vllm import preflight_checks as vllm_preflight
+from eyrie.vllm.facts import VllmFacts
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"

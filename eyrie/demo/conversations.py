@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyrie import EyrieError
+from eyrie.errors import EyrieError
 from eyrie.io import atomic_path, provenance, write_json
 
 log = logging.getLogger(__name__)
@@ -315,7 +315,7 @@ def write_conversations(out: str | Path, settings: dict) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eyrie.cli import settings_arg
+    from eyrie.runtime import settings_arg
 
     parser.add_argument("--out", required=True, type=Path, help="conversations.jsonl to write")
     parser.add_argument("--settings", required=True, type=settings_arg,

@@ -18,11 +18,16 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
-from eyrie import EyrieError
 from eyrie.demo.conversations import demo_settings, read_conversations
 from eyrie.demo.tokenizer import build_chat_tokenizer
+from eyrie.errors import EyrieError
 from eyrie.io import atomic_path, provenance, write_json
 
 log = logging.getLogger(__name__)
@@ -250,7 +255,7 @@ def _validate_folder(path: Path, model) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eyrie.cli import settings_arg
+    from eyrie.runtime import settings_arg
 
     parser.add_argument("--conversations", required=True, type=Path,
                         help="conversations.jsonl written by `eyrie demo-conversations`")

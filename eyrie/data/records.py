@@ -1,0 +1,155 @@
+"""Conversation files -> records -> normalized messages, and why a record cannot be used.
+
+File types (by suffix, case-insensitive): `.jsonl` (one record per line, blank lines skipped),
+`.json` (one list of records) and `.parquet` (one record per row; a column that is null in a row
+is left out of that record). Anything else, a missing file, a `.json` file that is not valid JSON
+or not a list, or a `.parquet` file Arrow cannot read stops with DataError.
+
+A record is OpenAI form `{"messages": [{"role", "content"}]}` (roles system / user / assistant) or
+ShareGPT form `{"conversations": [{"from", "value"}]}` (from system / human / gpt); `to_messages`
+turns either into `[{"role": "system"|"user"|"assistant", "content": str}]`.
+
+Records are named `"<file>:<line>"`: the 1-based line of a .jsonl file (blank lines count for
+the numbering), the 0-based record index of a .json list or a .parquet table.
+
+A record that cannot be used raises (or, for a .jsonl line that is not JSON, carries) RecordError
+with a `reason` from REASONS, which also says what the user can do about it. Reading and
+normalization give bad_json, unknown_format, unknown_role, no_assistant_turn, empty_content and
+non_text_content; the tokenize stage adds template_error and no_assistant_tokens_after_truncation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eyrie.errors import DataError, EyrieError
+
+# reason -> what the user can do about it
+REASONS = {
+    "bad_json": "fix the JSON syntax of that record",
+    "unknown_format": ('use OpenAI form {"messages": [{"role": ..., "content": ...}]} or ShareGPT '
+                       'form {"conversations": [{"from": ..., "value": ...}]}'),
+    "unknown_role": "use roles system/user/assistant (ShareGPT: system/human/gpt)",
+    "no_assistant_turn": "add an assistant turn (only assistant tokens are trained on)",
+    "empty_content": "give every turn non-empty text, or remove the empty turn",
+    "non_text_content": "flatten the content to a plain string (multimodal/structured parts are not supported)",
+    "template_error": ("the target's chat template failed or is not prefix-stable for this "
+                       "conversation; fix the conversation or use a prefix-stable template"),
+    "no_assistant_tokens_after_truncation": "raise data.max_seq_len or shorten the conversation",
+}
+
+
+OPENAI_ROLES = ("system", "user", "assistant")
+
+
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+DETAIL_CHARS = 160
+
+
+class RecordError(EyrieError):
+    """One record cannot be used; `reason` is a key of REASONS."""
+
+    def __init__(self, reason: str, detail: str):
+        assert reason in REASONS, reason
+        self.reason = reason
+        self.detail = _one_line(detail)
+        super().__init__(f"{reason}: {self.detail}")
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= DETAIL_CHARS else text[: DETAIL_CHARS - 3] + "..."
+
+
+@dataclass
+class RawRecord:
+    file: str
+    line: int  # 1-based line (.jsonl) or 0-based record index (.json, .parquet)
+    obj: object = None
+    error: RecordError | None = None
+
+    @property
+    def sample_id(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def read_records(path: str | Path) -> Iterator[RawRecord]:
+    """Yield the records of one input file; a record that is not valid JSON carries its error."""
+    path = Path(path)
+    name = str(path)
+    if not path.is_file():
+        raise DataError(f"{name}: input file not found; fix data.conversations")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        with path.open("r", encoding="utf-8") as f:
+            for lineno, text in enumerate(f, start=1):
+                if not text.strip():
+                    continue
+                try:
+                    yield RawRecord(name, lineno, json.loads(text))
+                except json.JSONDecodeError as exc:
+                    yield RawRecord(name, lineno, error=RecordError("bad_json", str(exc)))
+    elif suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{name}: not valid JSON ({exc}); a .json input must be one list of "
+                            "records (use .jsonl for one record per line)") from exc
+        if not isinstance(data, list):
+            raise DataError(f"{name}: top level is {type(data).__name__}, expected a list of records; "
+                            "wrap the records in [...] or use .jsonl")
+        for index, obj in enumerate(data):
+            yield RawRecord(name, index, obj)
+    elif suffix == ".parquet":
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"{name}: cannot read as Parquet ({_one_line(exc)})") from exc
+        for index, row in enumerate(table.to_pylist()):
+            # a column absent from this row's form reads back as null
+            yield RawRecord(name, index, {k: v for k, v in row.items() if v is not None})
+    else:
+        raise DataError(f"{name}: unsupported file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
+
+
+def to_messages(obj: object) -> list[dict]:
+    """Normalize an OpenAI- or ShareGPT-form record to `[{"role", "content"}]` or raise RecordError."""
+    if not isinstance(obj, dict):
+        raise RecordError("unknown_format", f"record is a JSON {type(obj).__name__}, not an object")
+    if "messages" in obj:
+        turns, role_key, text_key, roles = obj["messages"], "role", "content", {r: r for r in OPENAI_ROLES}
+    elif "conversations" in obj:
+        turns, role_key, text_key, roles = obj["conversations"], "from", "value", SHAREGPT_ROLES
+    else:
+        raise RecordError("unknown_format", f"no 'messages' or 'conversations' key (keys: {sorted(obj)[:8]})")
+    form = "messages" if role_key == "role" else "conversations"
+    if not isinstance(turns, list) or not turns:
+        raise RecordError("unknown_format", f"'{form}' must be a non-empty list")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+            raise RecordError("unknown_format", f"{form}[{i}] must be an object with '{role_key}' and '{text_key}'")
+        role, content = turn[role_key], turn[text_key]
+        if role not in roles:
+            raise RecordError("unknown_role", f"{form}[{i}].{role_key}={role!r}; allowed: {', '.join(roles)}")
+        if content is None or (isinstance(content, str) and not content.strip()):
+            raise RecordError("empty_content", f"{form}[{i}] ({roles[role]}) has no text")
+        if not isinstance(content, str):
+            raise RecordError("non_text_content", f"{form}[{i}].{text_key} is a {type(content).__name__}")
+        messages.append({"role": roles[role], "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RecordError("no_assistant_turn", f"roles are {[m['role'] for m in messages]}")
+    return messages
+
+

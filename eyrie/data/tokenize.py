@@ -1,0 +1,261 @@
+"""Conversations -> tokenized shards with assistant-only loss masks, and a held-out eval split.
+
+`eyrie tokenize --target DIR --inputs F [F ...] --out-dir DIR --settings JSON`
+
+Inputs are `.jsonl`, `.json` or `.parquet` files of OpenAI- or ShareGPT-form records, read and
+normalized by `eyrie.data.records` (which documents the file types, record forms and `"<file>:<line>"`
+record names).
+
+The loss mask comes from prefix rendering with the target's own chat template: for assistant turn
+i, `render(messages[:i], add_generation_prompt=True)` and `render(messages[:i+1])` must both be
+string prefixes of the whole rendering; the characters between them, less trailing whitespace
+the template writes after the turn's end token, are the assistant span (content and end token). Tokens whose character span starts inside an assistant span
+get mask 1. A template for which this does not hold (not prefix-stable) gives `template_error`.
+
+Unusable records are never dropped silently: each is counted by reason and listed with its
+`file:line` in report.json, or, with `data.strict: true`, the first one stops the stage with one
+line naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eyrie.data.chat import load_chat_tokenizer, prompt_ids, render_with_mask
+from eyrie.data.records import (
+    REASONS,
+    RawRecord,
+    RecordError,
+    read_records,
+    to_messages,
+)
+from eyrie.errors import DataError
+from eyrie.formats.tokenized import EVAL_SCHEMA, SHARD_SCHEMA
+from eyrie.io import atomic_path, provenance
+
+log = logging.getLogger(__name__)
+
+
+LOG_EVERY = 5000
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    max_seq_len: int
+    num_shards: int
+    num_eval: int
+    seed: int
+    strict: bool
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> "DataSettings":
+        data = settings.get("data")
+        if not isinstance(data, dict):
+            raise DataError("settings: missing object 'data'; pass --settings '{\"data\": {...}}'")
+        values = {}
+        for key, kind, low in (("max_seq_len", int, 1), ("num_shards", int, 1), ("num_eval", int, 0),
+                               ("seed", int, None), ("strict", bool, None)):
+            if key not in data:
+                raise DataError(f"settings: missing data.{key}; set it in the config's data section")
+            value = data[key]
+            if type(value) is not kind or (low is not None and value < low):
+                want = "true or false" if kind is bool else f"an integer >= {low}" if low is not None else "an integer"
+                raise DataError(f"data.{key}={value!r}: must be {want}")
+            values[key] = value
+        return cls(**values)
+
+
+@dataclass
+class Example:
+    sample_id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    messages: list[dict] = field(repr=False)
+
+
+@dataclass
+class Tally:
+    records_read: int = 0
+    truncated: int = 0
+    dropped: list[dict] = field(default_factory=list)
+    per_file: dict = field(default_factory=dict)
+
+    def by_reason(self) -> dict[str, int]:
+        counts = dict.fromkeys(REASONS, 0)
+        for d in self.dropped:
+            counts[d["reason"]] += 1
+        return counts
+
+
+def tokenize_record(tokenizer, raw: RawRecord, max_seq_len: int) -> tuple[Example, bool]:
+    """One record -> (example truncated to max_seq_len, whether it was truncated); RecordError if unusable."""
+    if raw.error is not None:
+        raise raw.error
+    messages = to_messages(raw.obj)
+    ids, mask = render_with_mask(tokenizer, messages)
+    truncated = len(ids) > max_seq_len
+    ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+    if not any(mask):
+        raise RecordError("no_assistant_tokens_after_truncation",
+                          f"the first assistant token is beyond max_seq_len={max_seq_len}")
+    return Example(raw.sample_id, ids, mask, messages), truncated
+
+
+def collect_examples(tokenizer, inputs: list[str | Path], max_seq_len: int,
+                     strict: bool) -> tuple[list[Example], Tally]:
+    """Read and tokenize every record of `inputs`, in order; count (or, strict, raise on) unusable ones."""
+    missing = [str(p) for p in inputs if not Path(p).is_file()]
+    if missing:
+        raise DataError(f"{missing[0]}: input file not found"
+                        f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; fix data.conversations")
+    examples, tally = [], Tally()
+    for path in inputs:
+        read_before, used_before = tally.records_read, len(examples)
+        for raw in read_records(path):
+            tally.records_read += 1
+            try:
+                example, truncated = tokenize_record(tokenizer, raw, max_seq_len)
+            except RecordError as err:
+                if strict:
+                    raise DataError(f"{raw.sample_id}: {err.reason}: {err.detail}; {REASONS[err.reason]} "
+                                    "(or set data.strict: false to count and skip such records)") from err
+                tally.dropped.append({"file": raw.file, "line": raw.line, "reason": err.reason,
+                                      "detail": err.detail})
+                continue
+            examples.append(example)
+            tally.truncated += truncated
+            if tally.records_read % LOG_EVERY == 0:
+                log.info("%d records read, %d usable", tally.records_read, len(examples))
+        tally.per_file[str(path)] = {"records_read": tally.records_read - read_before,
+                                     "records_used": len(examples) - used_before,
+                                     "sha256": _sha256(path)}
+        log.info("%s: %d records, %d usable", path, tally.records_read - read_before,
+                 len(examples) - used_before)
+    return examples, tally
+
+
+def split_examples(examples: list[Example], num_eval: int, num_shards: int,
+                   seed: int) -> tuple[list[Example], list[list[Example]]]:
+    """Shuffle with `seed`; the first num_eval are eval, the rest dealt into contiguous near-equal shards."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    shuffled = [examples[i] for i in order]
+    held_out, rest = shuffled[:num_eval], shuffled[num_eval:]
+    base, extra = divmod(len(rest), num_shards)
+    shards, pos = [], 0
+    for s in range(num_shards):
+        size = base + (s < extra)
+        shards.append(rest[pos: pos + size])
+        pos += size
+    return held_out, shards
+
+
+def _table(examples: list[Example], with_prompt: list[list[int]] | None = None) -> pa.Table:
+    columns = {
+        "sample_id": [e.sample_id for e in examples],
+        "input_ids": [e.input_ids for e in examples],
+        "loss_mask": [e.loss_mask for e in examples],
+    }
+    if with_prompt is None:
+        return pa.table(columns, schema=SHARD_SCHEMA)
+    return pa.table({**columns, "prompt_ids": with_prompt}, schema=EVAL_SCHEMA)
+
+
+def _stats(examples: list[Example]) -> dict:
+    return {"records": len(examples), "tokens": sum(len(e.input_ids) for e in examples),
+            "assistant_tokens": sum(sum(e.loss_mask) for e in examples)}
+
+
+def _sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def tokenize(target: str | Path, inputs: list[str | Path], out_dir: str | Path, settings: dict) -> dict:
+    """The whole stage: write shards, eval.parquet and report.json into `out_dir`; return the report."""
+    cfg = DataSettings.from_settings(settings)
+    trust = settings.get("trust_remote_code", False)
+    if not isinstance(trust, bool):
+        raise DataError(f"trust_remote_code={trust!r}: must be true or false")
+    if not inputs:
+        raise DataError("no input files; set data.conversations")
+    tokenizer = load_chat_tokenizer(target, trust)
+    log.info("tokenizing %d file(s) with the chat template of %s (max_seq_len=%d)",
+             len(inputs), target, cfg.max_seq_len)
+    examples, tally = collect_examples(tokenizer, inputs, cfg.max_seq_len, cfg.strict)
+
+    need = cfg.num_eval + cfg.num_shards
+    if len(examples) < need:
+        dropped = {k: v for k, v in tally.by_reason().items() if v}
+        raise DataError(f"only {len(examples)} usable records of {tally.records_read} read (dropped: "
+                        f"{dropped or 'none'}); need at least data.num_eval + data.num_shards = "
+                        f"{cfg.num_eval} + {cfg.num_shards} = {need}: lower data.num_eval/data.num_shards "
+                        "or add conversations")
+    held_out, shards = split_examples(examples, cfg.num_eval, cfg.num_shards, cfg.seed)
+    prompts = [prompt_ids(tokenizer, e.messages) for e in held_out]
+
+    from eyrie.arch.target import tokenizer_hash
+    from eyrie.errors import TargetError
+    try:
+        tok_hash = tokenizer_hash(target)
+    except TargetError:
+        tok_hash = None
+    report = {
+        "target": str(target),
+        "tokenizer_hash": tok_hash,
+        "inputs": tally.per_file,
+        "records_read": tally.records_read,
+        "records_used": len(examples),
+        "records_dropped": len(tally.dropped),
+        "dropped_by_reason": tally.by_reason(),
+        "dropped": tally.dropped,
+        "truncated": tally.truncated,
+        "max_seq_len": cfg.max_seq_len,
+        "eval": {"file": "eval.parquet", **_stats(held_out)},
+        "shards": [{"file": f"shard_{s:03d}.parquet", **_stats(shard)} for s, shard in enumerate(shards)],
+        "provenance": provenance(settings),
+    }
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir(parents=True)
+        for s, shard in enumerate(shards):
+            pq.write_table(_table(shard), tmp / f"shard_{s:03d}.parquet")
+        pq.write_table(_table(held_out, prompts), tmp / "eval.parquet")
+        for entry in [*report["shards"], report["eval"]]:  # validate before the rename
+            rows = pq.read_metadata(tmp / entry["file"]).num_rows
+            assert rows == entry["records"], (entry["file"], rows, entry["records"])
+        (tmp / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+    log.info("%d records read, %d used (%d eval, %d in %d shards), %d dropped %s, %d truncated -> %s",
+             tally.records_read, len(examples), len(held_out), len(examples) - len(held_out),
+             cfg.num_shards, len(tally.dropped), {k: v for k, v in tally.by_reason().items() if v},
+             tally.truncated, out_dir)
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from eyrie.runtime import settings_arg
+
+    parser.add_argument("--target", required=True, help="Hugging Face model folder with the tokenizer")
+    parser.add_argument("--inputs", required=True, nargs="+", help="conversation files (.jsonl/.json/.parquet)")
+    parser.add_argument("--out-dir", required=True, help="folder for shard_NNN.parquet, eval.parquet, report.json")
+    parser.add_argument("--settings", required=True, type=settings_arg,
+                        help='JSON: {"data": {max_seq_len, num_shards, num_eval, seed, strict}, '
+                             '"trust_remote_code": bool}')
+
+
+def run(args: argparse.Namespace) -> int:
+    tokenize(args.target, args.inputs, args.out_dir, args.settings)
+    return 0
+
+

@@ -1,0 +1,271 @@
+"""Acceptance length of a draft by real greedy speculative decoding with a Hugging Face target.
+
+The evaluate stage: checks the settings, the preflight report, the vocabulary map, the prompts and
+the exported draft, then decodes every prompt with the trained draft and with an untrained baseline
+(eyrie.evaluate.specdec: EAGLE-3 proposer, vLLM's metrics) and writes the report JSON and the plot.
+Every speculative output is checked token for token against plain greedy decoding of the target.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eyrie.errors import EvaluateError
+from eyrie.evaluate.specdec import (
+    Eagle3Proposer,
+    SpecStats,
+    greedy_generate,
+    speculative_generate,
+)
+from eyrie.formats.report import read_report
+from eyrie.formats.tokenized import read_prompts
+from eyrie.formats.vocab import read_vocab
+from eyrie.io import atomic_path, provenance, write_json
+
+log = logging.getLogger(__name__)
+
+
+UNTRAINED_SEED = 0
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    K: int
+    max_new_tokens: int
+    num_prompts: int
+    device: str  # resolved: cpu | cuda
+
+
+def parse_settings(settings: dict) -> EvalSettings:
+    """Check the eval settings (every problem at once, each naming its key); resolve device."""
+    ev = settings.get("eval")
+    if not isinstance(ev, dict):
+        raise EvaluateError("--settings: key 'eval' missing or not an object; pass the config's "
+                            "eval section")
+    problems = []
+    for key in ("num_speculative_tokens", "max_new_tokens", "num_prompts"):
+        value = ev.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"eval.{key}={value!r} must be an integer >= 1")
+    device = ev.get("device", "auto")
+    if device not in DEVICES:
+        problems.append(f"eval.device={device!r} must be one of {', '.join(DEVICES)}")
+    if problems:
+        raise EvaluateError("invalid --settings: " + "; ".join(problems))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise EvaluateError("eval.device=cuda but no CUDA device is visible; set eval.device to "
+                            "auto or cpu")
+    return EvalSettings(ev["num_speculative_tokens"], ev["max_new_tokens"], ev["num_prompts"], device)
+
+
+def read_preflight(path: str | Path, fingerprint: str, num_layers: int) -> list[int]:
+    """The preflight report's aux_layer_ids, after checking it passed and matches the target."""
+    path = Path(path)
+    report = read_report(path, fingerprint)
+    aux = report.get("aux_layer_ids")
+    if not (isinstance(aux, list) and aux and all(isinstance(i, int) for i in aux)):
+        raise EvaluateError(f"{path}: aux_layer_ids must be a non-empty list of integers; "
+                            "rerun `eyrie preflight`")
+    if any(not 0 <= i < num_layers for i in aux):
+        raise EvaluateError(f"{path}: aux_layer_ids {aux} must lie within 0..{num_layers - 1} for "
+                            f"a target with {num_layers} layers; rerun `eyrie preflight`")
+    if report.get("final_layer_id") != num_layers:
+        raise EvaluateError(f"{path}: final_layer_id {report.get('final_layer_id')!r} but the target "
+                            f"has {num_layers} layers; rerun `eyrie preflight`")
+    return aux
+
+
+def load_draft(path: str | Path):
+    """The exported draft through speculators' own loader (sdpa attention: dense masks, any
+    device), with its weights checked finite."""
+    import warnings
+
+    from eyrie.formats.draft import load_draft as load_exported
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise EvaluateError(f"{path}/config.json: not found; run `eyrie export` first")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            draft = load_exported(path)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise EvaluateError(f"{path}: speculators cannot load the draft ({first}); re-export it "
+                            "(its verifier.name_or_path must point at the target folder)") from exc
+    for name, tensor in draft.state_dict().items():
+        if name.startswith("verifier_"):
+            continue  # training-only weights, unused at inference
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise EvaluateError(f"{path}: draft tensor {name!r} has non-finite values; re-export "
+                                "the draft from a finished training run")
+    return draft
+
+
+def check_draft(draft, path, aux_ids: list[int], hidden_size: int, d2t: torch.Tensor,
+                t2d: torch.Tensor) -> None:
+    """The draft must read the aux layers the preflight chose and use this vocabulary map."""
+    draft_aux = list(draft.config.eagle_aux_hidden_state_layer_ids)
+    if draft_aux != list(aux_ids):
+        raise EvaluateError(f"{path}: draft eagle_aux_hidden_state_layer_ids {draft_aux} differ "
+                            f"from the preflight's aux_layer_ids {list(aux_ids)}; retrain/export "
+                            "the draft with the preflight's layers (or rerun preflight)")
+    if draft.hidden_size != hidden_size:
+        raise EvaluateError(f"{path}: draft hidden size {draft.hidden_size} but the target's is "
+                            f"{hidden_size}; train the draft for this target")
+    if draft.draft_vocab_size != len(d2t):
+        raise EvaluateError(f"{path}: draft_vocab_size {draft.draft_vocab_size} but the vocabulary "
+                            f"map has {len(d2t)} entries; use the draft trained with this map")
+    if draft.d2t is not None and not (torch.equal(draft.d2t.cpu(), d2t)
+                                      and torch.equal(draft.t2d.cpu(), t2d)):
+        raise EvaluateError(f"{path}: the draft's d2t/t2d differ from the vocabulary map's; use "
+                            "the draft trained with this map")
+
+
+def plot(path: str | Path, K: int, trained: dict, untrained: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def fmt(m):
+        return "n/a" if m["acceptance_length"] is None else f"{m['acceptance_length']:.3f}"
+
+    positions = torch.arange(1, K + 1).tolist()
+    width = 0.4
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * K + 2), 3.5))
+    for offset, (label, m) in zip((-width / 2, width / 2), (("trained", trained), ("untrained", untrained))):
+        values = m["per_position_acceptance"] or [0.0] * K
+        ax.bar([p + offset for p in positions], values, width, label=f"{label} (AL {fmt(m)})")
+    ax.set_xticks(positions)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"K={K}: AL trained {fmt(trained)} vs untrained {fmt(untrained)}")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+        if tmp.read_bytes()[:8] != b"\x89PNG\r\n\x1a\n":
+            raise EvaluateError(f"{path}: matplotlib did not write a PNG")
+    plt.close(fig)
+
+
+def evaluate(target: str | Path, draft_dir: str | Path, vocab: str | Path, eval_set: str | Path,
+             preflight: str | Path, out: str | Path, plot_path: str | Path, settings: dict) -> dict:
+    """Run the evaluation and write eval.json and eval.png; returns the report."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eyrie.arch.target import inspect_target
+    from eyrie.draft import build_draft
+    from eyrie.errors import TargetError
+
+    cfg = parse_settings(settings)
+    try:
+        info = inspect_target(target)
+    except TargetError as exc:
+        raise EvaluateError(str(exc)) from exc
+    aux_ids = read_preflight(preflight, info.fingerprint, info.num_hidden_layers)
+    d2t, t2d = read_vocab(vocab, info.vocab_size)
+    prompts = read_prompts(eval_set, cfg.num_prompts, info.vocab_size)
+    draft = load_draft(draft_dir)
+    check_draft(draft, draft_dir, aux_ids, info.hidden_size, d2t, t2d)
+    verifier = draft.config.speculators_config.verifier.name_or_path
+    if verifier and Path(verifier).resolve() != Path(target).resolve():
+        log.warning("draft's verifier.name_or_path is %s, evaluating against %s", verifier, target)
+
+    max_pos = info.text_config.get("max_position_embeddings")
+    longest = max(len(p) for _, p in prompts) + cfg.max_new_tokens + cfg.K
+    if isinstance(max_pos, int) and longest > max_pos:
+        raise EvaluateError(f"{eval_set}: longest prompt + eval.max_new_tokens + K = {longest} "
+                            f"exceeds the target's max_position_embeddings {max_pos}; lower "
+                            "eval.max_new_tokens")
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        log.warning("the tokenizer has no eos token: decoding stops at max_new_tokens only")
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
+    model = model.to(cfg.device).eval()
+
+    tl = draft.config.transformer_layer_config
+    untrained = build_draft(target, aux_ids, d2t, t2d, num_layers=tl.num_hidden_layers,
+                            draft_arch=tl.model_type,
+                            norm_before_residual=draft.config.norm_before_residual,
+                            seed=UNTRAINED_SEED)
+    proposers = {"trained": Eagle3Proposer(draft.to(cfg.device)),
+                 "untrained": Eagle3Proposer(untrained.to(cfg.device))}
+    stats = {name: SpecStats(cfg.K) for name in proposers}
+
+    log.info("evaluating %s on %d prompts: K=%d, max_new_tokens=%d, aux ids %s, device %s",
+             draft_dir, len(prompts), cfg.K, cfg.max_new_tokens, aux_ids, cfg.device)
+    output_tokens = 0
+    for n, (sample_id, prompt_ids) in enumerate(prompts, 1):
+        reference = greedy_generate(model, prompt_ids, cfg.max_new_tokens, eos_id)
+        output_tokens += len(reference)
+        for name, propose in proposers.items():
+            got = speculative_generate(model, prompt_ids, propose, cfg.K, cfg.max_new_tokens, eos_id,
+                                       aux_ids=aux_ids, stats=stats[name])
+            if got != reference:
+                at = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b),
+                          min(len(got), len(reference)))
+                raise EvaluateError(
+                    f"{eval_set}: prompt {sample_id}: speculative output with the {name} draft "
+                    f"differs from the target's greedy output at new token {at} ({len(got)} vs "
+                    f"{len(reference)} tokens); speculative decoding must not change greedy outputs")
+        log.info("prompt %d/%d (%s): %d prompt + %d new tokens; AL so far trained %.3f, "
+                 "untrained %.3f", n, len(prompts), sample_id, len(prompt_ids), len(reference),
+                 *(stats[k].metrics()["acceptance_length"] or 1.0 for k in ("trained", "untrained")))
+
+    report = {
+        "K": cfg.K,
+        "num_prompts": len(prompts),
+        "max_new_tokens": cfg.max_new_tokens,
+        "output_tokens": output_tokens,
+        "trained": stats["trained"].metrics(),
+        "untrained": stats["untrained"].metrics(),
+        "outputs_match_target_greedy": True,
+        "aux_layer_ids": aux_ids,
+        "eos_token_id": eos_id,
+        "draft": str(draft_dir),
+        "target": str(target),
+        "untrained_seed": UNTRAINED_SEED,
+        "device": cfg.device,
+        "provenance": provenance(settings),
+    }
+    plot(plot_path, cfg.K, report["trained"], report["untrained"])
+    write_json(out, report)
+    log.info("acceptance length: trained %s, untrained %s -> %s",
+             report["trained"]["acceptance_length"], report["untrained"]["acceptance_length"], out)
+    return report
+
+
+def add_arguments(parser) -> None:
+    from eyrie.runtime import settings_arg
+
+    parser.add_argument("--target", required=True, help="target model folder")
+    parser.add_argument("--draft", required=True, help="exported draft folder (speculators format)")
+    parser.add_argument("--vocab", required=True, help="vocab.safetensors (d2t, t2d)")
+    parser.add_argument("--eval-set", required=True, help="eval.parquet with prompt_ids")
+    parser.add_argument("--preflight", required=True, help="preflight.json")
+    parser.add_argument("--out", required=True, help="eval.json to write")
+    parser.add_argument("--plot", required=True, help="eval.png to write")
+    parser.add_argument("--settings", required=True, type=settings_arg,
+                        help="JSON object with the eval settings")
+
+
+def run(args) -> int:
+    evaluate(args.target, args.draft, args.vocab, args.eval_set, args.preflight, args.out,
+             args.plot, args.settings)
+    return 0
+
+

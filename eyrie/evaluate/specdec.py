@@ -1,0 +1,196 @@
+"""Greedy speculative decoding with a pluggable proposer; acceptance length (AL) as vLLM defines it.
+
+Per prompt the target prefills the context; a proposer drafts K tokens; the target verifies them
+in one forward pass; the longest prefix equal to the target's greedy tokens is accepted, plus the
+target's own next (bonus) token. The EAGLE-3 proposer runs the draft the way vLLM does at inference
+(chain drafting on the verified target states), reusing speculators' Eagle3DraftModel submodules.
+Metrics are vLLM's: AL = 1 + accepted_tokens / num_drafts, counted per verification before the
+output is cut at EOS / max_new_tokens (as vLLM's scheduler counts them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from eyrie.arch.hooks import capture_hidden_states
+from eyrie.errors import EvaluateError
+
+# propose(token_ids [T+1] int64, aux_states [T, A*H] float, k) -> k target token ids.
+# token_ids is the context plus the target's latest (not yet verified-upon) token;
+# aux_states[t] are the target's aux hidden states (concatenated) of token_ids[t].
+Proposer = Callable[[torch.Tensor, torch.Tensor, int], list[int]]
+
+
+@dataclass
+class SpecStats:
+    """vLLM's speculative-decoding counters (vllm:spec_decode_*)."""
+    K: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_at_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted_at_position = self.accepted_at_position or [0] * self.K
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.accepted_tokens += num_accepted
+        for k in range(num_accepted):
+            self.accepted_at_position[k] += 1
+
+    def metrics(self) -> dict:
+        n = self.num_drafts
+        return {
+            "acceptance_length": 1 + self.accepted_tokens / n if n else None,
+            "per_position_acceptance": [a / n for a in self.accepted_at_position] if n else None,
+            "num_drafts": n,
+            "num_draft_tokens": self.num_draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "accepted_at_position": list(self.accepted_at_position),
+        }
+
+
+@torch.no_grad()
+def target_step(target, ids: torch.Tensor, aux_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One full forward of the target over `ids` [L] int64.
+
+    Returns greedy [L] int64 (the argmax next token after each position) and
+    aux [L, A*H] (the aux hidden states of each position, concatenated in `aux_ids` order).
+    """
+    with capture_hidden_states(target, aux_ids) as states:
+        logits = target(input_ids=ids[None], use_cache=False).logits[0]  # [L, V]
+    aux = torch.cat([states[i][0] for i in aux_ids], dim=-1)  # [L, A*H]
+    return logits.argmax(dim=-1), aux
+
+
+def _finished(out: list[int], max_new_tokens: int, eos_id: int | None) -> bool:
+    return len(out) >= max_new_tokens or (eos_id is not None and eos_id in out)
+
+
+def _cut(out: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
+    if eos_id is not None and eos_id in out:
+        out = out[: out.index(eos_id) + 1]
+    return out[:max_new_tokens]
+
+
+@torch.no_grad()
+def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
+    """Plain greedy decoding (full recompute each token): the reference output."""
+    device = next(target.parameters()).device
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)  # [L]
+    out: list[int] = []
+    while not _finished(out, max_new_tokens, eos_id):
+        logits = target(input_ids=ids[None], use_cache=False).logits[0, -1]  # [V]
+        out.append(int(logits.argmax()))
+        ids = torch.cat([ids, ids.new_tensor(out[-1:])])
+    return out
+
+
+@torch.no_grad()
+def speculative_generate(target, prompt_ids: list[int], propose: Proposer, K: int,
+                         max_new_tokens: int, eos_id: int | None, *, aux_ids: list[int],
+                         stats: SpecStats | None = None) -> list[int]:
+    """Greedy speculative decoding; returns the new tokens (cut at EOS / max_new_tokens)."""
+    device = next(target.parameters()).device
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)  # [P]
+    greedy, aux = target_step(target, ids, aux_ids)                  # [P], [P, A*H]
+    out = [int(greedy[-1])]                                          # prefill gives token 1
+    ids = torch.cat([ids, greedy[-1:]])                              # [L]; aux covers ids[:-1]
+    while not _finished(out, max_new_tokens, eos_id):
+        L = len(ids)
+        draft = [int(t) for t in propose(ids, aux, K)]
+        if len(draft) != K:
+            raise EvaluateError(f"proposer returned {len(draft)} tokens, expected K={K}")
+        seq = torch.cat([ids, ids.new_tensor(draft)])                # [L + K]
+        greedy, aux_all = target_step(target, seq, aux_ids)          # [L + K], [L + K, A*H]
+        verify = greedy[L - 1:].tolist()                             # [K + 1]: target after ids[-1], d_1..d_K
+        n = 0
+        while n < K and draft[n] == verify[n]:
+            n += 1
+        if stats is not None:
+            stats.observe(K, n)
+        new = draft[:n] + [verify[n]]                                # accepted prefix + bonus token
+        out += new
+        ids = torch.cat([ids, ids.new_tensor(new)])                  # [L + n + 1]
+        aux = aux_all[: L + n]                                       # states of ids[:-1], verified
+    return _cut(out, max_new_tokens, eos_id)
+
+
+class Eagle3Proposer:
+    """EAGLE-3 chain drafting as vLLM runs it, on an Eagle3DraftModel's own submodules.
+
+    Step 0 runs the context pairs (x_{t+1}, g_t), g_t = fc(aux states of token t), at positions
+    t+1 (speculators' shift_batch alignment) and drafts from the last one. Each further step
+    appends one position holding (embedding of the token just drafted, the decoder's output state
+    at the previous position), position id + 1, as in Eagle3DraftModel.forward's TTT loop.
+    The draft is recomputed over the whole sequence each step with a plain causal mask.
+    """
+
+    def __init__(self, draft):
+        impl = draft.config.transformer_layer_config._attn_implementation
+        if impl not in ("sdpa", "eager"):
+            raise ValueError(f"draft attention {impl!r}: the proposer passes dense causal masks; "
+                             "load the draft with eyrie.evaluate.evaluate.load_draft (sdpa)")
+        self.draft = draft.eval()
+
+    def fuse(self, aux_states: torch.Tensor) -> torch.Tensor:
+        """aux_states [T, A*H] -> g [T, H]: (input_norm | fc_norm) and fc, as in forward."""
+        d = self.draft
+        x = aux_states
+        if d.input_norm is not None:
+            x = d.input_norm(x)
+        if d.fc_norm is not None:
+            chunks = x.chunk(len(d.fc_norm), dim=-1)
+            x = torch.cat([norm(c) for norm, c in zip(d.fc_norm, chunks, strict=True)], dim=-1)
+        return d.fc(x)
+
+    def decode(self, token_ids: torch.Tensor, hidden: torch.Tensor,
+               position_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [S] int64 (target ids), hidden [S, H], position_ids [S] -> out [S, H]."""
+        d = self.draft
+        S = len(token_ids)
+        x = torch.cat([d.embed_tokens(token_ids), hidden], dim=-1)[None]  # [1, S, 2H]
+        pos = position_ids[None]                                          # [1, S]
+        mask = torch.full((S, S), float("-inf"), dtype=x.dtype, device=x.device).triu(1)
+        mask = mask[None, None]                                           # [1, 1, S, S] causal
+        rope = d.rotary_emb(x, pos)
+        for layer in d.layers:
+            x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+        return x[0]                                                       # [S, H] pre-norm
+
+    def head(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """out [..., H] -> (logits [..., draft_vocab], state carried to the next step [..., H])."""
+        d = self.draft
+        if d.config.norm_output:
+            out = d.norm(out)
+            return d.lm_head(out), out
+        return d.lm_head(d.norm(out)), out
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target ids (target_id = i + d2t[i])."""
+        d2t = self.draft.d2t
+        return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
+
+    @torch.no_grad()
+    def __call__(self, token_ids: torch.Tensor, aux_states: torch.Tensor, k: int) -> list[int]:
+        # token_ids: [T+1] int64; aux_states: [T, A*H]
+        T = aux_states.shape[0]
+        ids = token_ids[1:]                               # [T]: x_{t+1} pairs with g_t
+        hidden = self.fuse(aux_states.to(self.draft.fc.weight.dtype))  # [T, H]
+        pos = torch.arange(1, T + 1, device=ids.device)   # [T]
+        drafted = []
+        for _ in range(k):
+            logits, carried = self.head(self.decode(ids, hidden, pos)[-1])  # [Vd], [H]
+            token = self.to_target(logits.argmax())       # [] int64 target id
+            drafted.append(int(token))
+            ids = torch.cat([ids, token[None]])
+            hidden = torch.cat([hidden, carried[None]])
+            pos = torch.cat([pos, pos[-1:] + 1])
+        return drafted
+
+

@@ -1,0 +1,300 @@
+"""`eyrie extract-engine`: one target load serving many shard extractions over a unix socket.
+
+Loading a large target takes ~18 minutes, so one engine loads it once and extracts a whole group
+of shards, while each shard stays its own Snakemake job and output (`eyrie extract --engine S`
+is the client; rules/extract.smk, docs/extraction.md). The design follows what was measured with
+Snakemake's service() outputs (CLUSTER.md "service()"):
+
+- the socket is bound BEFORE the model loads: consumer jobs wait only `--latency-wait` for their
+  input file, and connections made during the load queue in the listen backlog;
+- requests run strictly one at a time on the loaded model (main thread; the backlog queues);
+- Snakemake never checks a service's exit status, so every failure goes to the client as a reply
+  (a failed model load is replied to every client that connects) and the client has timeouts;
+- the engine exits after `--idle-exit-s` without a connection once loaded (an engine without
+  consumers must not hang the run), first answering any client that connected at that moment,
+  and promptly on SIGTERM/SIGINT (forced after STOP_GRACE_S if a library swallows the stop or
+  the interpreter's shutdown hangs); an empty placeholder file is left where its socket was.
+
+Protocol: one JSON line each way per connection. Request `{"shard": path, "out": path}` (plus
+`"settings"`, which must equal the engine's own). Reply `{"ok": true, "out": path, "seconds": s}`
+or `{"ok": false, "error": "<Type>: <message>", "traceback": "..."}`.
+
+This module imports only the standard library at the top: the engine binds its socket before
+torch is imported, and clients stay small.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from eyrie.errors import EngineError
+from eyrie.extract.protocol import (
+    READ_TIMEOUT_S,
+    _read_line,
+    _send,
+    _sun_path,
+    error_reply,
+)
+
+log = logging.getLogger(__name__)
+
+
+DEFAULT_IDLE_EXIT_S = 60.0
+
+
+POLL_S = 0.5  # accept() timeout: how often the engine checks its idle clock
+
+
+STOP_GRACE_S = 5.0  # after SIGTERM/SIGINT: then the exit is forced (a library swallowed the stop,
+
+
+_stop_signum = 0  # set by the signal handler of serve(): a stop in progress (0: none)
+
+
+def _raise_if_stopping(exc: BaseException | None) -> None:
+    """A stop in progress that a library turned into an error (numpy's C init inside `import
+    torch` makes it "cannot load module more than once") or swallowed is still a stop."""
+    if _stop_signum:
+        raise _Stop(_stop_signum) from exc
+
+
+class _Stop(BaseException):
+    """SIGTERM/SIGINT: unwinds whatever the engine is doing (a BaseException, so no request
+    handler turns it into a reply)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Engine:
+    """A unix socket bound at construction (before any model load) and the loop that answers it,
+    one connection at a time."""
+
+    def __init__(self, socket_path: str | Path, idle_exit_s: float = DEFAULT_IDLE_EXIT_S):
+        self.path = Path(socket_path)
+        self.idle_exit_s = idle_exit_s
+        self.busy = False  # a load or a request is in progress (for the exit status on a signal)
+        self.served = self.failed = 0
+        if self.path.is_dir() and not self.path.is_symlink():
+            raise EngineError(f"--socket {self.path}: is a folder; give a file path")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Whatever is there goes: Snakemake's placeholder file, or the stale socket of a killed run.
+        if os.path.lexists(self.path):
+            self.path.unlink()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with _sun_path(self.path) as address:
+            self.sock.bind(address)
+        self.sock.listen(socket.SOMAXCONN)
+        self.sock.settimeout(POLL_S)
+        self.inode = os.lstat(self.path).st_ino
+        log.info("engine: listening on %s (pid %d)", self.path, os.getpid())
+
+    def close(self) -> None:
+        """Close the socket, leaving an empty placeholder file where it was."""
+        self._vacate()
+        self.sock.close()
+
+    def _vacate(self) -> None:
+        """Put an empty placeholder file where the socket was (only if it is still ours; done
+        once). Snakemake touches a service output after its group ends: a removed socket raced
+        that touch and failed the run ("shall be touched but does not exist"). Clients wait
+        through a placeholder as through a missing socket."""
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(self.path).st_ino == self.inode:
+                placeholder = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+                placeholder.touch()
+                os.replace(placeholder, self.path)
+
+    def _drain(self, handle: Callable[[dict], dict]) -> None:
+        """Idle exit without dropping a client that connected at the last moment: once the
+        placeholder has replaced the socket no new connection can arrive, so answering what is
+        already queued in the backlog leaves no one to reset when the socket closes."""
+        self._vacate()
+        self.sock.setblocking(False)
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError, socket.timeout):
+                return
+            with conn:
+                log.info("engine: answering a client that connected as the engine went idle")
+                self._answer(conn, handle)
+
+    def serve(self, handle: Callable[[dict], dict]) -> None:
+        """Answer connections one at a time with `handle(request) -> reply` until idle."""
+        idle_since = time.monotonic()
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                _raise_if_stopping(None)  # swallowed somewhere on its way here
+                idle = time.monotonic() - idle_since
+                if idle >= self.idle_exit_s:
+                    self._drain(handle)
+                    log.info("engine: idle for %.0f s (--idle-exit-s %g): exiting after %d "
+                             "requests (%d failed)", idle, self.idle_exit_s, self.served, self.failed)
+                    return
+                continue
+            with conn:
+                self._answer(conn, handle)
+            idle_since = time.monotonic()
+
+    def _answer(self, conn: socket.socket, handle: Callable[[dict], dict]) -> None:
+        conn.settimeout(READ_TIMEOUT_S)
+        self.busy = True  # stays True if a signal unwinds the request (exit status 128 + signal)
+        try:
+            line = _read_line(conn)
+            if not line:
+                log.info("engine: a client connected and closed without a request")
+                self.busy = False
+                return
+            request = json.loads(line)
+            if not isinstance(request, dict):
+                raise EngineError(f"request {line[:200]!r} is not a JSON object")
+            reply = handle(request)
+        except Exception as exc:  # every failure goes to the client (and the log)
+            _raise_if_stopping(exc)
+            log.error("engine: request failed: %s: %s\n%s", type(exc).__name__, exc,
+                      traceback.format_exc())
+            reply = error_reply(exc)
+        self.served += 1
+        self.failed += not reply.get("ok")
+        try:
+            _send(conn, reply)
+        except OSError as exc:
+            log.error("engine: could not reply (the client is gone): %s: %s\n%s",
+                      type(exc).__name__, exc, traceback.format_exc())
+        self.busy = False
+
+
+def _extract_handler(extractor, settings: dict) -> Callable[[dict], dict]:
+    def handle(request: dict) -> dict:
+        missing = [k for k in ("shard", "out") if not isinstance(request.get(k), str)]
+        if missing:
+            raise EngineError(f"request without a string {missing[0]!r}: send "
+                              '{"shard": <tokenized .parquet>, "out": <.h5>}')
+        if "settings" in request and request["settings"] != settings:
+            raise EngineError("the client's --settings differ from the engine's: its shard would "
+                              "not match its rule's params; restart the engine with the same settings")
+        t0 = time.monotonic()
+        log.info("engine: request %s -> %s", request["shard"], request["out"])
+        out = extractor.extract(request["shard"], request["out"])
+        return {"ok": True, "out": str(out), "seconds": round(time.monotonic() - t0, 3)}
+    return handle
+
+
+def serve(socket_path: str | Path, target: str | Path, preflight: str | Path, settings: dict,
+          idle_exit_s: float = DEFAULT_IDLE_EXIT_S, torch_threads: int | None = None,
+          gpu_memory_utilization: float | None = None) -> int:
+    """Bind, load the target once, serve until idle or signalled. Returns the exit status.
+
+    `gpu_memory_utilization` (vLLM backend) changes no shard, so it is not part of `settings`
+    (which clients must match): it only reaches the backend.
+    """
+    engine = None
+    watchdog: list[threading.Timer] = []
+
+    def force_exit(signum: int) -> None:
+        log.error("engine: still running %g s after %s: forcing the exit", STOP_GRACE_S,
+                  signal.Signals(signum).name)
+        if engine is not None:
+            engine.close()
+        logging.shutdown()
+        os._exit(128 + signum)
+
+    def on_signal(signum, frame) -> None:
+        global _stop_signum
+        _stop_signum = _stop_signum or signum
+        # The stop unwinds the load or the request (temporary files are cleaned on the way);
+        # if that has not ended the process within STOP_GRACE_S, the watchdog ends it.
+        if not watchdog:
+            watchdog.append(threading.Timer(STOP_GRACE_S, force_exit, args=(signum,)))
+            watchdog[0].daemon = True
+            watchdog[0].start()
+        raise _Stop(signum)
+
+    global _stop_signum
+    _stop_signum = 0
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        engine = Engine(socket_path, idle_exit_s)
+        engine.busy = True
+        t0 = time.monotonic()
+        try:
+            if torch_threads:
+                from eyrie.runtime import set_torch_threads
+
+                set_torch_threads(torch_threads)
+            from eyrie.extract.extractor import Extractor
+
+            load_settings = settings
+            if gpu_memory_utilization is not None:
+                load_settings = {**settings, "vllm": {**(settings.get("vllm") or {}),
+                                                      "gpu_memory_utilization": gpu_memory_utilization}}
+            extractor = Extractor(target, preflight, load_settings)
+        except Exception as exc:
+            _raise_if_stopping(exc)
+            log.error("engine: loading the target failed: %s: %s\n%s", type(exc).__name__, exc,
+                      traceback.format_exc())
+            failure = error_reply(exc)
+            engine.busy = False
+            # Snakemake does not look at a service's exit status: the clients must hear it.
+            engine.serve(lambda request: failure)
+            return 1
+        engine.busy = False
+        log.info("engine: loaded target %s in %.1f s (load 1 of this engine)", target,
+                 time.monotonic() - t0)
+        try:
+            engine.serve(_extract_handler(extractor, settings))
+        finally:
+            extractor.close()
+        return 0
+    except _Stop as stop:
+        busy = engine is not None and engine.busy
+        log.info("engine: %s received%s: exiting", stop, " while busy (the work in progress is "
+                 "abandoned)" if busy else "")
+        return 128 + stop.signum if busy else 0
+    finally:
+        if engine is not None:
+            engine.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def add_arguments(parser) -> None:
+    from eyrie.runtime import settings_arg
+
+    parser.add_argument("--socket", required=True,
+                        help="unix socket to serve (whatever is there is replaced)")
+    parser.add_argument("--target", required=True, help="Hugging Face model folder of the target")
+    parser.add_argument("--preflight", required=True, help="preflight.json that passed for this target")
+    parser.add_argument("--settings", required=True, type=settings_arg,
+                        help="JSON object with the extract, layers and trust_remote_code settings")
+    parser.add_argument("--idle-exit-s", type=float, default=DEFAULT_IDLE_EXIT_S,
+                        help="exit after this many seconds without a connection, once loaded "
+                             "(default %(default)g)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch CPU threads, set after the socket is bound (the global "
+                             "--threads would import torch before binding)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="vLLM backend: fraction of GPU memory the engine may use (kept out "
+                             "of --settings: it changes no shard)")
+
+
+def run(args) -> int:
+    return serve(args.socket, args.target, args.preflight, args.settings,
+                 idle_exit_s=args.idle_exit_s, torch_threads=args.torch_threads,
+                 gpu_memory_utilization=args.gpu_memory_utilization)
+
+

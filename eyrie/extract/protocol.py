@@ -1,0 +1,142 @@
+"""eyrie.extract.protocol: TODO docstring."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import socket
+import stat
+import time
+import traceback
+from pathlib import Path
+from typing import Iterator
+
+from eyrie.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+
+DEFAULT_WAIT_S = 3600.0  # extract.engine_wait_s: model loads take ~18 minutes on real clusters
+
+
+READ_TIMEOUT_S = 60.0  # for a client's request line (clients send it right after connecting)
+
+
+RETRY_S = 1.0  # client: between attempts to connect
+
+
+# or the interpreter's shutdown waits on a thread that will not end)
+MAX_LINE = 1 << 20
+
+
+SUN_PATH_MAX = 100  # bytes; sockaddr_un.sun_path holds 108 on Linux
+
+
+@contextlib.contextmanager
+def _sun_path(path: Path) -> Iterator[str]:
+    """An address for `path` that fits sockaddr_un: the path itself, or for a long one the same
+    file reached through /proc/self/fd of its open folder (Linux)."""
+    if len(os.fsencode(str(path))) <= SUN_PATH_MAX:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
+def error_reply(exc: BaseException) -> dict:
+    return {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+            "traceback": "".join(traceback.format_exception(exc))}
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    """Bytes up to the first newline (b"" if the peer closed before sending anything)."""
+    buf = b""
+    while b"\n" not in buf:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > MAX_LINE:
+            raise EngineError(f"message longer than {MAX_LINE} bytes without a newline")
+    return buf.split(b"\n", 1)[0]
+
+
+def _send(conn: socket.socket, obj: dict) -> None:
+    conn.sendall((json.dumps(obj) + "\n").encode())
+
+
+def _connect(path: Path, wait_s: float, engine_log: str | None) -> socket.socket:
+    """Connect to the engine at `path`, retrying while it is missing, a placeholder file or a
+    stale socket that refuses connections, for at most `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = "nothing is there"
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and not stat.S_ISSOCK(mode):
+            state = "it is still a placeholder file (no engine has bound it)"
+        elif mode is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                with _sun_path(path) as address:
+                    sock.connect(address)
+                return sock
+            except OSError as exc:
+                sock.close()
+                if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                    raise EngineError(f"cannot connect to the engine at {path}: {exc}") from exc
+                state = "a stale socket refuses connections (its engine is gone)"
+        if time.monotonic() >= deadline:
+            raise EngineError(
+                f"no engine answered at {path} within {wait_s:g} s ({state}); start one with "
+                f"`eyrie extract-engine --socket {path} ...` (in the workflow: the extract_engine "
+                "job of this shard's group), or raise extract.engine_wait_s"
+                + (f"; engine log: {engine_log}" if engine_log else ""))
+        time.sleep(max(0.0, min(RETRY_S, deadline - time.monotonic())))
+
+
+def request(socket_path: str | Path, shard: str | Path, out: str | Path, settings: dict | None = None,
+            wait_s: float = DEFAULT_WAIT_S, engine_log: str | None = None) -> dict:
+    """Have the engine at `socket_path` extract `shard` into `out`; returns its reply.
+
+    Waits up to `wait_s` for the engine to accept, then for the reply as long as the connection
+    stays open (the engine may still be loading the target, or serving other shards first)."""
+    path = Path(socket_path)
+    see_log = f"the engine's log {engine_log}" if engine_log else "the engine's log"
+    t0 = time.monotonic()
+    sock = _connect(path, wait_s, engine_log)
+    message = {"shard": os.path.abspath(shard), "out": os.path.abspath(out)}
+    if settings is not None:
+        message["settings"] = settings
+    with sock:
+        log.info("sent %s to the engine at %s; waiting for its reply", shard, path)
+        try:
+            _send(sock, message)
+            line = _read_line(sock)
+        except OSError as exc:  # e.g. ECONNRESET: the engine closed while we were queued
+            raise EngineError(f"the engine at {path} dropped the connection for {shard} "
+                              f"({type(exc).__name__}: {exc}): it died; see {see_log}") from exc
+    if not line:
+        raise EngineError(f"the engine at {path} closed the connection without a reply for "
+                          f"{shard}: it died or was stopped; see {see_log}")
+    try:
+        reply = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise EngineError(f"the engine at {path} sent a reply that is not JSON ({exc}): "
+                          f"{line[:200]!r}; see {see_log}") from exc
+    if not reply.get("ok"):
+        raise EngineError(f"the engine at {path} failed on {shard}: {reply.get('error')} "
+                          f"(traceback: {see_log})")
+    log.info("engine wrote %s in %.1f s (%.1f s since this client started)", reply.get("out"),
+             reply.get("seconds", 0.0), time.monotonic() - t0)
+    return reply
+
+

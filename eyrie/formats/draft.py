@@ -1,0 +1,138 @@
+"""eyrie.formats.draft: TODO docstring."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from eyrie.errors import ExportError
+
+log = logging.getLogger(__name__)
+
+
+# Every field written to config.json; vLLM falls back to its own defaults for missing ones,
+# which differ from speculators' (norm_before_residual: vLLM True, speculators False).
+CONFIG_FIELDS = (
+    "speculators_model_type", "architectures", "transformer_layer_config", "draft_vocab_size",
+    "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual",
+    "norm_before_fc", "fc_norm", "norm_output", "embed_requires_grad", "speculators_config",
+)
+
+
+DRAFT_ARCHS = ("llama", "qwen3")  # transformer_layer_config.model_type vLLM serves for EAGLE-3
+
+
+# Flags that change the network but that vLLM 0.22 does not read: it would serve another model.
+UNSERVABLE_FLAGS = {
+    "norm_output": "vLLM 0.22 does not read norm_output and would feed un-normed hidden states "
+                   "back across draft steps",
+    "fc_norm": "vLLM 0.22 does not read fc_norm and would skip the per-layer norms before fc",
+}
+
+
+def load_draft(path: str | Path, *, verifier: str | Path | None = None,
+               attn_implementation: str = "sdpa"):
+    """Load a draft folder with speculators' Eagle3DraftModel.from_pretrained.
+
+    The default attention (flex) cannot run TTT steps > 1 on CPU for short batches, so this
+    selects `attn_implementation` (sdpa) in the config; `verifier` replaces the verifier path
+    recorded in the folder (the verifier's lm_head/norm are loaded from it).
+    """
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    config = Eagle3SpeculatorConfig.from_pretrained(str(path))
+    if verifier is not None:
+        config.speculators_config.verifier.name_or_path = str(verifier)
+    config.transformer_layer_config._attn_implementation = attn_implementation
+    return Eagle3DraftModel.from_pretrained(str(path), config=config)
+
+
+def expected_tensors(model) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape the export must hold: the draft's state without verifier_* tensors
+    (those are the target's own norm/lm_head, loaded from the verifier by every client)."""
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.startswith("verifier_")}
+
+
+def random_packed_batch(model, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Two documents and trailing padding: hidden_states float32 [1, T, n_aux*H],
+    verifier_last_hidden_states float32 [1, T, H], input_ids/position_ids/document_ids int64
+    [1, T], loss_mask bool [1, T]."""
+    g = torch.Generator().manual_seed(seed)
+    H = model.hidden_size
+    n_aux = model.fc.in_features // H
+    lengths, pad = (9, 6), 3
+    T = sum(lengths) + pad
+    return {
+        "hidden_states": torch.randn(1, T, n_aux * H, generator=g),
+        "verifier_last_hidden_states": torch.randn(1, T, H, generator=g),
+        "input_ids": torch.randint(0, model.verifier_vocab_size, (1, T), generator=g),
+        "document_ids": torch.tensor([[0] * lengths[0] + [1] * lengths[1] + [-1] * pad]),
+        "position_ids": torch.tensor([list(range(1, lengths[0] + 1)) + list(range(1, lengths[1] + 1))
+                                      + [0] * pad]),
+        "loss_mask": torch.tensor([[True] * lengths[0] + [True] * lengths[1] + [False] * pad]),
+    }
+
+
+@torch.no_grad()
+def draft_outputs(model, batch: dict, ttt_steps: int) -> dict[str, torch.Tensor]:
+    """Logits of every TTT step ([1, T, draft_vocab] each, captured at lm_head), draft tokens
+    and the loss against the batch's verifier states."""
+    from speculators.losses import resolve_loss_config
+
+    logits: list[torch.Tensor] = []
+    handle = model.lm_head.register_forward_hook(lambda mod, args, out: logits.append(out.clone()))
+    was_training = model.training
+    model.eval()
+    try:
+        # speculators compiles forward whenever CUDA is present, even for a CPU model; the
+        # comparison runs eagerly on CPU (deterministic, and no C++ toolchain needed).
+        with torch.compiler.set_stance("force_eager"):
+            tokens, loss, _ = model(**batch, ttt_steps=ttt_steps,
+                                    loss_config=resolve_loss_config("kl_div", "eager"))
+    finally:
+        handle.remove()
+        model.train(was_training)
+    out = {f"logits_{k}": x for k, x in enumerate(logits)}
+    out.update({f"tokens_{k}": x for k, x in enumerate(tokens)}, loss=loss)
+    return out
+
+
+def check_config(config: dict, where: Path, expect: dict) -> None:
+    """Every field present and non-null; the values we set are the values written."""
+    missing = [k for k in CONFIG_FIELDS if config.get(k) is None]
+    if missing:
+        raise ExportError(f"{where}: fields {missing} missing or null; the export must set them")
+    for key, want in expect.items():
+        have = config
+        for part in key.split("."):
+            have = have[int(part)] if isinstance(have, list) else have.get(part)
+        if have != want:
+            raise ExportError(f"{where}: {key} is {have!r}, expected {want!r}")
+
+
+def validate_export(folder: Path, reference, ttt_steps: int, expect_config: dict) -> None:
+    """Load `folder` with speculators and compare it with `reference` (the trained draft)."""
+    from safetensors import safe_open
+
+    config = json.loads((folder / "config.json").read_text())
+    check_config(config, folder / "config.json", expect_config)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    want = expected_tensors(reference)
+    if have != want:
+        extra, lost = sorted(set(have) - set(want)), sorted(set(want) - set(have))
+        shapes = sorted(k for k in set(have) & set(want) if have[k] != want[k])
+        raise ExportError(f"{folder}/model.safetensors: tensors differ from the trained draft "
+                          f"(unexpected {extra}, missing {lost}, shape mismatch {shapes})")
+    loaded = load_draft(folder)
+    batch = random_packed_batch(reference)
+    a, b = draft_outputs(reference, batch, ttt_steps), draft_outputs(loaded, batch, ttt_steps)
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    if differ or a.keys() != b.keys():
+        raise ExportError(f"{folder}: the draft loaded by speculators gives different {differ} "
+                          "than the trained draft; the export is not written")
+
+

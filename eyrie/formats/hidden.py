@@ -1,0 +1,480 @@
+"""The HDF5 hidden-state shard format (a contract; documented in docs/shard-format.md).
+
+One file per tokenized shard, holding every sample of that shard back to back:
+
+  input_ids     int32    [T]             token ids of all samples, concatenated
+  loss_mask     uint8    [T]             1 on assistant tokens
+  offsets       int64    [S + 1]         sample i is rows offsets[i]:offsets[i+1]
+  sample_ids    str      [S]             "<file>:<line>" of each source record
+  aux_hidden    STORE    [T, n_aux * H]  residual streams at aux_layer_ids, concatenated in id order
+  final_hidden  STORE    [T, H]          residual stream at final_layer_id (= N, before the final norm)
+  aux_scale     float32  [T]             float8_e4m3 only: per-token scale of aux_hidden
+  final_scale   float32  [T]             float8_e4m3 only: per-token scale of final_hidden
+
+STORE (attr storage_dtype) is uint16 holding the raw bfloat16 bit pattern for "bfloat16" (h5py
+has no bfloat16), float16/float32 as such, or uint8 holding float8 e4m3fn bit patterns for
+"float8_e4m3" (value = e4m3(code) * scale of its token row; scale = row amax / 448).
+
+Hidden datasets are written contiguous and uncompressed, so the reader reads a sample by file
+offset (`dataset.id.get_offset()`): zero-copy from a private memory map of its pages (reads of
+MAP_MIN_BYTES and more), else by pread; other layouts (chunked, compressed: e.g. after h5repack)
+are read through h5py. Values are checked finite when written; a reader checks them again per
+sample read unless the caller scanned the whole shard first (`validate_shard`,
+train.verify_shards).
+
+Files are written under a temporary name, validated, then renamed: a file at the final path is
+always complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from eyrie.errors import ShardError
+from eyrie.formats.codecs import (
+    HIDDEN,
+    SCALES,
+    STORAGE,
+    _bad_scale_row,
+    all_finite,
+    dequantize_e4m3,
+    first_bad_row,
+    quantize_e4m3,
+    to_storage,
+)
+from eyrie.formats.pagecache import _LIBC, MAP_MIN_BYTES, map_private
+from eyrie.io import remove_stale_temporaries
+
+log = logging.getLogger(__name__)
+
+
+FORMAT = "eyrie-hidden-states"
+
+
+SCHEMA_VERSION = 1
+
+
+# Fields a reader compares against what the training run expects.
+CHECKED_FIELDS = ("target_fingerprint", "tokenizer_hash", "aux_layer_ids", "final_layer_id",
+                  "hidden_size")
+
+
+SCAN_BYTES = 64 << 20  # validate_shard reads ~64 MiB at a time
+
+
+@dataclass
+class ShardMeta:
+    target_fingerprint: str
+    tokenizer_hash: str
+    aux_layer_ids: list[int]
+    final_layer_id: int
+    hidden_size: int
+    storage_dtype: str = "bfloat16"
+    producer: dict = field(default_factory=dict)  # settings + provenance that made the shard
+
+    def __post_init__(self):
+        if self.storage_dtype not in STORAGE:
+            raise ShardError(f"storage_dtype {self.storage_dtype!r}: use one of {list(STORAGE)}")
+        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+
+
+class ShardWriter:
+    """Preallocates a shard for known samples; `put(i, aux, final)` fills sample i.
+
+    Use as a context manager: on a clean exit the file is validated and renamed to `path`;
+    on an exception (or a sample never written) nothing appears at `path`.
+    """
+
+    def __init__(self, path, meta: ShardMeta, sample_ids: list[str],
+                 input_ids: list[list[int]], loss_masks: list[list[int]]):
+        if not (len(sample_ids) == len(input_ids) == len(loss_masks)):
+            raise ShardError(f"{path}: sample_ids/input_ids/loss_masks lengths differ")
+        self.path = Path(path)
+        self.meta = meta
+        self.lengths = np.array([len(x) for x in input_ids], dtype=np.int64)
+        for sid, ids, mask in zip(sample_ids, input_ids, loss_masks):
+            if len(ids) != len(mask):
+                raise ShardError(f"{path}: sample {sid}: {len(ids)} ids but {len(mask)} mask values")
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        self.expected_ids = np.concatenate([np.asarray(x, dtype=np.int32) for x in input_ids]) \
+            if input_ids else np.zeros(0, np.int32)
+        self.written = np.zeros(len(sample_ids), dtype=bool)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(self.path)  # a killed writer's (SIGKILL runs no cleanup)
+        self.f = h5py.File(self.tmp, "w")
+        try:
+            self._create(sample_ids, loss_masks)
+        except BaseException:
+            self.f.close()
+            self.tmp.unlink(missing_ok=True)
+            raise
+
+    def _create(self, sample_ids: list[str], loss_masks: list[list[int]]) -> None:
+        meta, f = self.meta, self.f
+        n_tok, H, n_aux = int(self.offsets[-1]), meta.hidden_size, len(meta.aux_layer_ids)
+        storage = STORAGE[meta.storage_dtype]
+        f.create_dataset("input_ids", data=self.expected_ids)
+        masks = np.concatenate([np.asarray(m, dtype=np.uint8) for m in loss_masks]) \
+            if loss_masks else np.zeros(0, np.uint8)
+        f.create_dataset("loss_mask", data=masks)
+        f.create_dataset("offsets", data=self.offsets)
+        f.create_dataset("sample_ids", data=np.array(sample_ids, dtype=object),
+                         dtype=h5py.string_dtype())
+        # Contiguous, allocated now, never pre-filled (every row is written by put): the layout
+        # the reader reads by file offset.
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        self.data = {
+            "aux_hidden": f.create_dataset("aux_hidden", (n_tok, n_aux * H), storage.h5, dcpl=dcpl),
+            "final_hidden": f.create_dataset("final_hidden", (n_tok, H), storage.h5, dcpl=dcpl),
+        }
+        if storage.scaled:
+            for name in HIDDEN:
+                self.data[SCALES[name]] = f.create_dataset(SCALES[name], (n_tok,), np.float32,
+                                                           dcpl=dcpl)
+        attrs = asdict(meta)
+        attrs["producer"] = json.dumps(meta.producer, sort_keys=True, default=str)
+        attrs.update(format=FORMAT, schema_version=SCHEMA_VERSION,
+                     num_samples=len(sample_ids), num_tokens=n_tok)
+        for k, v in attrs.items():
+            f.attrs[k] = np.asarray(v, dtype=np.int64) if k == "aux_layer_ids" else v
+        # Hidden rows go straight to their datasets' file offsets (contiguous, allocated early,
+        # never filled by HDF5, so no HDF5 cache holds their bytes) through a descriptor of our own.
+        f.flush()
+        self.raw = {name: ds.id.get_offset() for name, ds in self.data.items()}
+        self.fd = os.open(self.tmp, os.O_WRONLY)
+
+    def put(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
+        """aux: [T_i, n_aux * H]; final: [T_i, H] for sample i (any float dtype, any device)."""
+        T = int(self.lengths[i])
+        H, n_aux = self.meta.hidden_size, len(self.meta.aux_layer_ids)
+        if tuple(aux.shape) != (T, n_aux * H) or tuple(final.shape) != (T, H):
+            raise ShardError(f"{self.path}: sample {i}: got aux {tuple(aux.shape)} final "
+                             f"{tuple(final.shape)}, expected ({T}, {n_aux * H}) and ({T}, {H})")
+        d = self.meta.storage_dtype
+        stored: dict[str, np.ndarray] = {}
+        for name, x in (("aux_hidden", aux), ("final_hidden", final)):
+            if STORAGE[d].scaled:
+                stored[name], stored[SCALES[name]] = quantize_e4m3(x)
+                ok = _bad_scale_row(stored[SCALES[name]]) is None  # amax finite <=> row finite
+            else:
+                stored[name] = to_storage(x, d)
+                # checked after the cast: float16 storage overflows where the compute dtype did not
+                ok = all_finite(stored[name], d)
+            if not ok:
+                raise ShardError(f"{self.path}: sample {i}: non-finite {name} values (compute dtype "
+                                 f"or storage_dtype={d} overflows; use bfloat16 or float32)")
+        self.put_stored(i, stored)
+
+    def put_stored(self, i: int, stored: dict[str, np.ndarray]) -> None:
+        """Write sample i from values already in their stored representation and already checked
+        finite (`stored_tensors` on the device, copied to the host): {dataset name: [T_i, ...]}
+        with the names and dtypes of this shard's hidden datasets (and scales)."""
+        T = int(self.lengths[i])
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        if set(stored) != set(self.data):
+            raise ShardError(f"{self.path}: sample {i}: got datasets {sorted(stored)}, expected "
+                             f"{sorted(self.data)}")
+        for name, x in stored.items():
+            ds = self.data[name]
+            if x.shape != (T, *ds.shape[1:]) or x.dtype.itemsize != ds.dtype.itemsize:
+                raise ShardError(f"{self.path}: sample {i}: {name} {x.shape} {x.dtype}, expected "
+                                 f"{(T, *ds.shape[1:])} {ds.dtype}")
+            at = self.raw.get(name)
+            if at is None:
+                ds[a:b] = x.view(ds.dtype)
+            else:  # the dataset's bytes at their file offset: one write, no HDF5 copy, GIL released
+                row = ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))
+                buf = memoryview(np.ascontiguousarray(x)).cast("B")
+                done = 0
+                while done < len(buf):
+                    done += os.pwrite(self.fd, buf[done:], at + a * row + done)
+        self.written[i] = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            os.close(self.fd)
+            self.f.close()
+            if exc_type is None:
+                missing = np.flatnonzero(~self.written)
+                if len(missing):
+                    raise ShardError(f"{self.path}: {len(missing)} samples never written "
+                                     f"(first: index {missing[0]})")
+                # put() checked every stored value; re-scanning them here would re-read the
+                # whole file (measured: a quarter of the extraction time of a 1B target on a GPU)
+                validate_shard(self.tmp, expected_ids=self.expected_ids, check_values=False)
+                os.replace(self.tmp, self.path)
+        finally:
+            if self.tmp.exists():
+                self.tmp.unlink()
+        return False
+
+
+DATASETS = ("input_ids", "loss_mask", "offsets", "sample_ids", "aux_hidden", "final_hidden")
+
+
+def _open(path) -> h5py.File:
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:  # missing, truncated or corrupted file
+        raise ShardError(f"{path}: unreadable HDF5 ({exc}); delete it and rebuild this shard") from exc
+
+
+def _read_meta(f: h5py.File, path) -> ShardMeta:
+    a = f.attrs
+    if a.get("format") != FORMAT:
+        raise ShardError(f"{path}: not an eyrie hidden-state shard (attr format={a.get('format')!r})")
+    if int(a.get("schema_version", -1)) != SCHEMA_VERSION:
+        raise ShardError(f"{path}: schema_version {a.get('schema_version')} but this eyrie reads "
+                         f"{SCHEMA_VERSION}; re-extract the shard")
+    fields = ("target_fingerprint", "tokenizer_hash", "aux_layer_ids", "final_layer_id",
+              "hidden_size", "storage_dtype", "producer", "num_tokens")
+    missing = [k for k in fields if k not in a]
+    if missing:
+        raise ShardError(f"{path}: attr {missing[0]!r} missing; rebuild this shard")
+    try:
+        return ShardMeta(
+            target_fingerprint=str(a["target_fingerprint"]),
+            tokenizer_hash=str(a["tokenizer_hash"]),
+            aux_layer_ids=[int(i) for i in np.atleast_1d(a["aux_layer_ids"])],
+            final_layer_id=int(a["final_layer_id"]),
+            hidden_size=int(a["hidden_size"]),
+            storage_dtype=str(a["storage_dtype"]),
+            producer=json.loads(a["producer"]),
+        )
+    except (TypeError, ValueError) as exc:  # ShardError (bad storage_dtype) passes through
+        raise ShardError(f"{path}: malformed attrs ({exc}); rebuild this shard") from exc
+
+
+def _check_structure(f: h5py.File, path, meta: ShardMeta) -> np.ndarray:
+    """Datasets present, shapes and offsets consistent; returns the offsets [S + 1]."""
+    scaled = STORAGE[meta.storage_dtype].scaled
+    for name in DATASETS + (tuple(SCALES.values()) if scaled else ()):
+        if name not in f:
+            raise ShardError(f"{path}: dataset {name!r} missing; rebuild this shard")
+    T = f["input_ids"].shape[0]
+    try:
+        offsets = f["offsets"][:]
+    except OSError as exc:
+        raise ShardError(f"{path}: offsets unreadable ({exc}); delete it and rebuild this shard") from exc
+    n_aux, H = len(meta.aux_layer_ids), meta.hidden_size
+    store = np.dtype(STORAGE[meta.storage_dtype].h5)
+    checks = [
+        (f["loss_mask"].shape == (T,), "loss_mask length"),
+        (offsets.ndim == 1 and len(offsets) == len(f["sample_ids"]) + 1, "offsets/sample_ids count"),
+        (len(offsets) > 0 and offsets[0] == 0 and offsets[-1] == T
+         and bool(np.all(np.diff(offsets) >= 0)), "offsets"),
+        (f["aux_hidden"].shape == (T, n_aux * H), "aux_hidden shape"),
+        (f["final_hidden"].shape == (T, H), "final_hidden shape"),
+        (f["aux_hidden"].dtype == store and f["final_hidden"].dtype == store, "hidden dtype"),
+        (f.attrs["num_tokens"] == T, "num_tokens attr"),
+    ]
+    if scaled:
+        checks += [(f[s].shape == (T,) and f[s].dtype == np.float32, f"{s} shape/dtype")
+                   for s in SCALES.values()]
+    for ok, what in checks:
+        if not ok:
+            raise ShardError(f"{path}: {what} inconsistent; delete it and rebuild this shard")
+    return offsets
+
+
+def _file_offset(ds: h5py.Dataset, file_size: int) -> int | None:
+    """Byte offset of a contiguous, allocated, in-file dataset; None for any other layout."""
+    if ds.chunks is not None or ds.is_virtual or ds.external:
+        return None
+    off = ds.id.get_offset()
+    if off is None or ds.id.get_storage_size() != ds.size * ds.dtype.itemsize \
+            or off + ds.id.get_storage_size() > file_size:
+        return None
+    return int(off)
+
+
+class ShardReader:
+    """Random access to samples of one shard.
+
+    Opening checks the attrs and the structure (datasets, shapes, offsets), not every value.
+    `expect` maps CHECKED_FIELDS to what the training run needs; a mismatch raises ShardError
+    naming the field, both values and the fix.
+
+    Values: with `check_values=True` (the default) `read(i)` refuses non-finite values of the
+    sample it reads. `check_values=False` skips that check; use it only when every value of the
+    shard was scanned before (`validate_shard(path)`, or train's verify_shards pass).
+    """
+
+    def __init__(self, path, expect: dict | None = None, check_values: bool = True):
+        self.path = Path(path)
+        self.check_values = check_values
+        self.f = _open(self.path)
+        self._fd = -1
+        try:
+            self.meta = _read_meta(self.f, path)
+            for key, want in (expect or {}).items():
+                if key not in CHECKED_FIELDS:
+                    raise ShardError(f"expect: unknown field {key!r}; use one of {list(CHECKED_FIELDS)}")
+                have = getattr(self.meta, key)
+                if key == "aux_layer_ids":
+                    have, want = list(have), [int(i) for i in want]
+                if have != want:
+                    raise ShardError(f"{path}: {key} is {have!r} but the run expects {want!r}; "
+                                     "re-extract this shard for the current target and layers")
+            self.offsets = _check_structure(self.f, path, self.meta)
+            self.storage = STORAGE[self.meta.storage_dtype]
+            self._setup_access()
+        except BaseException:
+            self.close()
+            raise
+        self.lengths = np.diff(self.offsets)
+
+    def _setup_access(self) -> None:
+        """File offsets of the row datasets (None: read through h5py)."""
+        names = ("input_ids", "loss_mask") + HIDDEN + (tuple(SCALES.values()) if self.storage.scaled else ())
+        self._ds = {n: self.f[n] for n in names}
+        # (dtype, row shape, row bytes) per dataset: h5py's properties cost ~10 us per access
+        self._rowfmt = {n: (ds.dtype, ds.shape[1:], ds.dtype.itemsize * int(np.prod(ds.shape[1:])))
+                        for n, ds in self._ds.items()}
+        self._fd = os.open(self.path, os.O_RDONLY)
+        size = os.fstat(self._fd).st_size
+        self._off = {n: _file_offset(ds, size) for n, ds in self._ds.items()}
+        T = len(self._ds["input_ids"])
+        for n, ds in self._ds.items():  # the first and last rows agree with h5py's
+            if self._off[n] is not None and T and not all(
+                    np.array_equal(self._rows(n, r, r + 1), ds[r:r + 1]) for r in (0, T - 1)):
+                log.warning("%s: %s at file offset %d differs from h5py's read; reading it "
+                            "through h5py", self.path, n, self._off[n])
+                self._off[n] = None
+        # "mmap": reads of MAP_MIN_BYTES and more are mapped, smaller ones copied by pread
+        self.access = {n: "h5py" if o is None else "mmap" if n in HIDDEN and _LIBC is not None
+                       else "pread" for n, o in self._off.items()}
+
+    def _rows(self, name: str, a: int, b: int, mapped: bool = False,
+              buf: np.ndarray | None = None) -> np.ndarray:
+        """Rows a:b of a dataset: over a private map of their own pages when `mapped` (and
+        mmap is usable), else read by pread (into `buf` when given); by h5py for a dataset
+        without a file offset. OSError on failure."""
+        off = self._off[name]
+        if off is None or b == a:
+            return self._ds[name][a:b]
+        dtype, row_shape, row_bytes = self._rowfmt[name]
+        shape = (b - a,) + row_shape
+        start, nbytes = off + a * row_bytes, (b - a) * row_bytes
+        if mapped and _LIBC is not None and nbytes >= MAP_MIN_BYTES:
+            return map_private(self._fd, start, nbytes).view(dtype).reshape(shape)
+        out = np.empty(shape, dtype) if buf is None else buf[:nbytes].view(dtype).reshape(shape)
+        if os.preadv(self._fd, [memoryview(out).cast("B")], start) != nbytes:
+            raise OSError(f"short read of {name} rows {a}:{b}")
+        return out
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def sample_ids(self) -> list[str]:
+        try:
+            raw = self.f["sample_ids"][:]
+        except OSError as exc:
+            raise ShardError(f"{self.path}: sample_ids unreadable ({exc}); rebuild this shard") from exc
+        return [s.decode() if isinstance(s, bytes) else s for s in raw]
+
+    def read(self, i: int, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """input_ids [T] int64, loss_mask [T] bool, aux_hidden [T, n_aux*H], final_hidden [T, H]
+        for sample i. Hidden states are in `dtype`, by default as stored (bfloat16, float16,
+        float32: copy-on-write views of the file's pages where the layout allows) or float32
+        (float8_e4m3, dequantized). For float8_e4m3, `dtype=torch.uint8` returns the codes as
+        stored (uint8 views) plus aux_scale / final_scale float32 [T], for a decode on the GPU
+        (`decode_e4m3`): a quarter of the bytes to move, and no dequantizing on the host."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"{self.path}: sample index {i} outside 0..{len(self) - 1}")
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        d = self.meta.storage_dtype
+        try:
+            out = {"input_ids": torch.from_numpy(self._rows("input_ids", a, b).astype(np.int64)),
+                   "loss_mask": torch.from_numpy(self._rows("loss_mask", a, b).astype(bool))}
+            raw = {name: self._rows(name, a, b, mapped=True) for name in HIDDEN}
+            scales = {name: self._rows(SCALES[name], a, b) for name in HIDDEN} \
+                if self.storage.scaled else {}
+        except OSError as exc:  # truncated file: the header opened but the data is gone
+            raise ShardError(f"{self.path}: sample {i} unreadable ({exc}); delete it and rebuild "
+                             "this shard") from exc
+        for name in HIDDEN:
+            x = raw[name]
+            if self.check_values and (first_bad_row(x, d) is not None or (
+                    self.storage.scaled and _bad_scale_row(scales[name]) is not None)):
+                raise ShardError(f"{self.path}: sample {i}: non-finite values in {name}; rebuild "
+                                 "this shard")
+            if self.storage.scaled and dtype == torch.uint8:
+                t = torch.from_numpy(x)
+                out[SCALES[name]] = torch.from_numpy(np.ascontiguousarray(scales[name], np.float32))
+            elif self.storage.scaled:
+                want = dtype or torch.float32
+                direct = want if want in (torch.float32, torch.bfloat16) else torch.float32
+                t = dequantize_e4m3(x, scales[name], torch.empty(x.shape, dtype=direct)).to(want)
+            else:
+                t = torch.from_numpy(x.view(np.int16) if d == "bfloat16" else x)
+                t = t.view(torch.bfloat16) if d == "bfloat16" else t
+                t = t if dtype is None else t.to(dtype)
+            out[name] = t
+        return out
+
+    def scan_values(self) -> None:
+        """Check every stored value (and float8 scale) of the shard, ~64 MiB at a time (mapped,
+        or read into one buffer); raises ShardError naming the dataset and the first bad row."""
+        d, T = self.meta.storage_dtype, len(self._ds["input_ids"])
+        names = HIDDEN + (tuple(SCALES.values()) if self.storage.scaled else ())
+        buf = np.empty(SCAN_BYTES, np.uint8)
+        for name in names:
+            row = max(1, self._rowfmt[name][2])
+            step = max(1, SCAN_BYTES // row)
+            for a in range(0, T, step):
+                b = min(T, a + step)
+                try:  # mapped: ~1.5x the cold speed of pread on the CPU machine (read_path.py)
+                    x = self._rows(name, a, b, mapped=True,
+                                   buf=buf if step * row <= SCAN_BYTES else None)
+                except OSError as exc:
+                    raise ShardError(f"{self.path}: unreadable data ({exc}); delete it and "
+                                     "rebuild this shard") from exc
+                bad = _bad_scale_row(x) if name in SCALES.values() else first_bad_row(x, d)
+                if bad is not None:
+                    what = "non-finite or non-positive" if name in SCALES.values() else "non-finite"
+                    raise ShardError(f"{self.path}: {what} values in {name} row {a + bad}; "
+                                     "rebuild this shard")
+
+    def close(self):
+        """Tensors handed out stay valid: each keeps its own map of the file."""
+        self.f.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def validate_shard(path, expected_ids: np.ndarray | None = None, check_values: bool = True) -> ShardMeta:
+    """Structural checks (lengths agree, ids match, values finite); raises ShardError naming the problem."""
+    with ShardReader(path, check_values=False) as r:
+        try:
+            if expected_ids is not None and not np.array_equal(r.f["input_ids"][:], expected_ids):
+                raise ShardError(f"{path}: input_ids differ from the tokenized shard; rebuild this shard")
+        except OSError as exc:
+            raise ShardError(f"{path}: unreadable data ({exc}); delete it and rebuild this shard") from exc
+        if check_values:
+            r.scan_values()
+        return r.meta
+
+

@@ -1,0 +1,101 @@
+"""eyrie.preflight.checks: TODO docstring."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from eyrie.arch.target import tokenizer_hash
+from eyrie.errors import EyrieError
+from eyrie.formats.codecs import bytes_per_token
+
+log = logging.getLogger(__name__)
+
+
+# A conversation every chat template must render with a non-empty assistant loss mask.
+SAMPLE_CONVERSATIONS = [
+    [
+        {"role": "user", "content": "What does json.dumps do?"},
+        {"role": "assistant", "content": "It serializes an object to a JSON formatted string."},
+    ],
+    [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Name a prime number."},
+        {"role": "assistant", "content": "Seven."},
+        {"role": "user", "content": "Another one?"},
+        {"role": "assistant", "content": "Eleven."},
+    ],
+]
+
+
+DISK_HEADROOM = 1.10  # ask for 10% more than the estimate
+
+
+@dataclass
+class Check:
+    problems: list[str]
+    warnings: list[str]
+
+    def problem(self, text: str) -> None:
+        self.problems.append(text)
+
+
+def check_weights(path: Path, check: Check) -> None:
+    if list(path.glob("*.safetensors")):
+        return
+    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+        check.problem(f"{path}: weights are only in pickle files (.bin/.pt), which eyrie does not "
+                      "load; convert them to safetensors (save_pretrained(..., safe_serialization=True))")
+    else:
+        check.problem(f"{path}: no *.safetensors weights found; point target.path at a complete "
+                      "Hugging Face model folder")
+
+
+def check_tokenizer(path: Path, trust_remote_code: bool, check: Check) -> str | None:
+    from transformers import AutoTokenizer
+
+    from eyrie.data.chat import render_with_mask
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - any loader failure is reported with its type
+        check.problem(f"{path}: tokenizer does not load ({type(exc).__name__}: {exc}); "
+                      "check the tokenizer files or set target.trust_remote_code if it ships code")
+        return None
+    if not getattr(tok, "chat_template", None):
+        check.problem(f"{path}: tokenizer has no chat template; add chat_template.jinja to the "
+                      "target folder")
+        return None
+    for i, messages in enumerate(SAMPLE_CONVERSATIONS):
+        try:
+            ids, mask = render_with_mask(tok, messages)
+        except EyrieError as exc:
+            check.problem(f"{path}: chat template fails on sample conversation {i}: {exc}")
+            continue
+        if sum(mask) == 0:
+            check.problem(f"{path}: chat template yields an all-zero assistant loss mask on sample "
+                          f"conversation {i}; the template must render assistant turns so their "
+                          "text can be located (see docs/tokenization)")
+    return tokenizer_hash(path)
+
+
+def check_storage(tokens: int, n_states: int, hidden: int, storage_dtype: str, where: Path,
+                  check: Check) -> dict:
+    # hidden states (+ float8_e4m3's two float32 scales) per token; input_ids and loss_mask add
+    # 5 B more, not counted (<= 1% from hidden size 128 up)
+    per_token = bytes_per_token(storage_dtype, n_states, hidden)
+    need = per_token * tokens
+    probe = where
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if need * DISK_HEADROOM > free:
+        check.problem(f"{probe}: hidden states need ~{need / 1e9:.2f} GB ({tokens} tokens x "
+                      f"{per_token} B/token) but only {free / 1e9:.2f} GB are free; free disk, "
+                      "use fewer conversations or a smaller extract.storage_dtype")
+    return {"bytes_per_token": per_token, "tokens": tokens, "estimated_bytes": need,
+            "free_bytes": free, "path": str(probe)}
+
+

@@ -1,0 +1,46 @@
+"""eyrie.runtime: TODO docstring."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+
+def usable_threads(asked: int) -> int:
+    """At most as many threads as CPUs this process may run on: a scheduler that grants more
+    CPUs than the node has (or a rule's `threads` above the machine's) would otherwise
+    oversubscribe the cores, which slows torch's CPU kernels many times over."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if asked > cpus:
+        logging.getLogger("eyrie.cli").info("--threads %d: only %d CPUs are usable here; using %d",
+                                            asked, cpus, cpus)
+    return max(1, min(asked, cpus))
+
+
+def set_torch_threads(asked: int, share: int = 1) -> None:
+    """torch's CPU threads: `asked` capped at the usable CPUs, split among `share` processes of
+    one node (torchrun's local ranks)."""
+    import torch
+
+    torch.set_num_threads(max(1, usable_threads(asked) // share))
+
+
+def describe(exc: BaseException) -> str:
+    """An exception's message, never empty: `raise RuntimeError()` or `assert x` carry none, and a
+    blank log line is what users then report."""
+    text = str(exc).strip()
+    return text if text else f"{type(exc).__name__} (no message)"
+
+
+def settings_arg(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--settings is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--settings must be a JSON object")
+    return value
+
+

@@ -1,0 +1,289 @@
+"""The data path of draft training: EAGLE-3 alignment of one sample, packing, epoch order.
+
+Alignment (`shift_sample`): a captured sample of T tokens x_0..x_{T-1} holds, per token t, the
+target's aux-layer states g_t (context x_0..x_t) and its final state y_t, whose distribution
+through the target's norm and lm_head predicts x_{t+1}. EAGLE-3 trains position j on g_j and
+the embedding of x_{j+1}, against the target distribution from y_{j+1}, which predicts x_{j+2};
+so the loss at j counts iff x_{j+2} is an assistant token (loss_mask[j+2]; 0 at the last
+position). Every aligned tensor has length T-1; samples with fewer than 3 tokens or no
+assistant token from x_2 on have nothing to predict and are skipped (`PackedShards.skipped`).
+
+Packing (`pack`, `PackedShards.batch`): samples are packed greedily, in an order shuffled per
+epoch by a seeded generator (`epoch_order`), into batches of at most `max_tokens` positions.
+Each sample is truncated to `max_tokens - gap` positions and followed by `gap` = ttt_steps - 1
+padding positions (document id -1, loss mask 0), so it takes min(length, max_tokens - gap) + gap
+positions: TTT step s compares a position's logits with the target s positions later
+(speculators' align_for_step), which without the gap would reach into the next sample.
+`document_ids` keep the samples of a batch apart. The plan (every epoch's batches) is a function
+of the settings and the shards alone.
+
+Loading (`Prefetcher`): a background thread builds the packs of the coming steps (in pinned host
+memory when they go to a GPU, hidden states in their stored dtype when widening them on the
+device gives the same float32 values, float8 as codes and scales that `decode_batch` decodes
+there) while the main thread trains, at most `depth` steps ahead.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from eyrie.errors import EyrieError
+from eyrie.formats.hidden import ShardReader
+
+
+def shift_sample(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Align one sample of length T for EAGLE-3 training; every output has length T-1.
+
+    In: input_ids [T] int64, loss_mask [T] bool, aux_hidden [T, n_aux*H], final_hidden [T, H].
+    Unshifted, token t has aux states g_t (context x_0..x_t) and final state y_t, whose
+    distribution through the target's norm and lm_head predicts x_{t+1}.
+    Shifted position j (as speculators' shift_batch) pairs g_j with the embedding of x_{j+1}
+    (input_ids[1:], aux[:-1]) and takes its target distribution from y_{j+1} (final[1:]): that
+    distribution predicts x_{j+2}. So the loss at j must count iff x_{j+2} is an assistant
+    token: loss_mask[j+2], 0 for the last position (x_{T} does not exist). shift_batch uses
+    loss_mask[j+1], which drops the first assistant token and trains on the token after the
+    turn's end. speculators slices the mask with the targets for later TTT steps
+    (align_for_step), so this alignment holds for every step.
+    Out: input_ids [T-1], hidden_states [T-1, n_aux*H], verifier_last_hidden_states [T-1, H],
+    loss_mask [T-1] bool, position_ids [T-1] (1..T-1, as shift_batch).
+    """
+    T = sample["input_ids"].shape[0]
+    mask = sample["loss_mask"].to(torch.bool)
+    return {
+        "input_ids": sample["input_ids"][1:],
+        "hidden_states": sample["aux_hidden"][:-1],
+        "verifier_last_hidden_states": sample["final_hidden"][1:],
+        "loss_mask": torch.cat([mask[2:], mask.new_zeros(min(1, T - 1))]),
+        "position_ids": torch.arange(1, T, dtype=torch.long),
+        # float8 codes read as stored (ShardReader.read(i, torch.uint8)): their per-token scales
+        **({"hidden_states_scale": sample["aux_scale"][:-1],
+            "verifier_last_hidden_states_scale": sample["final_scale"][1:]}
+           if "aux_scale" in sample else {}),
+    }
+
+
+CODE_SCALES = {"hidden_states": "hidden_states_scale",
+               "verifier_last_hidden_states": "verifier_last_hidden_states_scale"}
+
+
+def decode_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A batch of float8 codes (PackedShards.batch(..., torch.uint8), on any device) with its
+    hidden states decoded to float32 and the scales dropped; other batches as they are."""
+    if "hidden_states_scale" not in batch:
+        return batch
+    from eyrie.formats.codecs import decode_e4m3
+
+    out = {k: v for k, v in batch.items() if k not in CODE_SCALES.values()}
+    for name, scale in CODE_SCALES.items():
+        out[name] = decode_e4m3(batch[name], batch[scale])
+    return out
+
+
+def pack(lengths: list[int], order: list[int], max_tokens: int, gap: int) -> list[list[int]]:
+    """Greedy packing in `order`: each sample takes min(length, max_tokens - gap) + gap tokens."""
+    batches, current, used = [], [], 0
+    for i in order:
+        need = min(lengths[i], max_tokens - gap) + gap
+        if current and used + need > max_tokens:
+            batches.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += need
+    if current:
+        batches.append(current)
+    return batches
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+class PackedShards:
+    """All samples of the shards, addressed by a flat index; `batch(indices)` packs some of them.
+
+    `values_checked=True` says every stored value was scanned before (train's verify_shards pass,
+    or eyrie.formats.hidden.validate_shard): reads then skip the per-sample finite check. Otherwise each
+    sample is checked as it is read (a shard is never handed out with inf/NaN unnoticed).
+    """
+
+    def __init__(self, paths: list[Path], expect: dict, max_tokens: int, gap: int,
+                 values_checked: bool = False):
+        self.max_tokens, self.gap = max_tokens, gap
+        # Opening every reader first: a mismatching shard fails before any training.
+        self.readers = [ShardReader(p, expect=expect, check_values=not values_checked)
+                        for p in paths]
+        self.refs: list[tuple[int, int]] = []  # (reader, sample) of each usable sample
+        self.lengths: list[int] = []  # shifted length (T - 1)
+        self.loss_tokens: list[int] = []  # loss-masked positions once shifted and truncated
+        self.skipped = 0
+        for r_i, reader in enumerate(self.readers):
+            mask = reader.f["loss_mask"][:]
+            csum = np.concatenate([[0], np.cumsum(mask != 0)])
+            for s_i, (a, b) in enumerate(zip(reader.offsets[:-1], reader.offsets[1:])):
+                if b - a < 3 or not mask[a + 2:b].any():
+                    self.skipped += 1  # no token to predict under the (shifted) loss mask
+                    continue
+                self.refs.append((r_i, s_i))
+                self.lengths.append(int(b - a - 1))
+                # shifted mask = mask[2:] + [0]; its first n positions: mask[a+2 : a+2+min(n, T-2)]
+                n = min(int(b - a - 1), max_tokens - gap)
+                self.loss_tokens.append(int(csum[a + 2 + min(n, b - a - 2)] - csum[a + 2]))
+        if not self.refs:
+            raise EyrieError(f"{paths[0]}...: no sample has a loss-masked token to predict; "
+                             "check the tokenized shards' loss_mask (assistant turns)")
+        self.truncated = sum(n > max_tokens - gap for n in self.lengths)
+        self.hidden_size = int(expect["hidden_size"])
+        self.n_aux = len(expect["aux_layer_ids"])
+        # Hidden states travel in their stored dtype when widening them to float32 later is exact
+        # and equal to the float32 read (bfloat16, float16); float8 shards as their codes and
+        # scales, decoded on the device (decode_batch); a mix of storage dtypes as float32.
+        stored = sorted({r.meta.storage_dtype for r in self.readers})
+        exact = len(stored) == 1 and stored[0] in ("bfloat16", "float16", "float32")
+        codes = stored == ["float8_e4m3"]
+        self.transfer_dtype = getattr(torch, stored[0]) if exact else (
+            torch.uint8 if codes else torch.float32)
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def tokens(self, indices: list[int]) -> tuple[int, int]:
+        """(positions that belong to a sample, loss-masked positions) of the pack `indices`:
+        what (document_ids >= 0).sum() and loss_mask.sum() of `batch(indices)` count."""
+        return (sum(min(self.lengths[i], self.max_tokens - self.gap) for i in indices),
+                sum(self.loss_tokens[i] for i in indices))
+
+    def batch(self, indices: list[int], dtype: torch.dtype = torch.float32,
+              pin: bool = False, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+        """Packed batch, each value [1, L, ...]: hidden_states `dtype` [1, L, n_aux*H],
+        verifier_last_hidden_states `dtype` [1, L, H], input_ids/position_ids/document_ids
+        int64 [1, L], loss_mask bool [1, L]. After each sample come `gap` = ttt_steps - 1
+        padding positions (document id -1, loss mask 0): TTT step s compares a position's
+        logits with the target s positions later (speculators' align_for_step), which without
+        the gap would reach into the next sample.
+
+        Hidden states go from the file's pages (ShardReader maps them) straight into the
+        preallocated batch: one pass (float8 shards: dequantized to float32 first, then copied).
+        `dtype` float32 is the training dtype; `transfer_dtype` keeps the stored values as they
+        are, for a widening to float32 on the device (uint8 for float8 shards: their codes, plus
+        hidden_states_scale / verifier_last_hidden_states_scale float32 [1, L]; decode_batch).
+        `pin`: page-locked host memory (CUDA).
+        `pad_to`: at least this many positions, the rest padding like the gaps (document id -1,
+        loss mask 0, zeros): one shape for every pack, so a compiled draft compiles once."""
+        H, n_aux, gap = self.hidden_size, self.n_aux, self.gap
+        sizes = [min(self.lengths[i], self.max_tokens - gap) for i in indices]
+        L = sum(sizes) + gap * len(indices)
+        L_all = max(L, pad_to or 0)
+        codes = dtype == torch.uint8  # float8 shards: codes as stored + per-token scales
+        if codes and self.transfer_dtype != torch.uint8:
+            raise EyrieError("PackedShards.batch: uint8 (float8 codes) needs every shard stored "
+                             "as float8_e4m3")
+        out = {"hidden_states": torch.empty(L_all, n_aux * H, dtype=dtype, pin_memory=pin),
+               "verifier_last_hidden_states": torch.empty(L_all, H, dtype=dtype, pin_memory=pin),
+               "input_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin),
+               "loss_mask": torch.empty(L_all, dtype=torch.bool, pin_memory=pin),
+               "position_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin),
+               "document_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin)}
+        if codes:
+            for scale in CODE_SCALES.values():
+                out[scale] = torch.empty(L_all, dtype=torch.float32, pin_memory=pin)
+        keys = ["input_ids", "loss_mask", "position_ids", "hidden_states",
+                "verifier_last_hidden_states", *(CODE_SCALES.values() if codes else ())]
+        pos = 0
+        for doc, (i, n) in enumerate(zip(indices, sizes)):
+            r_i, s_i = self.refs[i]
+            # as stored (views of the file's pages); float8 dequantized to float32, or as codes
+            s = shift_sample(self.readers[r_i].read(s_i, torch.uint8 if codes else None))
+            for k in keys:
+                out[k][pos:pos + n].copy_(s[k][:n])
+                out[k][pos + n:pos + n + gap].zero_()
+            out["document_ids"][pos:pos + n].fill_(doc)
+            out["document_ids"][pos + n:pos + n + gap].fill_(-1)
+            pos += n + gap
+        for k, v in out.items():  # the tail up to pad_to
+            v[L:].fill_(-1 if k == "document_ids" else 0)
+        return {k: v.unsqueeze(0) for k, v in out.items()}
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+
+
+class Prefetcher:
+    """Builds the packs of the coming steps in a background thread, at most `depth` steps ahead.
+
+    `steps`: for each step, in order, the packs (lists of sample indices) this process trains.
+    `get()` returns the next step's batches (each as `PackedShards.batch(pack, dtype, pin, pad_to)`); an
+    exception raised in the thread is raised again by `get()`, with the thread's traceback.
+    `close()` (also on leaving a `with`) stops the thread and waits for it; it runs as a daemon,
+    so a process that ends without close() (a signal's exit) does not wait for it.
+    """
+
+    def __init__(self, data: PackedShards, steps: Iterable[list[list[int]]], *,
+                 dtype: torch.dtype = torch.float32, pin: bool = False, depth: int = 2,
+                 pad_to: int | None = None):
+        self._data, self._dtype, self._pin, self._pad_to = data, dtype, pin, pad_to
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(list(steps),),
+                                        name="eyrie-prefetch", daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, steps: list[list[list[int]]]) -> None:
+        try:
+            for packs in steps:
+                batches = [self._data.batch(p, self._dtype, self._pin, self._pad_to) for p in packs]
+                if not self._put(("ok", batches)):
+                    return
+            self._put(("end", None))
+        except BaseException as exc:  # handed to the main thread, which raises it
+            self._put(("error", exc))
+
+    def get(self) -> list[dict[str, torch.Tensor]]:
+        """The next step's batches; blocks until they are built."""
+        while True:
+            try:
+                kind, value = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the prefetch thread ended without a result") from None
+        if kind == "error":
+            self.close()
+            raise value
+        if kind == "end":
+            raise StopIteration("no more steps planned")
+        return value
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:  # a producer blocked on a full queue sees the stop flag within 0.1 s
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)  # a read under way finishes (or fails on closed files)
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+

@@ -1,0 +1,184 @@
+"""Extraction backend "vllm": target hidden states from a vLLM engine (runs in the vLLM environment).
+
+Same contract as the Hugging Face backend (eyrie.extract.hf.HFBackend): `states(input_ids, storage)`
+yields (sample indices, per-sample aux states [T_i, n_aux*H], per-sample final states [T_i, H]) in
+vLLM layer-id semantics, and eyrie.extract writes them into the same HDF5 shards.
+
+The path (docs/vllm.md) is chosen the way preflight chose it, from the installed vLLM's facts:
+- native: `extract_hidden_states` speculative method + ExampleHiddenStatesConnector; prompts go as
+  token ids with max_tokens=1; each request's file is read, checked and removed;
+- capture: eyrie.vllm.capture's worker extension records the states in eager mode.
+Both need chunked prefill and prefix caching off (a prompt must be computed whole, from position 0).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from eyrie.errors import ExtractError
+from eyrie.vllm.adapters import adapter_for, request_key
+from eyrie.vllm.checks import choose_path, config_problems, version_problems
+from eyrie.vllm.facts import gather_facts
+
+log = logging.getLogger(__name__)
+
+
+FILE_WAIT_S = 60.0  # how long a request's file may lag behind generate() returning
+
+
+class VllmBackend:
+    name = "vllm"
+
+    def __init__(self, target: Path, info, cfg, aux_ids: list[int], final_id: int):
+        # The engine process has touched CUDA (device resolution) before vLLM starts its engine
+        # core: forking then fails ("Cannot re-initialize CUDA in forked subprocess").
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        from vllm import LLM
+
+        self.v = dict(cfg.vllm or {})
+        self.layer_ids = list(aux_ids) + [final_id]
+        self.n_aux = len(aux_ids)
+        self.H = info.hidden_size
+        self.tokens_per_call = cfg.max_tokens_per_batch
+        config = json.loads((Path(target) / "config.json").read_text())
+        adapter = adapter_for(info.model_type)
+        facts = gather_facts(config)
+        problems = version_problems(facts) + config_problems(adapter, config)
+        path, path_problems = choose_path(self.v.get("extraction_path", "auto"), adapter, facts,
+                                          config, self.layer_ids, info.num_hidden_layers)
+        if problems or path_problems:
+            raise ExtractError(f"{target}: vLLM {facts.version} cannot extract this target: "
+                               + "; ".join(problems + path_problems))
+        self.path = path
+        self.scratch = Path(tempfile.mkdtemp(prefix="eyrie-vllm-"))
+        kwargs = dict(
+            model=str(target),
+            tensor_parallel_size=int(self.v.get("tensor_parallel_size", 1)),
+            gpu_memory_utilization=float(self.v.get("gpu_memory_utilization", 0.85)),
+            enforce_eager=bool(self.v.get("enforce_eager", True)) or path == "capture",
+            max_model_len=self.v.get("max_model_len"),
+            dtype=str(cfg.dtype).removeprefix("torch."),  # extract.dtype, resolved
+            trust_remote_code=cfg.trust_remote_code,
+            enable_chunked_prefill=False,
+            enable_prefix_caching=False,
+            seed=0,
+            skip_tokenizer_init=True,  # prompts go as token ids; no tokenizer code runs
+        )
+        if path == "native":
+            kwargs.update(
+                speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                    "draft_model_config": {"hf_config": {
+                                        "eagle_aux_hidden_state_layer_ids": self.layer_ids}}},
+                kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector",
+                                    "kv_role": "kv_producer",
+                                    "kv_connector_extra_config": {"shared_storage_path": str(self.scratch)}},
+            )
+        else:
+            kwargs["worker_extension_cls"] = "eyrie.vllm.capture.CaptureExtension"
+        log.info("vLLM %s, %s path (adapter %s), layer ids %s, tensor parallel %d, scratch %s",
+                 facts.version, path, adapter.family, self.layer_ids,
+                 kwargs["tensor_parallel_size"], self.scratch)
+        self.llm = LLM(**kwargs)
+        if path == "capture":
+            info_ranks = self.llm.collective_rpc(
+                "eyrie_install_capture", args=(info.model_type, self.layer_ids, str(self.scratch)))
+            log.info("capture installed: %s", info_ranks)
+
+    # ------------------------------------------------------------------ states
+
+    def states(self, input_ids: list[np.ndarray], storage: torch.dtype
+               ) -> Iterator[tuple[list[int], list[torch.Tensor], list[torch.Tensor]]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        for chunk in self._chunks([len(x) for x in input_ids]):
+            prompts = [{"prompt_token_ids": input_ids[i].astype(np.int64).tolist()} for i in chunk]
+            keys = [request_key(input_ids[i]) for i in chunk]
+            if self.path == "capture":
+                self.llm.collective_rpc("eyrie_expect", args=(sorted(set(keys)),))
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            aux_list, final_list = [], []
+            for i, key, out in zip(chunk, keys, outputs):
+                path = self._file_of(out, key)
+                hs, ids = self._read(path)
+                T = len(input_ids[i])
+                if hs.shape != (T, len(self.layer_ids), self.H) or not np.array_equal(
+                        ids, input_ids[i].astype(np.int64)):
+                    raise ExtractError(f"vLLM returned hidden states {tuple(hs.shape)} for a "
+                                       f"{T}-token prompt (expected {(T, len(self.layer_ids), self.H)}) "
+                                       "or other token ids; this vLLM's extraction is broken for "
+                                       "this target: try vllm.extraction_path: capture")
+                hs = hs.to(storage)
+                aux_list.append(hs[:, : self.n_aux].reshape(T, self.n_aux * self.H))
+                final_list.append(hs[:, self.n_aux])
+            for key in set(keys):
+                for p in self.scratch.glob(f"{key}*"):
+                    p.unlink(missing_ok=True)
+            yield chunk, aux_list, final_list
+
+    def _chunks(self, lengths: list[int]) -> Iterator[list[int]]:
+        """Samples in order, grouped into generate() calls of at most tokens_per_call tokens."""
+        chunk, tokens = [], 0
+        for i, n in enumerate(lengths):
+            if chunk and tokens + n > self.tokens_per_call:
+                yield chunk
+                chunk, tokens = [], 0
+            chunk.append(i)
+            tokens += n
+        if chunk:
+            yield chunk
+
+    def _file_of(self, out, key: str) -> Path:
+        if self.path == "native":
+            params = out.kv_transfer_params or {}
+            if "hidden_states_path" not in params:
+                raise ExtractError(f"vLLM request {out.request_id}: no hidden_states_path in "
+                                   f"kv_transfer_params ({sorted(params)}); the connector did not run")
+            return Path(params["hidden_states_path"])
+        path = self.scratch / f"{key}.safetensors"
+        deadline = time.monotonic() + FILE_WAIT_S
+        while not path.exists():
+            if time.monotonic() > deadline:
+                missing = self.llm.collective_rpc("eyrie_missing")[0]
+                raise ExtractError(f"capture: no states written for request {out.request_id} "
+                                   f"({len(missing)} expected requests still missing); the capture "
+                                   "forward was bypassed (is enforce_eager on?)")
+            time.sleep(0.01)
+        return path
+
+    def _read(self, path: Path) -> tuple[torch.Tensor, np.ndarray]:
+        """A request file: (hidden_states [T, n_ids, H], token_ids int64 [T])."""
+        if self.path == "native":
+            from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+                load_hidden_states,
+            )
+
+            data = load_hidden_states(str(path))  # waits on the writer's lock
+        else:
+            from safetensors.torch import load_file
+
+            data = load_file(str(path))
+        try:
+            return data["hidden_states"], data["token_ids"].numpy().astype(np.int64)
+        except KeyError as exc:
+            raise ExtractError(f"{path}: key {exc} missing in vLLM's hidden-states file") from None
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            del llm
+        shutil.rmtree(getattr(self, "scratch", ""), ignore_errors=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+

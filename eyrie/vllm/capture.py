@@ -1,0 +1,168 @@
+"""The capture path: a vLLM worker extension that records the residual stream at chosen layer ids.
+
+Loaded inside every vLLM worker through `LLM(worker_extension_cls="eyrie.vllm.capture.CaptureExtension")`
+and driven by `llm.collective_rpc(...)`. `eyrie_install_capture` replaces the language model's
+forward with the adapter's loop (eyrie.vllm.gather): embed, call each decoder layer the way the
+adapter says, record hidden + residual ENTERING layer k for each id k (id N = after the last layer,
+before the final norm), apply the final norm and return what the original forward returns.
+
+vLLM batches the prompts of many requests into one flat token stream per forward. With chunked
+prefill and prefix caching off (the backend sets both), each prompt is one contiguous run of
+positions 0..T-1, so the stream is split where positions restart at 0 and each run is matched to an
+expected prompt by the hash of its token ids (eyrie.vllm.adapters.request_key). Tensor-parallel rank
+0 writes `<key>.safetensors` ({"hidden_states": [T, n_ids, H], "token_ids": [T]}) atomically into
+the directory the driver named; the driver packs them into HDF5 shards.
+
+Requires eager mode (enforce_eager=True): torch.compile and CUDA graphs would bypass the replaced
+forward.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import traceback
+import types
+from itertools import islice
+
+import torch
+
+from eyrie.errors import VllmAdapterError
+from eyrie.vllm.adapters import (
+    EMBED_METHODS,
+    EXTRA_ARGS,
+    adapter_for,
+    call_layer,
+    request_key,
+)
+
+log = logging.getLogger("eyrie.vllm.capture")
+
+
+def _language_model(model):
+    """The decoder stack (e.g. LlamaModel) under a CausalLM or a multimodal wrapper."""
+    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    inner = getattr(lm, "model", None)
+    if inner is None:
+        raise VllmAdapterError(f"{type(lm).__name__} has no .model decoder stack")
+    return lm, inner
+
+
+class _Recorder:
+    """Splits each forward's token stream into prompts and writes the expected ones."""
+
+    def __init__(self, layer_ids: list[int], out_dir: str):
+        self.layer_ids = layer_ids
+        self.out_dir = out_dir
+        self.expected: set[str] = set()
+        self.last_ids: torch.Tensor | None = None  # set by the wrapper's embed when ids go as embeds
+        self.written = 0
+
+    def record(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+               states: torch.Tensor) -> None:
+        """input_ids, positions: [num_tokens]; states: [num_tokens, n_ids, H]."""
+        if not self.expected:
+            return
+        if input_ids is None:
+            input_ids = self.last_ids
+        if input_ids is None:
+            raise VllmAdapterError("capture: the forward got neither input_ids nor recorded ids")
+        pos = positions.reshape(-1).to("cpu").numpy()  # [num_tokens]; M-RoPE positions are not supported
+        ids = input_ids.to("cpu").numpy()
+        starts = [int(i) for i in (pos == 0).nonzero()[0]] + [len(pos)]
+        for a, b in zip(starts[:-1], starts[1:]):
+            seg = pos[a:b]
+            if (seg != range(b - a)).any():
+                continue  # not a whole prompt (never the case with chunked prefill off)
+            key = request_key(ids[a:b])
+            if key not in self.expected:
+                continue
+            path = os.path.join(self.out_dir, f"{key}.safetensors")
+            tmp = path + f".tmp{os.getpid()}"
+            from safetensors.torch import save_file
+
+            save_file({"hidden_states": states[a:b].to("cpu").contiguous(),
+                       "token_ids": torch.from_numpy(ids[a:b].astype("int64"))}, tmp)
+            os.replace(tmp, path)
+            self.expected.discard(key)
+            self.written += 1
+
+
+def make_forward(adapter, inner, module, recorder: _Recorder, write: bool):
+    """The replacement for `inner.forward` (same signature as vLLM's decoder-stack forward)."""
+    embed = getattr(inner, next(m for m in EMBED_METHODS if hasattr(inner, m)))
+    layers = list(islice(getattr(inner, adapter.layers_attr), inner.start_layer, inner.end_layer)) \
+        if hasattr(inner, "start_layer") else list(getattr(inner, adapter.layers_attr))
+    norm = getattr(inner, adapter.norm_attr)
+    config = inner.config
+    ids = recorder.layer_ids
+    N = len(layers)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        hidden = inputs_embeds if inputs_embeds is not None else embed(input_ids)
+        residual = None
+        extras = {name: EXTRA_ARGS[name](config, positions, module) for name in adapter.extras}
+        states: dict[int, torch.Tensor] = {}
+        for k, layer in enumerate(layers):
+            if k in ids:
+                # a new tensor: vLLM's fused add-norm updates hidden/residual in place
+                states[k] = hidden.clone() if residual is None else hidden + residual
+            hidden, residual = call_layer(adapter, layer, positions, hidden, residual, extras)
+        if N in ids:
+            states[N] = hidden + residual
+        hidden, _ = norm(hidden, residual)
+        if write and recorder.expected:
+            recorder.record(input_ids, positions, torch.stack([states[k] for k in ids], dim=1))
+        return hidden
+
+    return forward
+
+
+class CaptureExtension:
+    """Methods mixed into vLLM's GPU worker (called through LLM.collective_rpc)."""
+
+    def eyrie_install_capture(self, model_type: str, layer_ids: list[int], out_dir: str) -> dict:
+        try:
+            adapter = adapter_for(model_type)
+            model = self.model_runner.get_model() if hasattr(self.model_runner, "get_model") \
+                else self.model_runner.model
+            lm, inner = _language_model(model)
+            if type(inner).__name__ != adapter.model_class and not any(
+                    c.__name__ == adapter.model_class for c in type(inner).__mro__):
+                raise VllmAdapterError(f"capture: the language model is {type(inner).__name__}, but "
+                                       f"the {adapter.family} adapter expects {adapter.model_class}")
+            if not any(hasattr(inner, m) for m in EMBED_METHODS):
+                raise VllmAdapterError(f"capture: {type(inner).__name__} has none of {list(EMBED_METHODS)}")
+            module = importlib.import_module(f"vllm.model_executor.models.{adapter.module}")
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+            recorder = _Recorder(list(layer_ids), out_dir)
+            inner.forward = types.MethodType(make_forward(adapter, inner, module, recorder, rank == 0),
+                                             inner)
+            if lm is not model and hasattr(model, "embed_input_ids"):
+                # multimodal wrappers embed first and pass only embeddings down: keep the ids
+                original = model.embed_input_ids
+
+                def embed_and_keep(input_ids, *args, **kwargs):
+                    recorder.last_ids = input_ids
+                    return original(input_ids, *args, **kwargs)
+
+                model.embed_input_ids = embed_and_keep
+            self._eyrie_recorder = recorder
+            return {"rank": rank, "model_class": type(inner).__name__, "adapter": adapter.family,
+                    "layers": len(getattr(inner, adapter.layers_attr))}
+        except Exception:
+            log.error("eyrie capture install failed:\n%s", traceback.format_exc())
+            raise
+
+    def eyrie_expect(self, keys: list[str]) -> int:
+        """The request keys whose states the next forwards must write."""
+        self._eyrie_recorder.expected = set(keys)
+        return len(keys)
+
+    def eyrie_missing(self) -> list[str]:
+        return sorted(self._eyrie_recorder.expected)
+
+

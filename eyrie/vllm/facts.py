@@ -1,0 +1,173 @@
+"""eyrie.vllm.facts: TODO docstring."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from dataclasses import asdict, dataclass, field
+
+from eyrie.errors import VllmAdapterError
+from eyrie.vllm.adapters import (
+    EMBED_METHODS,
+    EXTRA_HELPERS,
+    NATIVE_CONNECTOR,
+    NATIVE_METHOD,
+    adapter_for,
+)
+
+
+@dataclass
+class VllmFacts:
+    """What the installed vLLM offers for one target (gathered in the vLLM environment)."""
+
+    version: str
+    model_type: str
+    architecture: str | None  # config.json's architectures[0]
+    architecture_class: str | None  # vLLM's class for it (None: vLLM does not know it)
+    model_class_found: bool
+    layer_class_found: bool
+    layer_params: list[str] | None  # decoder layer forward parameters after self
+    layer_required: list[str] | None  # those without a default
+    embed_method: str | None  # first of EMBED_METHODS the model class has
+    helpers: dict[str, bool] = field(default_factory=dict)  # EXTRA_HELPERS name -> present
+    native_method: bool = False  # "extract_hidden_states" speculative method exists
+    native_connector: bool = False  # the hidden-states KV connector is registered
+    eagle3_target: bool = False  # architecture class supports EAGLE-3 aux hidden states
+    # which ids the native path captures: "0..N" (after each layer, incl. the last), "1..N-1"
+    # (before each layer: no id 0, no id N), or None (no aux-hidden-state capture in the forward)
+    native_ids: str | None = None
+    worker_extension: bool = False  # LLM(worker_extension_cls=...) + collective_rpc
+    # EXTRA_HELPERS name -> the helper's parameter names (None: helper absent)
+    helper_params: dict[str, list[str] | None] = field(default_factory=dict)
+    quantization_methods: list[str] | None = None  # vLLM's QUANTIZATION_METHODS
+    # fields vLLM's speculators "eagle3" converter copies from a draft's config.json (None: unknown)
+    eagle3_draft_fields: list[str] | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "VllmFacts":
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not m:
+        raise VllmAdapterError(f"cannot read vLLM version {text!r}")
+    return int(m[1]), int(m[2]), int(m[3] or 0)
+
+
+def _native_ids(model_cls) -> str | None:
+    """How the installed model's forward captures aux hidden states (read from its source)."""
+    try:
+        src = inspect.getsource(model_cls.forward)
+    except (OSError, TypeError):
+        return None
+    if "_maybe_add_hidden_state" in src:  # EagleModelMixin: id 0, then after layer i -> id i+1
+        return "0..N"
+    if "aux_hidden_state_layers" in src:  # `if idx in ...` before layer idx: ids 1..N-1 only
+        return "1..N-1"
+    return None
+
+
+def layer_signature(layer_cls) -> tuple[list[str], list[str]]:
+    """(forward parameters after self, those without a default) of a decoder layer class."""
+    params = list(inspect.signature(layer_cls.forward).parameters.values())[1:]
+    required = [p.name for p in params if p.default is inspect.Parameter.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return [p.name for p in params], required
+
+
+def inspect_classes(model_cls, layer_cls) -> dict:
+    """The VllmFacts fields read from a decoder-stack class and its layer class (either None when
+    the module lacks it). Works on any class, so checks can be run on classes built in tests."""
+    out: dict = {"model_class_found": model_cls is not None, "layer_class_found": layer_cls is not None,
+                 "layer_params": None, "layer_required": None, "embed_method": None,
+                 "native_ids": None}
+    if layer_cls is not None:
+        out["layer_params"], out["layer_required"] = layer_signature(layer_cls)
+    if model_cls is not None:
+        out["embed_method"] = next((m for m in EMBED_METHODS if hasattr(model_cls, m)), None)
+        out["native_ids"] = _native_ids(model_cls)
+    return out
+
+
+def inspect_helpers(module) -> tuple[dict[str, bool], dict[str, list[str] | None]]:
+    """(EXTRA_HELPERS name -> present, name -> the helper's parameter names) in a vLLM module."""
+    present, params = {}, {}
+    for name, helper in EXTRA_HELPERS.items():
+        fn = getattr(module, helper, None) if module is not None else None
+        present[name] = fn is not None
+        params[name] = list(inspect.signature(fn).parameters) if fn is not None else None
+    return present, params
+
+
+def gather_facts(config: dict) -> VllmFacts:
+    """Import the installed vLLM and read what it offers for this target config (CPU only).
+
+    Reads only `architectures` and the model_type (text_config's for wrappers) from the config:
+    eyrie.vllm.preflight_checks.facts_config sends just those and caches on them (update it when this
+    reads more)."""
+    import vllm
+
+    text = config.get("text_config") or config
+    model_type = text.get("model_type")
+    adapter = adapter_for(model_type)
+    archs = config.get("architectures") or []
+    facts = VllmFacts(version=vllm.__version__, model_type=model_type,
+                      architecture=archs[0] if archs else None, architecture_class=None,
+                      model_class_found=False, layer_class_found=False, layer_params=None,
+                      layer_required=None, embed_method=None)
+    try:
+        module = importlib.import_module(f"vllm.model_executor.models.{adapter.module}")
+    except ImportError:
+        module = None
+    if module is not None:
+        classes = inspect_classes(getattr(module, adapter.model_class, None),
+                                  getattr(module, adapter.layer_class, None))
+        for key, value in classes.items():
+            setattr(facts, key, value)
+    facts.helpers, facts.helper_params = inspect_helpers(module)
+    from vllm.model_executor.models import ModelRegistry
+
+    lazy = ModelRegistry.models.get(facts.architecture) if facts.architecture else None
+    if lazy is not None:
+        arch_cls = getattr(importlib.import_module(lazy.module_name), lazy.class_name, None)
+        facts.architecture_class = lazy.class_name
+        facts.eagle3_target = bool(arch_cls is not None and
+                                   hasattr(arch_cls, "set_aux_hidden_state_layers"))
+    try:
+        import vllm.config.speculative as spec_mod
+
+        facts.native_method = NATIVE_METHOD in inspect.getsource(spec_mod)
+    except (ImportError, OSError):
+        facts.native_method = False
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        facts.native_connector = NATIVE_CONNECTOR in getattr(KVConnectorFactory, "_registry", {})
+    except ImportError:
+        facts.native_connector = False
+    from vllm.config import ParallelConfig
+
+    facts.worker_extension = "worker_extension_cls" in getattr(ParallelConfig, "__dataclass_fields__", {}) \
+        or hasattr(ParallelConfig, "worker_extension_cls")
+    try:
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+        facts.quantization_methods = sorted(QUANTIZATION_METHODS)
+    except ImportError:
+        facts.quantization_methods = None
+    try:
+        from vllm.transformers_utils.configs.speculators import algos
+
+        src = inspect.getsource(algos.SUPPORTED_SPECULATORS_TYPES["eagle3"])
+        facts.eagle3_draft_fields = sorted(set(re.findall(r'pre_trained_config\["(\w+)"\]', src)))
+    except (ImportError, AttributeError, KeyError, OSError, TypeError):
+        facts.eagle3_draft_fields = None
+    return facts
+
+

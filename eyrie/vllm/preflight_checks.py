@@ -1,0 +1,430 @@
+"""Preflight's vLLM part: will the installed vLLM load this target and return its hidden states?
+
+Loading a 1T-parameter target in vLLM takes ~18 minutes, and every vLLM release has broken
+hidden-state capture somewhere (docs/vllm.md, the catalog of known failures). These checks run on a
+CPU in seconds, before any GPU job, whenever `extract.backend: vllm` or `eval.vllm: true`:
+
+- the vLLM environment (`vllm.python`) answers `python -m eyrie.vllm.gather` with the facts of
+  the INSTALLED vLLM (preflight itself runs in the training environment, which has no vLLM);
+- the version is in the supported range, an adapter exists for the model_type, the adapter matches
+  the installed decoder layer / embedding method / helpers, the config has what vLLM's model needs,
+  the quantization config is loadable;
+- the extraction path (native or capture, docs/vllm.md) is chosen exactly as the backend will choose
+  it, and refused with the reason when it cannot return the layer ids;
+- tensor_parallel_size divides the attention heads, and the weights fit the GPUs with headroom.
+
+`vllm_checks` returns the problems (each with its fix), warnings and the `vllm` object of
+preflight.json; eyrie.preflight collects them with its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from eyrie.arch.target import TargetInfo, read_config
+from eyrie.errors import VllmAdapterError
+from eyrie.vllm.adapters import SUPPORTED_VLLM, TESTED_VLLM, adapter_for
+from eyrie.vllm.checks import (
+    choose_path,
+    config_problems,
+    native_problems,
+    version_problems,
+)
+from eyrie.vllm.facts import VllmFacts
+
+FACTS_TIMEOUT_S = 120.0  # `import vllm` takes ~12 s on a 2-core machine; more means it hangs
+
+
+# The weights may take this fraction of tp x gpu_memory_gib x gpu_memory_utilization; the rest is
+# left for activations, the KV cache and CUDA graphs (extraction runs prompts of max_model_len).
+WEIGHT_FRACTION = 0.80
+
+
+GIB = 1024**3
+
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+SETUP_FIX = "run bash scripts/setup-vllm.sh or set vllm.python to the Python of an environment " \
+            "with vLLM and eyrie"
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# the vllm keys the checks read (enforce_eager and max_model_len change no verdict)
+VLLM_KEYS = ("python", "extraction_path", "tensor_parallel_size", "gpu_memory_gib",
+             "gpu_memory_utilization")
+
+
+# facts per (vLLM python, config.json content), so a process asks each environment once per config
+_FACTS_CACHE: dict[tuple[str, str], dict] = {}
+
+
+class VllmEnvError(Exception):
+    """The vLLM environment could not answer (message names vllm.python and the fix)."""
+
+
+def uses(settings: dict) -> list[str]:
+    """What vLLM is used for in this run: "extract" (extract.backend: vllm), "eval" (eval.vllm)."""
+    out = []
+    if (settings.get("extract") or {}).get("backend") == "vllm":
+        out.append("extract")
+    if (settings.get("eval") or {}).get("vllm") is True:
+        out.append("eval")
+    return out
+
+
+# the vllm keys that change what the extraction backend writes (compared: a change reruns
+# preflight and, through it, extraction, which reruns for them anyway)
+VLLM_EXTRACT_KEYS = ("extraction_path", "tensor_parallel_size")
+
+
+def rule_settings(config: dict) -> dict:
+    """The settings compared by the preflight rule's params trigger: only what also changes the
+    extraction (preflight.json is an input of every later rule, so a preflight rerun reruns them)."""
+    out = {"layers": config["layers"],
+           "extract": {"storage_dtype": config["extract"]["storage_dtype"]},
+           "trust_remote_code": config["target"]["trust_remote_code"]}
+    if config["extract"]["backend"] == "vllm":
+        out["extract"]["backend"] = "vllm"
+        out["vllm"] = {k: config["vllm"][k] for k in VLLM_EXTRACT_KEYS}
+    return out
+
+
+def runtime_settings(config: dict) -> dict:
+    """What preflight also reads but that changes no shard or draft: whether vLLM evaluation is
+    asked for, the vLLM environment, the GPU memory it checks the weights against. It goes in the
+    command text (not compared), so changing it reruns nothing; preflight reads it whenever it
+    runs, and evaluate-vllm repeats the vLLM checks in its first seconds."""
+    if config["extract"]["backend"] != "vllm" and not config["eval"]["vllm"]:
+        return {}
+    return {"eval": {"vllm": config["eval"]["vllm"]},
+            "vllm": {k: config["vllm"][k] for k in VLLM_KEYS}}
+
+
+def merge_settings(settings: dict, runtime: dict) -> dict:
+    """settings with runtime's sections merged in (runtime keys win)."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in settings.items()}
+    for section, values in runtime.items():
+        out[section] = {**(out.get(section) or {}), **values} if isinstance(values, dict) else values
+    return out
+
+
+def resolve_python(python: str) -> Path:
+    """The vLLM environment's Python: a relative vllm.python is relative to the eyrie checkout (the
+    workflow's base directory, where scripts/setup-vllm.sh puts .venv-vllm), as the rules read it."""
+    p = Path(python).expanduser()
+    return p if p.is_absolute() else REPO / p
+
+
+def run_gatherer(python: Path, configs: list[dict], timeout: float = FACTS_TIMEOUT_S) -> list[dict]:
+    """Run `python -m eyrie.vllm.gather` once for all `configs`; one JSON object each (facts, or
+    {"error": ...} for a model_type without adapter). Raises VllmEnvError when it cannot answer."""
+    with tempfile.TemporaryDirectory(prefix="eyrie-vllm-facts-") as tmp:
+        args = []
+        for i, config in enumerate(configs):
+            path = Path(tmp) / f"config_{i}.json"
+            path.write_text(json.dumps(config))
+            args += ["--config", str(path)]
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+        env.pop("PYTHONPATH", None)  # the training environment's paths must not leak into vLLM's
+        try:
+            # cwd: an empty folder, so that the eyrie installed in the vLLM environment is imported
+            proc = subprocess.run([str(python), "-m", "eyrie.vllm.gather", *args], cwd=tmp,
+                                  env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise VllmEnvError(f"vllm.python={python}: reading the installed vLLM's facts took more "
+                               f"than {timeout:.0f} s (does `import vllm` hang?); check that "
+                               f"environment or {SETUP_FIX}") from None
+        except OSError as exc:
+            raise VllmEnvError(f"vllm.python={python}: cannot run it ({type(exc).__name__}: {exc}); "
+                               f"{SETUP_FIX}") from None
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        last = lines[-1].strip() if lines else f"exit status {proc.returncode}, no output"
+        raise VllmEnvError(f"vllm.python={python}: `python -m eyrie.vllm.gather` failed ({last}); "
+                           f"{SETUP_FIX}")
+    out = []
+    for line in proc.stdout.splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # anything vLLM prints on stdout at import
+        if isinstance(obj, dict) and ("version" in obj or "error" in obj):
+            out.append(obj)
+    if len(out) != len(configs):
+        raise VllmEnvError(f"vllm.python={python}: expected {len(configs)} facts line(s) from "
+                           f"eyrie.vllm.gather, got {len(out)}; {SETUP_FIX}")
+    return out
+
+
+def facts_config(config: dict) -> dict:
+    """What eyrie.vllm.facts.gather_facts reads from a config.json: architectures and the model
+    types (text_config's for wrappers). Sending only these makes config variants share facts."""
+    out = {"model_type": config.get("model_type"), "architectures": config.get("architectures") or []}
+    if config.get("text_config"):
+        out["text_config"] = {"model_type": config["text_config"].get("model_type")}
+    return out
+
+
+def facts_for(python: Path, configs: list[dict], timeout: float = FACTS_TIMEOUT_S) -> list[dict]:
+    """Facts (JSON objects) for each config from the environment of `python`, cached per process:
+    configs asked for before are not asked again, the others in ONE subprocess."""
+    small = [facts_config(c) for c in configs]
+    keys = [(str(python), json.dumps(c, sort_keys=True)) for c in small]
+    todo = sorted({k: i for i, k in enumerate(keys) if k not in _FACTS_CACHE}.values())
+    if todo:
+        for i, got in zip(todo, run_gatherer(python, [small[i] for i in todo], timeout)):
+            _FACTS_CACHE[keys[i]] = got
+    return [dict(_FACTS_CACHE[k]) for k in keys]
+
+
+def _moe_layers(text: dict, num_layers: int) -> int:
+    """How many decoder layers have routed experts (DeepSeek: first_k_dense_replace and
+    moe_layer_freq; Qwen3-MoE: decoder_sparse_step and mlp_only_layers)."""
+    first_dense = int(text.get("first_k_dense_replace") or 0)
+    freq = int(text.get("moe_layer_freq") or text.get("decoder_sparse_step") or 1)
+    dense_only = set(text.get("mlp_only_layers") or [])
+    return sum(1 for i in range(num_layers)
+               if i >= first_dense and (i + 1) % freq == 0 and i not in dense_only)
+
+
+def count_parameters(text: dict) -> int:
+    """Parameters of the language model described by a config (text_config for wrappers): embeddings,
+    attention (MLA when kv_lora_rank is set), dense or expert MLPs. Biases and norms are left out
+    (< 0.1%); vision towers of multimodal wrappers too."""
+    H, L, V = text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]
+    nh = text["num_attention_heads"]
+    nkv = text.get("num_key_value_heads") or nh
+    if text.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3, Kimi-K2)
+        qr, kr = text.get("q_lora_rank"), text["kv_lora_rank"]
+        dn, dr, dv = text["qk_nope_head_dim"], text["qk_rope_head_dim"], text["v_head_dim"]
+        q = H * qr + qr * nh * (dn + dr) if qr else H * nh * (dn + dr)
+        attn = q + H * (kr + dr) + kr * nh * (dn + dv) + nh * dv * H
+    else:
+        hd = text.get("head_dim") or H // nh
+        attn = H * nh * hd + 2 * H * nkv * hd + nh * hd * H
+    experts = text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts")
+    dense_mlp = 3 * H * text["intermediate_size"]
+    moe = _moe_layers(text, L) if experts else 0
+    if experts:
+        size = text.get("moe_intermediate_size") or text["intermediate_size"]
+        shared = int(text.get("n_shared_experts") or 0)
+        moe_mlp = (experts + shared) * 3 * H * size + H * experts  # + router
+    else:
+        moe_mlp = 0
+    embed = V * H * (1 if text.get("tie_word_embeddings") else 2)
+    return embed + L * attn + moe * moe_mlp + (L - moe) * dense_mlp
+
+
+def weight_bytes(target: Path, config: dict) -> dict:
+    """Bytes of the weights vLLM loads: the *.safetensors files as stored (quantized ones included),
+    or, when the folder has none, the parameter count from config.json x the dtype's bytes."""
+    files = sorted(Path(target).glob("*.safetensors"))
+    if files:
+        return {"bytes": sum(f.stat().st_size for f in files),
+                "source": f"{len(files)} *.safetensors file(s) in {target}", "upper_bound": False}
+    text = config.get("text_config") or config
+    dtype = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    per = DTYPE_BYTES.get(str(dtype), 2)
+    try:
+        params = count_parameters(text)
+    except (KeyError, TypeError) as exc:
+        return {"bytes": None, "upper_bound": True,
+                "source": f"no *.safetensors in {target} and config.json lacks {exc} to count "
+                          "parameters"}
+    quantized = bool(text.get("quantization_config") or config.get("quantization_config"))
+    bound = "; the checkpoint is quantized, so this is an upper bound" if quantized else ""
+    return {"bytes": params * per, "parameters": params, "dtype": dtype, "upper_bound": quantized,
+            "source": f"parameter count from config.json ({params / 1e9:.2f} B x {per} bytes, "
+                      f"{dtype}{bound})"}
+
+
+def memory_check(target: Path, config: dict, v: dict,
+                 info: TargetInfo | None = None) -> tuple[dict, list[str], list[str]]:
+    """(estimate, problems, warnings): weights against WEIGHT_FRACTION of the GPUs' budget. The
+    suggested tensor_parallel_size is the smallest that fits and that the heads allow (`info`)."""
+    tp = int(v.get("tensor_parallel_size", 1))
+    gib, util = float(v.get("gpu_memory_gib", 80)), float(v.get("gpu_memory_utilization", 0.85))
+    w = weight_bytes(target, config)
+    budget = tp * gib * util * GIB
+    allowed = WEIGHT_FRACTION * budget
+    if w["bytes"] is None:
+        return {**w, "budget_gib": round(budget / GIB, 3), "fits": None}, [], [
+            f"weight memory not estimated: {w['source']}"]
+    need = max(1, math.ceil(w["bytes"] / (WEIGHT_FRACTION * gib * util * GIB)))
+    if info is not None:  # None: no tensor_parallel_size the attention heads allow is enough
+        need = next((t for t in range(need, need + 4096) if not parallel_problems(info, t)), None)
+    est = {**w, "weights_gib": round(w["bytes"] / GIB, 3), "budget_gib": round(budget / GIB, 3),
+           "weight_fraction": WEIGHT_FRACTION, "fits": w["bytes"] <= allowed,
+           "min_tensor_parallel_size": need}
+    if est["fits"]:
+        return est, [], []
+    text = (f"{target}: the weights need ~{w['bytes'] / GIB:.1f} GiB ({w['source']}) but "
+            f"vllm.tensor_parallel_size={tp} x vllm.gpu_memory_gib={gib:g} x "
+            f"vllm.gpu_memory_utilization={util:g} = {budget / GIB:.1f} GiB leaves "
+            f"{allowed / GIB:.1f} GiB for them ({WEIGHT_FRACTION:.0%}; the rest is for activations "
+            "and the KV cache); "
+            + (f"use vllm.tensor_parallel_size={need} (GPUs of that memory) or larger GPUs "
+               "(vllm.gpu_memory_gib)" if need is not None else
+               "no tensor_parallel_size the attention heads allow is enough: use GPUs with more "
+               "memory (vllm.gpu_memory_gib)"))
+    return (est, [], [text]) if w["upper_bound"] else (est, [text], [])
+
+
+def parallel_problems(info: TargetInfo, tp: int) -> list[str]:
+    """vLLM's rules: attention heads % tp == 0; KV heads split (kv % tp == 0) or replicated
+    (tp % kv == 0)."""
+    where = "config.json: " + ("text_config." if info.wrapper_model_type else "")
+    out = []
+    heads = info.text_config.get("num_attention_heads")
+    kv = info.text_config.get("num_key_value_heads")
+    if isinstance(heads, int) and heads % tp:
+        ok = [d for d in range(1, heads + 1) if heads % d == 0]
+        out.append(f"vllm.tensor_parallel_size={tp} does not divide {where}num_attention_heads="
+                   f"{heads}; use one of {ok[:12]}")
+    if isinstance(kv, int) and kv > 0 and kv % tp and tp % kv:
+        out.append(f"vllm.tensor_parallel_size={tp}: {where}num_key_value_heads={kv} can be neither "
+                   f"split ({kv} % {tp} != 0) nor replicated ({tp} % {kv} != 0) across the GPUs; use "
+                   "a tensor_parallel_size that divides or is a multiple of it")
+    return out
+
+
+def quantization_check(config: dict, facts: VllmFacts | None
+                       ) -> tuple[dict | None, list[str], list[str]]:
+    """(what the report says about quantization, problems, warnings). A problem only for what vLLM
+    cannot load: a quantization_config without quant_method (vLLM reads quant_cfg["quant_method"])."""
+    text = config.get("text_config") or {}
+    where, q = ("config.json: text_config.quantization_config", text["quantization_config"]) \
+        if text.get("quantization_config") else ("config.json: quantization_config",
+                                                  config.get("quantization_config"))
+    if not q:
+        return None, [], []
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    report = {"quant_method": method, "where": where.split(": ", 1)[1]}
+    if not method:
+        return report, [f"{where} has no quant_method, which vLLM reads to pick the weight loader "
+                        "(KeyError at load); add the method the checkpoint was quantized with "
+                        "(e.g. \"fp8\", \"compressed-tensors\")"], []
+    known = facts.quantization_methods if facts is not None else None
+    if known is not None and method not in known:
+        return report, [], [f"{where}.quant_method={method!r} is not one of vLLM {facts.version}'s "
+                            "quantization methods; vLLM will refuse it unless one of its methods "
+                            "recognises the checkpoint"]
+    return report, [], []
+
+
+def vllm_checks(target: Path, info: TargetInfo, aux_ids: list[int], final_id: int, settings: dict,
+                facts: VllmFacts | None = None) -> dict:
+    """{"problems": [...], "warnings": [...], "report": preflight.json's `vllm` object}.
+
+    `facts`: the installed vLLM's facts; None runs `vllm.python -m eyrie.vllm.gather` for them.
+    `aux_ids` empty means the layer ids did not resolve (reported elsewhere): no path is chosen.
+    """
+    v = dict(settings.get("vllm") or {})
+    used = uses(settings)
+    problems: list[str] = []
+    warnings: list[str] = []
+    config = read_config(target)
+    tp = int(v.get("tensor_parallel_size", 1))
+    report: dict = {"used_for": used, "python": None, "version": None,
+                    "supported": f"[{'.'.join(map(str, SUPPORTED_VLLM[0]))}, "
+                                 f"{'.'.join(map(str, SUPPORTED_VLLM[1]))})",
+                    "tested": sorted(TESTED_VLLM), "adapter": None, "extraction_path": None,
+                    "quantization": None, "tensor_parallel_size": tp, "memory": None, "facts": None}
+
+    # the adapter, from eyrie's registry (needs no vLLM)
+    try:
+        adapter = adapter_for(info.model_type)
+        report["adapter"] = adapter.family
+    except VllmAdapterError as exc:  # its message lists the supported model types
+        adapter = None
+        problems.append(f"{target / 'config.json'}: {exc}")
+    if adapter is not None:
+        problems += config_problems(adapter, config)
+
+    # the installed vLLM's facts
+    if facts is None and adapter is not None:
+        python = resolve_python(str(v.get("python", ".venv-vllm/bin/python")))
+        if not (python.is_file() and os.access(python, os.X_OK)):
+            problems.append(f"vllm.python={v.get('python')!r}: no vLLM environment there ({python} "
+                            f"is not an executable file); {SETUP_FIX}")
+        else:
+            report["python"] = str(python)
+            try:
+                got = facts_for(python, [config])[0]
+                if "error" in got:
+                    problems.append(f"{target / 'config.json'}: {got['error']}")
+                else:
+                    facts = VllmFacts.from_json(got)
+            except VllmEnvError as exc:
+                problems.append(str(exc))
+    if facts is not None:
+        report["version"] = facts.version
+        report["facts"] = facts.to_json()
+        problems += version_problems(facts)
+        if facts.version not in TESTED_VLLM and not version_problems(facts):
+            warnings.append(f"vLLM {facts.version} is in the supported range but untested (tested: "
+                            f"{', '.join(TESTED_VLLM)}); docs/vllm.md says what to run on a GPU first")
+        if facts.architecture is None:
+            problems.append(f"{target / 'config.json'}: no architectures entry; vLLM picks the model "
+                            "class from architectures[0]: add it (e.g. from the original model)")
+        elif facts.architecture_class is None:
+            problems.append(f"{target / 'config.json'}: architectures[0]={facts.architecture!r} is not "
+                            f"a model vLLM {facts.version} knows; use a vLLM that supports it")
+        elif "eval" in used and not facts.eagle3_target:
+            problems.append(f"eval.vllm: vLLM {facts.version}'s {facts.architecture_class} cannot be an "
+                            "EAGLE-3 target (no set_aux_hidden_state_layers, so the draft gets no "
+                            "hidden states); set eval.vllm: false or use a vLLM that supports it")
+
+    # the extraction path: chosen exactly as eyrie.vllm.backend will choose it
+    requested = str(v.get("extraction_path", "auto"))
+    if "extract" in used and adapter is not None and facts is not None and aux_ids:
+        layer_ids = list(aux_ids) + [final_id]
+        path, path_problems = choose_path(requested, adapter, facts, config, layer_ids,
+                                          info.num_hidden_layers)
+        problems += path_problems
+        refused = native_problems(facts, layer_ids, info.num_hidden_layers)
+        report["extraction_path"] = {
+            "requested": requested, "chosen": path, "layer_ids": layer_ids,
+            "native_refused": refused if path != "native" else [],
+            "returns": None if path is None else (
+                "vLLM's extract_hidden_states method + ExampleHiddenStatesConnector: one safetensors "
+                "file per request" if path == "native" else
+                "eyrie.vllm.capture worker extension (eager): the residual stream at each id"),
+        }
+
+    quant, q_problems, q_warnings = quantization_check(config, facts)
+    report["quantization"] = quant
+    problems += q_problems
+    warnings += q_warnings
+    problems += parallel_problems(info, tp)
+    report["memory"], m_problems, m_warnings = memory_check(target, config, v, info)
+    problems += m_problems
+    warnings += m_warnings
+    return {"problems": problems, "warnings": warnings, "report": report}
+
+
+def verdict(report: dict) -> str:
+    """One line for the log: version, adapter and the path extraction will use."""
+    path = report.get("extraction_path") or {}
+    text = f"vLLM {report.get('version')} ({report.get('adapter')} adapter)"
+    if path.get("chosen"):
+        text += f": extraction through the {path['chosen']} path"
+        if path["chosen"] != "native" and path.get("native_refused"):
+            text += f" (native refused: {path['native_refused'][0]})"
+    if "eval" in report.get("used_for", []):
+        text += "; evaluation through vLLM"
+    mem = report.get("memory") or {}
+    if mem.get("bytes") is not None:
+        text += f"; weights ~{mem['weights_gib']:.1f} GiB of {mem['budget_gib']:.1f} GiB"
+    return text
+
+
