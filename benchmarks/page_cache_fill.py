@@ -67,11 +67,17 @@ def private_map(fd: int, start: int, length: int) -> tuple[int, int, np.ndarray]
     """map_private's map without its probe or advice: (address, size, array over the range)."""
     base = start - start % mmap.PAGESIZE
     size = length + start - base
-    addr = shards_pagecache._LIBC.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE,
-                             mmap.MAP_PRIVATE | shards_pagecache.MAP_NORESERVE, fd, base)
+    addr = shards_pagecache._LIBC.mmap(
+        None,
+        size,
+        mmap.PROT_READ | mmap.PROT_WRITE,
+        mmap.MAP_PRIVATE | shards_pagecache.MAP_NORESERVE,
+        fd,
+        base,
+    )
     if addr is None or addr == ctypes.c_void_p(-1).value:
         raise OSError(ctypes.get_errno(), "mmap")
-    return addr, size, np.asarray(shards_pagecache._Map(addr, size))[start - base:]
+    return addr, size, np.asarray(shards_pagecache._Map(addr, size))[start - base :]
 
 
 def read_cold(way: str, fd: int, start: int, length: int) -> None:
@@ -98,8 +104,9 @@ def file_huge_pages_kb() -> int | None:
     return None
 
 
-def one_round(way: str, path: Path, starts: list[int], length: int, repeats: int,
-              dontneed: bool) -> dict:
+def one_round(
+    way: str, path: Path, starts: list[int], length: int, repeats: int, dontneed: bool
+) -> dict:
     fd = os.open(path, os.O_RDONLY)
     try:
         method = drop_cache(fd, dontneed)
@@ -123,8 +130,12 @@ def one_round(way: str, path: Path, starts: list[int], length: int, repeats: int
                 touch(shards_pagecache.map_private(fd, s, length))
                 best = min(best, time.perf_counter() - t)
             warm += best
-        return {"cold_gb_s": cold_bytes / cold_s / 1e9, "warm_ms": warm * 1e3,
-                "file_huge_pages_kb": huge_kb, "cold_cache_method": method}
+        return {
+            "cold_gb_s": cold_bytes / cold_s / 1e9,
+            "warm_ms": warm * 1e3,
+            "file_huge_pages_kb": huge_kb,
+            "cold_cache_method": method,
+        }
     finally:
         os.close(fd)
 
@@ -137,10 +148,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5, help="warm reads per sample (best kept)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dontneed", action="store_true", help="cold cache by posix_fadvise(DONTNEED) "
-                    "on the file only, even as root (leaves the rest of the page cache alone)")
-    ap.add_argument("--dir", help="work folder (default: a temporary folder under /work, else the "
-                                  "system temp)")
+    ap.add_argument(
+        "--dontneed",
+        action="store_true",
+        help="cold cache by posix_fadvise(DONTNEED) "
+        "on the file only, even as root (leaves the rest of the page cache alone)",
+    )
+    ap.add_argument(
+        "--dir", help="work folder (default: a temporary folder under /work, else the system temp)"
+    )
     ap.add_argument("--out", help="JSON path (default benchmarks/results/page_cache_fill-cpu.json)")
     args = ap.parse_args(argv)
     if shards_pagecache._LIBC is None:
@@ -157,35 +173,57 @@ def main(argv: list[str] | None = None) -> dict:
             for off in range(0, size, 1 << 24):
                 f.write(rng.integers(0, 256, min(1 << 24, size - off), np.uint8).tobytes())
         # disjoint ranges at random 2-byte-aligned offsets (rows of bfloat16), in random order
-        slots = np.random.default_rng(args.seed + 1).permutation(size // length)[:args.samples]
-        starts = [int(k) * length + 2 * int(np.random.default_rng(int(k)).integers(0, 1024))
-                  for k in slots]
+        slots = np.random.default_rng(args.seed + 1).permutation(size // length)[: args.samples]
+        starts = [
+            int(k) * length + 2 * int(np.random.default_rng(int(k)).integers(0, 1024))
+            for k in slots
+        ]
         starts = [min(s, size - length) for s in starts]
         runs: dict[str, list[dict]] = {w: [] for w in WAYS}
         for _ in range(args.rounds):
             for way in WAYS:
-                runs[way].append(one_round(way, path, starts, length, args.repeats,
-                                           args.dontneed))
-    table = {w: {"cold_gb_s": statistics.median(r["cold_gb_s"] for r in rs),
-                 "warm_ms": statistics.median(r["warm_ms"] for r in rs),
-                 "warm_ms_range": [min(r["warm_ms"] for r in rs), max(r["warm_ms"] for r in rs)],
-                 "file_huge_pages_kb": [r["file_huge_pages_kb"] for r in rs]}
-             for w, rs in runs.items()}
-    result = {"benchmark": "page_cache_fill", "date": time.strftime("%Y-%m-%d"),
-              "host": platform.node(), "cpus": os.cpu_count(),
-              "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-              "file_mb": args.file_mb, "sample_mb": args.sample_mb, "samples": args.samples,
-              "repeats": args.repeats, "rounds": args.rounds,
-              "cold_cache_method": runs["fault"][0]["cold_cache_method"],
-              "ways": table, "runs": runs}
-    print(f"page_cache_fill: {args.samples} samples of {args.sample_mb:g} MiB from a {args.file_mb} "
-          f"MiB file; medians of {args.rounds} rounds; cold cache: {result['cold_cache_method']}")
-    print(f"{'filled by':12s} {'cold GB/s':>10s} {'then warm map+touch':>20s}  FileHugePages (system-wide)")
+                runs[way].append(one_round(way, path, starts, length, args.repeats, args.dontneed))
+    table = {
+        w: {
+            "cold_gb_s": statistics.median(r["cold_gb_s"] for r in rs),
+            "warm_ms": statistics.median(r["warm_ms"] for r in rs),
+            "warm_ms_range": [min(r["warm_ms"] for r in rs), max(r["warm_ms"] for r in rs)],
+            "file_huge_pages_kb": [r["file_huge_pages_kb"] for r in rs],
+        }
+        for w, rs in runs.items()
+    }
+    result = {
+        "benchmark": "page_cache_fill",
+        "date": time.strftime("%Y-%m-%d"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "command": "python "
+        + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        "file_mb": args.file_mb,
+        "sample_mb": args.sample_mb,
+        "samples": args.samples,
+        "repeats": args.repeats,
+        "rounds": args.rounds,
+        "cold_cache_method": runs["fault"][0]["cold_cache_method"],
+        "ways": table,
+        "runs": runs,
+    }
+    print(
+        f"page_cache_fill: {args.samples} samples of {args.sample_mb:g} MiB from a {args.file_mb} "
+        f"MiB file; medians of {args.rounds} rounds; cold cache: {result['cold_cache_method']}"
+    )
+    print(
+        f"{'filled by':12s} {'cold GB/s':>10s} {'then warm map+touch':>20s}  FileHugePages (system-wide)"
+    )
     for w, r in table.items():
         lo, hi = r["warm_ms_range"]
-        print(f"{w:12s} {r['cold_gb_s']:10.2f} {r['warm_ms']:11.2f} ms [{lo:.2f}-{hi:.2f}]  "
-              f"{r['file_huge_pages_kb']} kB")
-    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / "page_cache_fill-cpu.json"
+        print(
+            f"{w:12s} {r['cold_gb_s']:10.2f} {r['warm_ms']:11.2f} ms [{lo:.2f}-{hi:.2f}]  "
+            f"{r['file_huge_pages_kb']} kB"
+        )
+    out = (
+        Path(args.out) if args.out else REPO / "benchmarks" / "results" / "page_cache_fill-cpu.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

@@ -72,8 +72,17 @@ KINDS = ("eyrie", "eyrie_checked", "eyrie_h5py", "eyrie_fp8", "eyrie_fp8_codes",
 
 # ----------------------------------------------------------------------------- data
 
-def build_dataset(root: Path, gb: float, hidden: int, n_shards: int, min_tok: int, max_tok: int,
-                  seed: int, put_seconds: dict[str, float]) -> list[tuple[int, int, int]]:
+
+def build_dataset(
+    root: Path,
+    gb: float,
+    hidden: int,
+    n_shards: int,
+    min_tok: int,
+    max_tok: int,
+    seed: int,
+    put_seconds: dict[str, float],
+) -> list[tuple[int, int, int]]:
     """Writes the three layouts under root; returns (shard, index in shard, tokens) per sample.
     put_seconds: time spent in ShardWriter.put per storage dtype (the float8 quantization)."""
     g = torch.Generator().manual_seed(seed)
@@ -85,16 +94,30 @@ def build_dataset(root: Path, gb: float, hidden: int, n_shards: int, min_tok: in
     bounds = np.linspace(0, len(lengths), n_shards + 1).astype(int)
     for d in ("hidden_states", "h5", "h5_fp8"):
         (root / d).mkdir(parents=True, exist_ok=True)
-    meta = dict(target_fingerprint="bench", tokenizer_hash="bench", aux_layer_ids=[2, 16, 29],
-                final_layer_id=32, hidden_size=hidden)
+    meta = dict(
+        target_fingerprint="bench",
+        tokenizer_hash="bench",
+        aux_layer_ids=[2, 16, 29],
+        final_layer_id=32,
+        hidden_size=hidden,
+    )
     refs: list[tuple[int, int, int]] = []
     for s in range(n_shards):
         idx = range(bounds[s], bounds[s + 1])
         ids = [torch.randint(0, 128_000, (lengths[i],), generator=g) for i in idx]
-        args = ([f"bench:{i}" for i in idx], [x.tolist() for x in ids], [[1] * lengths[i] for i in idx])
-        with ShardWriter(root / "h5" / f"shard_{s:03d}.h5", ShardMeta(**meta), *args) as w, \
-                ShardWriter(root / "h5_fp8" / f"shard_{s:03d}.h5",
-                            ShardMeta(**meta, storage_dtype="float8_e4m3"), *args) as w8:
+        args = (
+            [f"bench:{i}" for i in idx],
+            [x.tolist() for x in ids],
+            [[1] * lengths[i] for i in idx],
+        )
+        with (
+            ShardWriter(root / "h5" / f"shard_{s:03d}.h5", ShardMeta(**meta), *args) as w,
+            ShardWriter(
+                root / "h5_fp8" / f"shard_{s:03d}.h5",
+                ShardMeta(**meta, storage_dtype="float8_e4m3"),
+                *args,
+            ) as w8,
+        ):
             for j, i in enumerate(idx):
                 T = lengths[i]
                 hs = torch.randn(T, N_AUX + 1, hidden, generator=g).to(torch.bfloat16)  # [T, 4, H]
@@ -102,14 +125,19 @@ def build_dataset(root: Path, gb: float, hidden: int, n_shards: int, min_tok: in
                     t = time.perf_counter()
                     writer.put(j, hs[:, :N_AUX].reshape(T, N_AUX * hidden), hs[:, N_AUX])
                     dt = time.perf_counter() - t
-                    put_seconds[writer.meta.storage_dtype] = put_seconds.get(writer.meta.storage_dtype, 0) + dt
-                save_file({"hidden_states": hs, "token_ids": ids[j].to(torch.int64)},
-                          str(root / "hidden_states" / f"hs_{i}.safetensors"))
+                    put_seconds[writer.meta.storage_dtype] = (
+                        put_seconds.get(writer.meta.storage_dtype, 0) + dt
+                    )
+                save_file(
+                    {"hidden_states": hs, "token_ids": ids[j].to(torch.int64)},
+                    str(root / "hidden_states" / f"hs_{i}.safetensors"),
+                )
                 refs.append((s, j, T))
     return refs
 
 
 # ----------------------------------------------------------------------------- cold cache
+
 
 def drop_caches(files: list[Path]) -> str:
     """Empties the page cache of the benchmark files; returns the method used."""
@@ -130,6 +158,7 @@ def drop_caches(files: list[Path]) -> str:
 
 # ----------------------------------------------------------------------------- readers
 
+
 def touch(x: torch.Tensor) -> int:
     """Reads one value per 4 KiB page of x and returns its row count. load_file and ShardReader
     return tensors over memory maps: without this their bytes would never be read from disk.
@@ -140,9 +169,12 @@ def touch(x: torch.Tensor) -> int:
 
 def open_readers(kind: str, root: Path, n_shards: int) -> list[ShardReader]:
     folder = root / ("h5_fp8" if kind.startswith("eyrie_fp8") else "h5")
-    readers = [ShardReader(folder / f"shard_{s:03d}.h5", check_values=kind in ("eyrie_checked",
-                                                                                 "eyrie_h5py"))
-               for s in range(n_shards)]
+    readers = [
+        ShardReader(
+            folder / f"shard_{s:03d}.h5", check_values=kind in ("eyrie_checked", "eyrie_h5py")
+        )
+        for s in range(n_shards)
+    ]
     if kind == "eyrie_h5py":  # the fallback path, as for a chunked or compressed shard
         for r in readers:
             r._off = dict.fromkeys(r._off)
@@ -174,8 +206,11 @@ def run_reader(kind: str, root: Path, refs, order: list[int]) -> float:
         hs_dir = root / "hidden_states"
         transfer = FileTransfer(hs_dir) if FileTransfer is not None else None
         for i in order:
-            x = transfer.get_cached(i) if transfer is not None else \
-                load_file(hs_dir / f"hs_{i}.safetensors")
+            x = (
+                transfer.get_cached(i)
+                if transfer is not None
+                else load_file(hs_dir / f"hs_{i}.safetensors")
+            )
             sink += touch(x["hidden_states"])
     assert sink == sum(r[2] for r in refs) * (2 if kind != "peer" else 1)
     return time.perf_counter() - t0
@@ -199,9 +234,12 @@ def check_equal(root: Path, refs, n: int = 3) -> None:
                 if k == "eyrie_fp8":
                     amax = ref.float().abs().amax(dim=1)  # [T]
                     err = (got[name] - ref.float()).abs().amax(dim=1)
-                    assert bool((err <= amax / 28 * (1 + 2 ** -18)).all()), (k, name)
+                    assert bool((err <= amax / 28 * (1 + 2**-18)).all()), (k, name)
                 else:
-                    assert torch.equal(got[name].view(torch.int16), ref.view(torch.int16)), (k, name)
+                    assert torch.equal(got[name].view(torch.int16), ref.view(torch.int16)), (
+                        k,
+                        name,
+                    )
         codes = open_readers("eyrie_fp8_codes", root, n_shards)[s].read(j, torch.uint8)
         fp8 = readers["eyrie_fp8"][s].read(j, torch.float32)
         for name, scale in (("aux_hidden", "aux_scale"), ("final_hidden", "final_scale")):
@@ -221,8 +259,10 @@ def per_read_best(root: Path, refs, order: list[int], n: int = 8, repeats: int =
     best = {k: 0.0 for k in ("eyrie", "eyrie_checked", "peer")}
     for i in order[:n]:
         s, j, _ = refs[i]
-        calls = {k: (lambda rd=readers[k][s]: [touch(x) for x in list(rd.read(j).values())[2:]])
-                 for k in readers}
+        calls = {
+            k: (lambda rd=readers[k][s]: [touch(x) for x in list(rd.read(j).values())[2:]])
+            for k in readers
+        }
         calls["peer"] = lambda: touch(load_file(hs_dir / f"hs_{i}.safetensors")["hidden_states"])
         for k, f in calls.items():
             f()  # warm
@@ -236,12 +276,18 @@ def per_read_best(root: Path, refs, order: list[int], n: int = 8, repeats: int =
         for r in rs:
             r.close()
     tokens = sum(refs[i][2] for i in order[:n])
-    return {"samples": n, "tokens": tokens, "repeats": repeats, "seconds": best,
-            "ratio_eyrie_over_peer": best["peer"] / best["eyrie"],
-            "ratio_eyrie_checked_over_peer": best["peer"] / best["eyrie_checked"]}
+    return {
+        "samples": n,
+        "tokens": tokens,
+        "repeats": repeats,
+        "seconds": best,
+        "ratio_eyrie_over_peer": best["peer"] / best["eyrie"],
+        "ratio_eyrie_checked_over_peer": best["peer"] / best["eyrie_checked"],
+    }
 
 
 # ----------------------------------------------------------------------------- main
+
 
 def machine_label() -> str:
     if torch.cuda.is_available():
@@ -253,8 +299,12 @@ def machine_label() -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gb", type=float, default=5.0, help="hidden-state bytes per layout (GB)")
-    p.add_argument("--dir", type=Path, default=None,
-                   help="work folder (default: a temporary folder under /work, else the system temp)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="work folder (default: a temporary folder under /work, else the system temp)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the data folder")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--min-tokens", type=int, default=512)
@@ -263,12 +313,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-cold", action="store_true", help="warm cells only (no root needed)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (default 1: on a shared 2-core machine two OpenMP "
-                        "workers stall every op whenever the other core is busy)")
-    p.add_argument("--machine", default=None, help="label for the JSON name (default cpu / GPU model)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="JSON path (default benchmarks/results/read_path-<machine>.json)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: on a shared 2-core machine two OpenMP "
+        "workers stall every op whenever the other core is busy)",
+    )
+    p.add_argument(
+        "--machine", default=None, help="label for the JSON name (default cpu / GPU model)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default benchmarks/results/read_path-<machine>.json)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -284,17 +344,29 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         t = time.perf_counter()
         put_s: dict[str, float] = {}
-        refs = build_dataset(root, args.gb, args.hidden, args.shards, args.min_tokens,
-                             args.max_tokens, args.seed, put_s)
+        refs = build_dataset(
+            root,
+            args.gb,
+            args.hidden,
+            args.shards,
+            args.min_tokens,
+            args.max_tokens,
+            args.seed,
+            put_s,
+        )
         os.sync()
         build_s = time.perf_counter() - t
         check_equal(root, refs)
         n = len(refs)
         tokens = sum(r[2] for r in refs)
-        hbytes = tokens * (N_AUX + 1) * args.hidden * 2  # bf16 hidden-state bytes each reader returns
+        hbytes = (
+            tokens * (N_AUX + 1) * args.hidden * 2
+        )  # bf16 hidden-state bytes each reader returns
         files = sorted(root.glob("h5*/*.h5")) + sorted((root / "hidden_states").glob("*"))
-        sizes = {d: sum(f.stat().st_size for f in (root / d).iterdir())
-                 for d in ("h5", "h5_fp8", "hidden_states")}
+        sizes = {
+            d: sum(f.stat().st_size for f in (root / d).iterdir())
+            for d in ("h5", "h5_fp8", "hidden_states")
+        }
         order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + 1)).tolist()
         modes = ["warm"] if args.no_cold else ["cold", "warm"]
         times = {k: {m: [] for m in modes} for k in KINDS}
@@ -311,15 +383,23 @@ def main(argv: list[str] | None = None) -> dict:
         cells = {}
         for m in modes:
             med = {k: statistics.median(times[k][m]) for k in KINDS}
-            cells[m] = {k: {"seconds": med[k], "seconds_all": times[k][m],
-                            "GB_per_s": hbytes / med[k] / 1e9, "samples_per_s": n / med[k]}
-                        for k in KINDS}
+            cells[m] = {
+                k: {
+                    "seconds": med[k],
+                    "seconds_all": times[k][m],
+                    "GB_per_s": hbytes / med[k] / 1e9,
+                    "samples_per_s": n / med[k],
+                }
+                for k in KINDS
+            }
             for k in KINDS:
                 if k != "peer":  # per pass: pass r of k against pass r of the peer
                     per_pass = [tp / tk for tp, tk in zip(times["peer"][m], times[k][m])]
                     cells[m][f"ratio_{k}_over_peer"] = med["peer"] / med[k]
                     cells[m][f"ratio_{k}_over_peer_per_pass"] = per_pass
-                    cells[m][f"ratio_{k}_over_peer_best_pass"] = min(times["peer"][m]) / min(times[k][m])
+                    cells[m][f"ratio_{k}_over_peer_best_pass"] = min(times["peer"][m]) / min(
+                        times[k][m]
+                    )
         run_reader("eyrie", root, refs, order)  # warm again (the last pass may have been cold)
         run_reader("peer", root, refs, order)
         micro = per_read_best(root, refs, order)
@@ -327,23 +407,43 @@ def main(argv: list[str] | None = None) -> dict:
             "benchmark": "read_path",
             "date": time.strftime("%Y-%m-%d"),
             "machine": machine,
-            "host": {"cpus": os.cpu_count(), "mem_GiB": round(os.sysconf("SC_PAGE_SIZE")
-                     * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "platform": platform.platform(),
-                     "torch_threads": torch.get_num_threads(),
-                     "loadavg_at_end": os.getloadavg(),
-                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
-            "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None
+            "host": {
+                "cpus": os.cpu_count(),
+                "mem_GiB": round(
+                    os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1
+                ),
+                "platform": platform.platform(),
+                "torch_threads": torch.get_num_threads(),
+                "loadavg_at_end": os.getloadavg(),
+                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            },
+            "command": " ".join([Path(sys.executable).name, *sys.argv])
+            if argv is None
             else "main(" + repr(argv) + ")",
-            "versions": {"torch": torch.__version__, "h5py": h5py.__version__,
-                         "hdf5": h5py.version.hdf5_version, "numpy": np.__version__,
-                         "safetensors": __import__("safetensors").__version__},
-            "peer_call": "hs_connectors.FileTransfer.get_cached" if FileTransfer is not None
+            "versions": {
+                "torch": torch.__version__,
+                "h5py": h5py.__version__,
+                "hdf5": h5py.version.hdf5_version,
+                "numpy": np.__version__,
+                "safetensors": __import__("safetensors").__version__,
+            },
+            "peer_call": "hs_connectors.FileTransfer.get_cached"
+            if FileTransfer is not None
             else "safetensors.torch.load_file",
             "cold_cache_method": cold_method,
-            "data": {"samples": n, "tokens": tokens, "hidden": args.hidden, "n_aux": N_AUX,
-                     "shards": 1 + max(r[0] for r in refs), "hidden_bytes": hbytes,
-                     "file_bytes": sizes, "seed": args.seed, "repeats": args.repeats,
-                     "build_seconds": build_s, "put_seconds": put_s},
+            "data": {
+                "samples": n,
+                "tokens": tokens,
+                "hidden": args.hidden,
+                "n_aux": N_AUX,
+                "shards": 1 + max(r[0] for r in refs),
+                "hidden_bytes": hbytes,
+                "file_bytes": sizes,
+                "seed": args.seed,
+                "repeats": args.repeats,
+                "build_seconds": build_s,
+                "put_seconds": put_s,
+            },
             "cells": cells,
             "per_read_best_warm": micro,
             "total_seconds": None,
@@ -363,24 +463,32 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_table(r: dict) -> None:
     d = r["data"]
-    print(f"read_path on {r['machine']} ({r['host']['cpus']} CPUs, {r['host']['mem_GiB']} GiB): "
-          f"{d['samples']} samples, {d['tokens']} tokens, {d['hidden_bytes'] / 1e9:.2f} GB bf16, "
-          f"H={d['hidden']}, median of {d['repeats']}; cold cache: {r['cold_cache_method']}")
-    print("GB/s of bf16 hidden states delivered; eyrie/peer = ratio of medians "
-          "[min-max of the per-pass ratios] (ratio of the best passes)")
+    print(
+        f"read_path on {r['machine']} ({r['host']['cpus']} CPUs, {r['host']['mem_GiB']} GiB): "
+        f"{d['samples']} samples, {d['tokens']} tokens, {d['hidden_bytes'] / 1e9:.2f} GB bf16, "
+        f"H={d['hidden']}, median of {d['repeats']}; cold cache: {r['cold_cache_method']}"
+    )
+    print(
+        "GB/s of bf16 hidden states delivered; eyrie/peer = ratio of medians "
+        "[min-max of the per-pass ratios] (ratio of the best passes)"
+    )
     for m, c in r["cells"].items():
         parts = [f"peer {c['peer']['GB_per_s']:.2f} GB/s"]
         for k in KINDS:
             if k == "peer":
                 continue
             pp = c[f"ratio_{k}_over_peer_per_pass"]
-            parts.append(f"{k} {c[k]['GB_per_s']:.2f} GB/s {c[f'ratio_{k}_over_peer']:.2f}x "
-                         f"[{min(pp):.2f}-{max(pp):.2f}] ({c[f'ratio_{k}_over_peer_best_pass']:.2f}x)")
+            parts.append(
+                f"{k} {c[k]['GB_per_s']:.2f} GB/s {c[f'ratio_{k}_over_peer']:.2f}x "
+                f"[{min(pp):.2f}-{max(pp):.2f}] ({c[f'ratio_{k}_over_peer_best_pass']:.2f}x)"
+            )
         print(f"{m:5}: " + " | ".join(parts))
     mb = r["per_read_best_warm"]
-    print(f"warm, best of {mb['repeats']} per sample over {mb['samples']} samples: eyrie/peer "
-          f"{mb['ratio_eyrie_over_peer']:.2f}x, eyrie_checked/peer {mb['ratio_eyrie_checked_over_peer']:.2f}x "
-          f"(" + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in mb["seconds"].items()) + ")")
+    print(
+        f"warm, best of {mb['repeats']} per sample over {mb['samples']} samples: eyrie/peer "
+        f"{mb['ratio_eyrie_over_peer']:.2f}x, eyrie_checked/peer {mb['ratio_eyrie_checked_over_peer']:.2f}x "
+        f"(" + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in mb["seconds"].items()) + ")"
+    )
 
 
 if __name__ == "__main__":

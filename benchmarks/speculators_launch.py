@@ -43,8 +43,9 @@ class TimedLoader:
             except StopIteration:
                 return
             t1 = time.perf_counter()
-            self._log.append({"request": t0, "got": t1,
-                              "tokens": int((batch["document_ids"] != -1).sum())})
+            self._log.append(
+                {"request": t0, "got": t1, "tokens": int((batch["document_ids"] != -1).sum())}
+            )
             yield batch
 
 
@@ -75,10 +76,15 @@ def main() -> int:
         raise
     finally:
         cuda = torch.cuda.is_available()
-        result = {"rank": rank, "flags": flags, "started": started, "error": error,
-                  "device": torch.cuda.get_device_name() if cuda else "cpu",
-                  "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-                  "steps": steps}
+        result = {
+            "rank": rank,
+            "flags": flags,
+            "started": started,
+            "error": error,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "steps": steps,
+        }
         path = out.with_name(f"{out.stem}.rank{rank}{out.suffix}")
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(result, indent=1))

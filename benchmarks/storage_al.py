@@ -30,7 +30,9 @@ def config_for(dtype: str, folder: Path) -> Path:
     text, n1 = re.subn(r"(?m)^  name: demo$", f"  name: al_{dtype}", text)
     text, n2 = re.subn(r"(?m)^  storage_dtype: \S+", f"  storage_dtype: {dtype}", text)
     if (n1, n2) != (1, 1):
-        raise SystemExit("config/config.yaml: expected one `  name: demo` and one `  storage_dtype:` line")
+        raise SystemExit(
+            "config/config.yaml: expected one `  name: demo` and one `  storage_dtype:` line"
+        )
     path = folder / f"al_{dtype}.yaml"
     path.write_text(text)
     return path
@@ -42,8 +44,12 @@ def main() -> None:
         for dtype in DTYPES:
             cfg = config_for(dtype, Path(tmp))
             t0 = time.perf_counter()
-            proc = subprocess.run([str(REPO / ".venv" / "bin" / "snakemake"), "-c", "2", "--configfile",
-                                   str(cfg)], cwd=REPO, capture_output=True, text=True)
+            proc = subprocess.run(
+                [str(REPO / ".venv" / "bin" / "snakemake"), "-c", "2", "--configfile", str(cfg)],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode != 0:
                 sys.exit(f"snakemake failed for {dtype}:\n{proc.stderr[-3000:]}")
             res = REPO / "results" / f"al_{dtype}"
@@ -56,8 +62,10 @@ def main() -> None:
                 "num_drafts": ev["trained"]["num_drafts"],
                 "outputs_match_target_greedy": ev["outputs_match_target_greedy"],
                 "untrained_acceptance_length": ev["untrained"]["acceptance_length"],
-                "final_loss": tr["final"]["loss"], "final_full_acc": tr["final"]["full_acc"],
-                "shard_bytes": sum(p.stat().st_size for p in shards), "shards": len(shards),
+                "final_loss": tr["final"]["loss"],
+                "final_full_acc": tr["final"]["full_acc"],
+                "shard_bytes": sum(p.stat().st_size for p in shards),
+                "shards": len(shards),
                 "snakemake_s": round(time.perf_counter() - t0, 1),
             }
     b, f = rows["bfloat16"], rows["float8_e4m3"]
@@ -67,12 +75,26 @@ def main() -> None:
     print(f"{'storage':12} {'AL':>7} {'per position':>22} {'final loss':>10} {'shard bytes':>12}")
     for d, r in rows.items():
         pos = " ".join(f"{x:.3f}" for x in r["per_position_acceptance"])
-        print(f"{d:12} {r['acceptance_length']:>7.4f} {pos:>22} {r['final_loss']:>10.4f} {r['shard_bytes']:>12}")
-    print(f"float8_e4m3 vs bfloat16: AL {100 * change:+.2f}% (goal within 2%), bytes {bytes_ratio:.3f}x")
+        print(
+            f"{d:12} {r['acceptance_length']:>7.4f} {pos:>22} {r['final_loss']:>10.4f} {r['shard_bytes']:>12}"
+        )
+    print(
+        f"float8_e4m3 vs bfloat16: AL {100 * change:+.2f}% (goal within 2%), bytes {bytes_ratio:.3f}x"
+    )
     out = REPO / "benchmarks" / "results" / "storage_al-cpu.json"
-    out.write_text(json.dumps({"date": str(date.today()), "command": "python benchmarks/storage_al.py",
-                               "rows": rows, "al_change": change, "bytes_ratio": bytes_ratio,
-                               "goal": {"al_change_max": 0.02, "bytes_ratio": 0.5}}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "date": str(date.today()),
+                "command": "python benchmarks/storage_al.py",
+                "rows": rows,
+                "al_change": change,
+                "bytes_ratio": bytes_ratio,
+                "goal": {"al_change_max": 0.02, "bytes_ratio": 0.5},
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -36,7 +36,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
-WORK = Path(os.environ.get("EYRIE_BENCH_WORK") or Path(os.environ.get("TMPDIR", "/tmp")) / "eyrie-train-step-bench")
+WORK = Path(
+    os.environ.get("EYRIE_BENCH_WORK")
+    or Path(os.environ.get("TMPDIR", "/tmp")) / "eyrie-train-step-bench"
+)
 OUT = Path(os.environ.get("OUT", "/tmp"))
 ATTN = {"sdpa": "sdpa", "flex": "simple_flex_attention"}
 TINY = "--tiny" in sys.argv  # small shapes on the CPU: a check of the script
@@ -67,8 +70,9 @@ def build(shape, d2t, t2d, attn: str):
     """The draft as `eyrie train` builds it (eyrie.draft.build_draft, seed 0), on the device."""
     from eyrie.draft import build_draft
 
-    model = build_draft(WORK / "target", shape["aux"], d2t, t2d, num_layers=1, ttt_steps=3, seed=0,
-                        attn_impl=attn)
+    model = build_draft(
+        WORK / "target", shape["aux"], d2t, t2d, num_layers=1, ttt_steps=3, seed=0, attn_impl=attn
+    )
     return model.to(DEVICE).train()
 
 
@@ -84,13 +88,17 @@ def batch(shape, T: int, seed: int) -> tuple[dict[str, torch.Tensor], int]:
         n = int(torch.randint(*DOC_TOKENS, (1,), generator=g))
         if p + n + 2 > T:
             break
-        doc[p:p + n], pos[p:p + n] = d, torch.arange(1, n + 1)
-        mask[p + int(0.4 * n):p + n - 1] = True
+        doc[p : p + n], pos[p : p + n] = d, torch.arange(1, n + 1)
+        mask[p + int(0.4 * n) : p + n - 1] = True
         p, d, real = p + n + 2, d + 1, real + n
-    b = {"hidden_states": torch.randn(1, T, A * H, generator=g).to(torch.bfloat16),
-         "verifier_last_hidden_states": torch.randn(1, T, H, generator=g).to(torch.bfloat16),
-         "input_ids": torch.randint(0, shape["vocab"], (1, T), generator=g),
-         "loss_mask": mask[None], "position_ids": pos[None], "document_ids": doc[None]}
+    b = {
+        "hidden_states": torch.randn(1, T, A * H, generator=g).to(torch.bfloat16),
+        "verifier_last_hidden_states": torch.randn(1, T, H, generator=g).to(torch.bfloat16),
+        "input_ids": torch.randint(0, shape["vocab"], (1, T), generator=g),
+        "loss_mask": mask[None],
+        "position_ids": pos[None],
+        "document_ids": doc[None],
+    }
     return {k: v.to(DEVICE) for k, v in b.items()}, real
 
 
@@ -110,12 +118,15 @@ def trainer(model, batches, packs: int, fused: bool, lr: float):
             b, real = batches[(i * packs + j) % len(batches)]
             tokens += real
             with torch.autocast(DEVICE, dtype=torch.bfloat16):
-                _, loss, _ = model(**b, ttt_steps=3, ttt_step_loss_decay=1.0, loss_config=loss_config)
+                _, loss, _ = model(
+                    **b, ttt_steps=3, ttt_step_loss_decay=1.0, loss_config=loss_config
+                )
             (loss / packs).backward()
             losses.append(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         return tokens
+
     return step, losses
 
 
@@ -124,7 +135,9 @@ def time_variant(variant: str) -> None:
     T, packs = int(opts.get("T", 4096)), int(opts.get("packs", 2))
     shape, (d2t, t2d) = setup()
     model = build(shape, d2t, t2d, ATTN[opts.get("attn", "sdpa")])
-    step, _ = trainer(model, [batch(shape, T, s) for s in range(4)], packs, opts.get("fused") == "1", 1e-4)
+    step, _ = trainer(
+        model, [batch(shape, T, s) for s in range(4)], packs, opts.get("fused") == "1", 1e-4
+    )
     t0 = time.perf_counter()
     for i in range(3):
         step(i)
@@ -139,10 +152,20 @@ def time_variant(variant: str) -> None:
         tokens = sum(step(i) for i in range(3, 13))
         sync()
         dt = time.perf_counter() - t0
-        print(json.dumps({"variant": variant, "warm_s": round(warm, 1), "s_per_step": dt / 10,
-                          "tok_s": tokens / dt, "peak_gib": torch.cuda.max_memory_allocated() / 2**30
-                          if DEVICE == "cuda" else None}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "variant": variant,
+                    "warm_s": round(warm, 1),
+                    "s_per_step": dt / 10,
+                    "tok_s": tokens / dt,
+                    "peak_gib": torch.cuda.max_memory_allocated() / 2**30
+                    if DEVICE == "cuda"
+                    else None,
+                }
+            ),
+            flush=True,
+        )
         if opts.get("prof") == "1":
             from torch.profiler import ProfilerActivity, profile
 
@@ -151,7 +174,8 @@ def time_variant(variant: str) -> None:
                 sync()
             name = variant.replace(",", "_").replace("=", "")
             (OUT / f"prof_{name}.txt").write_text(
-                prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+            )
 
 
 def repeat() -> None:
@@ -164,26 +188,37 @@ def repeat() -> None:
         step, losses = trainer(model, batches, 1, False, 3e-3)
         for i in range(8):
             step(i)
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}, [float(x) for x in losses]
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, [
+            float(x) for x in losses
+        ]
 
     def diff(a, b) -> dict:
-        return {"weights_max_abs_diff": max(float((a[0][k].double() - b[0][k].double()).abs().max())
-                                            for k in a[0]),
-                "loss_max_abs_diff": max(abs(x - y) for x, y in zip(a[1], b[1]))}
+        return {
+            "weights_max_abs_diff": max(
+                float((a[0][k].double() - b[0][k].double()).abs().max()) for k in a[0]
+            ),
+            "loss_max_abs_diff": max(abs(x - y) for x, y in zip(a[1], b[1])),
+        }
 
     r1, r2 = once(False), once(False)
     print(json.dumps({"repeat": diff(r1, r2)}), flush=True)
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     d1, d2 = once(True), once(True)
-    print(json.dumps({"deterministic_repeat": diff(d1, d2), "deterministic_vs_default": diff(d1, r1)}),
-          flush=True)
+    print(
+        json.dumps(
+            {"deterministic_repeat": diff(d1, d2), "deterministic_vs_default": diff(d1, r1)}
+        ),
+        flush=True,
+    )
 
 
 def main() -> None:
     args = [a for a in sys.argv[1:] if a != "--tiny"]
     if not TINY and not torch.cuda.is_available():
-        raise SystemExit("train_step_gpu.py needs a CUDA device (FlexAttention has no backward on a "
-                         "CPU); --tiny checks the script on the CPU")
+        raise SystemExit(
+            "train_step_gpu.py needs a CUDA device (FlexAttention has no backward on a "
+            "CPU); --tiny checks the script on the CPU"
+        )
     WORK.mkdir(parents=True, exist_ok=True)
     mode, rest = (args[0], args[1:]) if args else ("", [])
     if mode == "time" and TINY and any("flex" in v for v in rest):
@@ -192,8 +227,10 @@ def main() -> None:
         time_variant(rest[0])
     elif mode == "time" and rest:
         setup()  # the target folder once, before the variants start
-        procs = [subprocess.Popen([sys.executable, __file__, *(["--tiny"] if TINY else []), "time", v])
-                 for v in rest]
+        procs = [
+            subprocess.Popen([sys.executable, __file__, *(["--tiny"] if TINY else []), "time", v])
+            for v in rest
+        ]
         sys.exit(max(p.wait() for p in procs))
     elif mode == "repeat" and not rest and not TINY:
         repeat()

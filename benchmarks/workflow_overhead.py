@@ -45,7 +45,9 @@ rule one:
 """
 
 
-def timed(cmd: list[str], timeout: float) -> tuple[subprocess.CompletedProcess | None, float, float]:
+def timed(
+    cmd: list[str], timeout: float
+) -> tuple[subprocess.CompletedProcess | None, float, float]:
     """(process or None on timeout, wall seconds, CPU seconds of the child)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
@@ -64,7 +66,9 @@ def planned_jobs(out: str) -> int | None:
     """The `total` of Snakemake's job table; 0 for "Nothing to be done"."""
     if "Nothing to be done" in out:
         return 0
-    return next((int(line.split()[-1]) for line in out.splitlines() if line.startswith("total")), None)
+    return next(
+        (int(line.split()[-1]) for line in out.splitlines() if line.startswith("total")), None
+    )
 
 
 def best_dry_run(cmd: list[str], repeat: int, timeout: float, what: str) -> dict:
@@ -77,8 +81,12 @@ def best_dry_run(cmd: list[str], repeat: int, timeout: float, what: str) -> dict
             raise SystemExit(f"{what}: snakemake -n failed:\n{proc.stderr[-3000:]}")
         runs.append((wall, cpu, planned_jobs(proc.stdout + proc.stderr)))
     wall, cpu, jobs = min(runs)
-    return {"seconds": round(wall, 2), "cpu_seconds": round(cpu, 2), "jobs": jobs,
-            "all_seconds": [round(r[0], 2) for r in runs]}
+    return {
+        "seconds": round(wall, 2),
+        "cpu_seconds": round(cpu, 2),
+        "jobs": jobs,
+        "all_seconds": [round(r[0], 2) for r in runs],
+    }
 
 
 def make_complete(work: Path, smk: list[str], timeout: float) -> None:
@@ -94,8 +102,12 @@ def make_complete(work: Path, smk: list[str], timeout: float) -> None:
             path.touch()
         else:
             path.mkdir(exist_ok=True)
-    touch = subprocess.run([*smk, "--touch", "-F", "--cores", "1", "--quiet", "all"],
-                           capture_output=True, text=True, timeout=timeout)
+    touch = subprocess.run(
+        [*smk, "--touch", "-F", "--cores", "1", "--quiet", "all"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if touch.returncode != 0:
         raise SystemExit(f"snakemake --touch -F failed:\n{touch.stderr[-3000:]}")
 
@@ -107,26 +119,49 @@ def measure(shards: int, repeat: int, timeout: float, complete: bool) -> dict:
         config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
         config["data"]["num_shards"] = shards
         (work / "config.yaml").write_text(yaml.safe_dump(config))
-        smk = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(work),
-               "--configfile", str(work / "config.yaml")]
-        row["plan_all"] = best_dry_run([*smk, "-n", "--quiet", "rules"], repeat, timeout,
-                                       f"{shards} shards, empty directory")
+        smk = [
+            *SNAKEMAKE,
+            "-s",
+            str(REPO / "Snakefile"),
+            "-d",
+            str(work),
+            "--configfile",
+            str(work / "config.yaml"),
+        ]
+        row["plan_all"] = best_dry_run(
+            [*smk, "-n", "--quiet", "rules"], repeat, timeout, f"{shards} shards, empty directory"
+        )
         jobs = row["plan_all"].get("jobs")
         if jobs:
             peer = work / "peer"
             peer.mkdir()
             (peer / "Snakefile").write_text(PEER.format(n=jobs - 1))  # + rule all = jobs
             (peer / "src.txt").touch()
-            row["peer"] = best_dry_run([*SNAKEMAKE, "-s", str(peer / "Snakefile"), "-d", str(peer),
-                                        "-n", "--quiet", "rules"], repeat, timeout,
-                                       f"peer with {jobs} jobs")
+            row["peer"] = best_dry_run(
+                [
+                    *SNAKEMAKE,
+                    "-s",
+                    str(peer / "Snakefile"),
+                    "-d",
+                    str(peer),
+                    "-n",
+                    "--quiet",
+                    "rules",
+                ],
+                repeat,
+                timeout,
+                f"peer with {jobs} jobs",
+            )
         if complete and row["plan_all"]["seconds"] is not None:
             make_complete(work, smk, timeout=max(timeout, 1800))
-            row["complete"] = best_dry_run([*smk, "-n"], repeat, timeout,
-                                           f"{shards} shards, complete workflow")
+            row["complete"] = best_dry_run(
+                [*smk, "-n"], repeat, timeout, f"{shards} shards, complete workflow"
+            )
             if row["complete"].get("jobs") not in (0, None):
-                raise SystemExit(f"{shards} shards: an unchanged complete workflow planned "
-                                 f"{row['complete']['jobs']} jobs (want 0)")
+                raise SystemExit(
+                    f"{shards} shards: an unchanged complete workflow planned "
+                    f"{row['complete']['jobs']} jobs (want 0)"
+                )
     return row
 
 
@@ -155,31 +190,56 @@ def cell(result: dict | None, key: str = "seconds") -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, nargs="+", default=[1000, 2000, 4000, 10000])
-    parser.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best counts")
+    parser.add_argument(
+        "--repeat", type=int, default=2, help="runs per measurement; the best counts"
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per dry run")
-    parser.add_argument("--no-complete", dest="complete", action="store_false",
-                        help="skip the complete-workflow state (its --touch -F takes minutes at 10,000)")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "workflow_overhead.json"))
+    parser.add_argument(
+        "--no-complete",
+        dest="complete",
+        action="store_false",
+        help="skip the complete-workflow state (its --touch -F takes minutes at 10,000)",
+    )
+    parser.add_argument(
+        "--out", default=str(REPO / "benchmarks" / "results" / "workflow_overhead.json")
+    )
     args = parser.parse_args()
     probe = slurm_probe_s()
-    print(f"scontrol show config (run by the SLURM executor plugin in every cell): "
-          f"{'no scontrol' if probe is None else f'{probe:.2f} s'}", flush=True)
+    print(
+        f"scontrol show config (run by the SLURM executor plugin in every cell): "
+        f"{'no scontrol' if probe is None else f'{probe:.2f} s'}",
+        flush=True,
+    )
     rows = []
-    print(f"{'shards':>7} {'jobs':>6} {'plan all (s)':>12} {'CPU (s)':>8} {'peer (s)':>9} "
-          f"{'complete (s)':>12} {'jobs':>5}", flush=True)
+    print(
+        f"{'shards':>7} {'jobs':>6} {'plan all (s)':>12} {'CPU (s)':>8} {'peer (s)':>9} "
+        f"{'complete (s)':>12} {'jobs':>5}",
+        flush=True,
+    )
     for n in args.shards:
         r = measure(n, args.repeat, args.timeout, args.complete)
         rows.append(r)
-        print(f"{n:>7} {str(r['plan_all'].get('jobs', '-')):>6} {cell(r['plan_all']):>12} "
-              f"{cell(r['plan_all'], 'cpu_seconds'):>8} {cell(r.get('peer')):>9} "
-              f"{cell(r.get('complete')):>12} {str((r.get('complete') or {}).get('jobs', '-')):>5}",
-              flush=True)
+        print(
+            f"{n:>7} {str(r['plan_all'].get('jobs', '-')):>6} {cell(r['plan_all']):>12} "
+            f"{cell(r['plan_all'], 'cpu_seconds'):>8} {cell(r.get('peer')):>9} "
+            f"{cell(r.get('complete')):>12} {str((r.get('complete') or {}).get('jobs', '-')):>5}",
+            flush=True,
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "date": date.today().isoformat(), "machine": f"{platform.node()} {os.cpu_count()} cores",
-        "command": " ".join(["benchmarks/workflow_overhead.py", *sys.argv[1:]]),
-        "goal": "<= 15 s at 10000 shards", "scontrol_show_config_s": probe, "rows": rows},
-        indent=1) + "\n")
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "date": date.today().isoformat(),
+                "machine": f"{platform.node()} {os.cpu_count()} cores",
+                "command": " ".join(["benchmarks/workflow_overhead.py", *sys.argv[1:]]),
+                "goal": "<= 15 s at 10000 shards",
+                "scontrol_show_config_s": probe,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     return 0
 
 

@@ -14,11 +14,20 @@ from transformers import AutoConfig
 from eyrie.errors import EyrieError
 
 
-def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Tensor,
-                t2d: torch.Tensor, *, num_layers: int = 1, draft_arch: str = "llama",
-                norm_before_residual: bool = True, ttt_steps: int = 3,
-                trust_remote_code: bool = False, seed: int | None = None,
-                attn_impl: str = "sdpa"):
+def build_draft(
+    target_path: str | Path,
+    aux_layer_ids: list[int],
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    *,
+    num_layers: int = 1,
+    draft_arch: str = "llama",
+    norm_before_residual: bool = True,
+    ttt_steps: int = 3,
+    trust_remote_code: bool = False,
+    seed: int | None = None,
+    attn_impl: str = "sdpa",
+):
     """A fresh (untrained) draft for the target at `target_path`.
 
     d2t: int64 [draft_vocab] offsets (target_id = i + d2t[i]); t2d: bool [target_vocab].
@@ -33,23 +42,33 @@ def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Te
     verifier = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code)
     verifier = getattr(verifier, "text_config", None) or verifier
     if int(t2d.shape[0]) != verifier.vocab_size:
-        raise EyrieError(f"vocabulary map has t2d of size {t2d.shape[0]} but the target's vocab_size "
-                         f"is {verifier.vocab_size}; rebuild the vocabulary map for this target")
+        raise EyrieError(
+            f"vocabulary map has t2d of size {t2d.shape[0]} but the target's vocab_size "
+            f"is {verifier.vocab_size}; rebuild the vocabulary map for this target"
+        )
     if seed is not None:
         torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         layer_config = create_transformer_layer_config(
-            verifier_name_or_path=target_path, num_layers=num_layers, draft_arch=draft_arch,
-            hidden_act=None, sliding_window=2048, full_attention_indices=list(range(num_layers)),
+            verifier_name_or_path=target_path,
+            num_layers=num_layers,
+            draft_arch=draft_arch,
+            hidden_act=None,
+            sliding_window=2048,
+            full_attention_indices=list(range(num_layers)),
             trust_remote_code=trust_remote_code,
         )
         model = Eagle3DraftModel.from_training_args(
-            verifier_config=layer_config, t2d=t2d, d2t=d2t, verifier_name_or_path=target_path,
-            draft_vocab_size=int(d2t.shape[0]), norm_before_residual=norm_before_residual,
-            ttt_steps=ttt_steps, target_layer_ids=list(aux_layer_ids), draft_attn_impl=attn_impl,
+            verifier_config=layer_config,
+            t2d=t2d,
+            d2t=d2t,
+            verifier_name_or_path=target_path,
+            draft_vocab_size=int(d2t.shape[0]),
+            norm_before_residual=norm_before_residual,
+            ttt_steps=ttt_steps,
+            target_layer_ids=list(aux_layer_ids),
+            draft_attn_impl=attn_impl,
             trust_remote_code=trust_remote_code,
         )
     return model
-
-

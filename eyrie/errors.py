@@ -47,5 +47,3 @@ class VocabError(EyrieError):
 
 class EvaluateError(EyrieError):
     pass
-
-

@@ -70,8 +70,11 @@ def write_json(path: str | Path, obj) -> None:
 def _git_sha() -> str | None:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-            text=True, timeout=5,
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
         )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
@@ -95,5 +98,3 @@ def provenance(settings: dict | None = None) -> dict:
         "host": platform.node(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-
-

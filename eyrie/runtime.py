@@ -12,10 +12,13 @@ def usable_threads(asked: int) -> int:
     """At most as many threads as CPUs this process may run on: a scheduler that grants more
     CPUs than the node has (or a rule's `threads` above the machine's) would otherwise
     oversubscribe the cores, which slows torch's CPU kernels many times over."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     if asked > cpus:
-        logging.getLogger("eyrie.cli").info("--threads %d: only %d CPUs are usable here; using %d",
-                                            asked, cpus, cpus)
+        logging.getLogger("eyrie.cli").info(
+            "--threads %d: only %d CPUs are usable here; using %d", asked, cpus, cpus
+        )
     return max(1, min(asked, cpus))
 
 
@@ -42,5 +45,3 @@ def settings_arg(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("--settings must be a JSON object")
     return value
-
-

@@ -46,7 +46,9 @@ def validate_config(config: dict, schema_path: Path = SCHEMA_PATH) -> dict:
             extra = sorted(set(err.instance) - set(err.schema.get("properties", {})))
             for name in extra:
                 allowed = ", ".join(sorted(err.schema.get("properties", {})))
-                problems.append(f"{_key([*err.absolute_path, name])}: unknown key (allowed here: {allowed})")
+                problems.append(
+                    f"{_key([*err.absolute_path, name])}: unknown key (allowed here: {allowed})"
+                )
         else:
             problems.append(f"{_key(err.absolute_path)}: {err.message}")
     if problems:
@@ -69,5 +71,3 @@ def load_config(path: str | Path) -> dict:
 def settings_json(section: dict) -> str:
     """Canonical JSON text of a config section: what rules pass as params."""
     return json.dumps(section, sort_keys=True, separators=(",", ":"))
-
-

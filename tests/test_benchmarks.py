@@ -21,19 +21,47 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_read_path_smoke(tmp_path):
     out = tmp_path / "read_path.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "read_path.py"), "--gb", "0.004",
-           "--hidden", "64", "--min-tokens", "16", "--max-tokens", "64", "--shards", "2",
-           "--repeats", "1", "--no-cold", "--dir", str(tmp_path / "data"), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "read_path.py"),
+        "--gb",
+        "0.004",
+        "--hidden",
+        "64",
+        "--min-tokens",
+        "16",
+        "--max-tokens",
+        "64",
+        "--shards",
+        "2",
+        "--repeats",
+        "1",
+        "--no-cold",
+        "--dir",
+        str(tmp_path / "data"),
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "eyrie/peer" in run.stdout
     r = json.loads(out.read_text())
     assert set(r["cells"]) == {"warm"}
     cell = r["cells"]["warm"]
-    for k in ("eyrie", "eyrie_checked", "eyrie_h5py", "eyrie_fp8", "eyrie_fp8_codes", "peer", "verify"):
+    for k in (
+        "eyrie",
+        "eyrie_checked",
+        "eyrie_h5py",
+        "eyrie_fp8",
+        "eyrie_fp8_codes",
+        "peer",
+        "verify",
+    ):
         assert cell[k]["GB_per_s"] > 0 and cell[k]["samples_per_s"] > 0, k
         if k != "peer":
-            assert cell[f"ratio_{k}_over_peer"] > 0 and len(cell[f"ratio_{k}_over_peer_per_pass"]) == 1
+            assert (
+                cell[f"ratio_{k}_over_peer"] > 0 and len(cell[f"ratio_{k}_over_peer_per_pass"]) == 1
+            )
     assert r["per_read_best_warm"]["ratio_eyrie_over_peer"] > 0
     assert r["data"]["shards"] == 2 and r["data"]["samples"] >= 2
     assert r["data"]["hidden_bytes"] == r["data"]["tokens"] * 4 * 64 * 2
@@ -43,9 +71,25 @@ def test_read_path_smoke(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="eyrie maps samples only on Linux")
 def test_page_cache_fill_smoke(tmp_path):
     out = tmp_path / "page_cache_fill.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "page_cache_fill.py"), "--file-mb", "8",
-           "--sample-mb", "1", "--samples", "3", "--rounds", "1", "--repeats", "2", "--dontneed",
-           "--dir", str(tmp_path), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "page_cache_fill.py"),
+        "--file-mb",
+        "8",
+        "--sample-mb",
+        "1",
+        "--samples",
+        "3",
+        "--rounds",
+        "1",
+        "--repeats",
+        "2",
+        "--dontneed",
+        "--dir",
+        str(tmp_path),
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     r = json.loads(out.read_text())
@@ -59,16 +103,31 @@ def test_extraction_benchmark_tiny(tmp_path):
     """benchmarks/extraction_gpu.py --tiny on CPU: the bare forward, eyrie's Extractor into a
     real shard, the naive peer and the raw-write limit, both model shapes, JSON with every cell."""
     out = tmp_path / "extraction.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "extraction_gpu.py"), "--tiny", "--tokens",
-           "1500", "--work", str(tmp_path / "work"), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "extraction_gpu.py"),
+        "--tiny",
+        "--tokens",
+        "1500",
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["shape"] for r in rows] == ["llama8b", "deepseek"]
     for r in rows:
         assert r["tokens"] >= 1500 and r["shard_bytes"] > r["tokens"] * 4 * r["hidden"] * 2
-        for k in ("bare_tok_s", "eyrie_tok_s", "naive_tok_s", "raw_write_tok_s", "eyrie_vs_bare",
-                  "eyrie_vs_naive"):
+        for k in (
+            "bare_tok_s",
+            "eyrie_tok_s",
+            "naive_tok_s",
+            "raw_write_tok_s",
+            "eyrie_vs_bare",
+            "eyrie_vs_naive",
+        ):
             assert r[k] > 0, k
         assert len(r["bare_passes_tok_s"]) == len(r["eyrie_passes_tok_s"]) == 2
 
@@ -77,8 +136,23 @@ def test_training_benchmark_tiny(tmp_path):
     """benchmarks/training_gpu.py --tiny on CPU: the data in both formats (speculators' own
     ArrowDataset reads the converted set back), a real `eyrie train` run, the steady-state table."""
     out = tmp_path / "training.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "training_gpu.py"), "--tiny", "--warmup", "2",
-           "--steps", "6", "--packs-per-step", "2", "--shards", "2", "--work", str(tmp_path / "work"), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "training_gpu.py"),
+        "--tiny",
+        "--warmup",
+        "2",
+        "--steps",
+        "6",
+        "--packs-per-step",
+        "2",
+        "--shards",
+        "2",
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "eyrie (1 process)" in run.stdout and "data wait" in run.stdout
@@ -86,7 +160,10 @@ def test_training_benchmark_tiny(tmp_path):
     e = r["runs"]["eyrie"]
     assert e["measured_steps"] >= 6 and e["tokens_per_s"] > 0 and 0 <= e["data_wait_fraction"] < 1
     assert 0 < e["tokens_per_step"] <= r["tokens_per_step_budget"] == 256
-    assert r["conversion_check"]["samples"] == r["samples"] and r["conversion_check"]["checked_samples"] > 0
+    assert (
+        r["conversion_check"]["samples"] == r["samples"]
+        and r["conversion_check"]["checked_samples"] > 0
+    )
     assert r["conversion_check"]["collated_tokens"] > 0
     if "speculators" in r["runs"]:  # a CUDA machine
         s = r["runs"]["speculators"]
@@ -96,7 +173,10 @@ def test_training_benchmark_tiny(tmp_path):
         c = r["speculators_cpu_check"]
         assert c["train_batches"] >= 2 + 6 + 1 and c["draft_vocab"] == 128 and c["batch_tokens"] > 0
         assert c["loss"] > 0 and c["loss"] == c["loss"]  # finite, not NaN
-    assert r["speculators_settings"]["total_seq_len"] == 256 and r["speculators_settings"]["max_steps"] == 9
+    assert (
+        r["speculators_settings"]["total_seq_len"] == 256
+        and r["speculators_settings"]["max_steps"] == 9
+    )
     assert not (tmp_path / "work").exists()  # removed without --keep
 
 
@@ -121,9 +201,13 @@ def test_train_step_benchmark_tiny(tmp_path):
     on packed batches and prints its line; flex is refused on the CPU (no backward there)."""
     cmd = [sys.executable, str(REPO / "benchmarks" / "train_step_gpu.py"), "--tiny", "time"]
     env = dict(os.environ, EYRIE_BENCH_WORK=str(tmp_path))
-    run = subprocess.run([*cmd, "attn=sdpa,T=256"], capture_output=True, text=True, timeout=180, env=env)
+    run = subprocess.run(
+        [*cmd, "attn=sdpa,T=256"], capture_output=True, text=True, timeout=180, env=env
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     line = json.loads(run.stdout.strip().splitlines()[-1])
     assert line["variant"] == "attn=sdpa,T=256" and line["tok_s"] > 0 and line["s_per_step"] > 0
-    refused = subprocess.run([*cmd, "attn=flex,T=256"], capture_output=True, text=True, timeout=60, env=env)
+    refused = subprocess.run(
+        [*cmd, "attn=flex,T=256"], capture_output=True, text=True, timeout=60, env=env
+    )
     assert refused.returncode != 0 and "attn=sdpa only" in refused.stderr

@@ -19,8 +19,17 @@ def test_shipped_config_is_valid():
 
 
 def test_defaults_filled():
-    cfg = validate_config({"target": {"name": "x"}, "data": {}, "layers": {}, "vocab": {},
-                           "extract": {}, "train": {}, "eval": {}})
+    cfg = validate_config(
+        {
+            "target": {"name": "x"},
+            "data": {},
+            "layers": {},
+            "vocab": {},
+            "extract": {},
+            "train": {},
+            "eval": {},
+        }
+    )
     assert cfg["train"]["ttt_steps"] == 3 and cfg["extract"]["storage_dtype"] == "bfloat16"
 
 
@@ -34,8 +43,12 @@ def test_all_errors_reported_each_naming_its_key():
         validate_config(cfg)
     text = str(err.value)
     assert "4 problems" in text
-    for key in ("train.learning_rate", "extract.storage_dtype", "layers.aux_ids",
-                "vocab.draft_vocab: unknown key"):
+    for key in (
+        "train.learning_rate",
+        "extract.storage_dtype",
+        "layers.aux_ids",
+        "vocab.draft_vocab: unknown key",
+    ):
         assert key in text
 
 
@@ -45,8 +58,21 @@ def test_invalid_config_fails_snakemake_parse(tmp_path):
 
     (tmp_path / "bad.yaml").write_text("train: {epochs: 0}\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(tmp_path),
-         "--configfile", str(tmp_path / "bad.yaml"), "-n"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "-d",
+            str(tmp_path),
+            "--configfile",
+            str(tmp_path / "bad.yaml"),
+            "-n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "train.epochs" in proc.stdout + proc.stderr

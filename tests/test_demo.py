@@ -21,9 +21,18 @@ from eyrie.demo.target import train_target
 from eyrie.errors import EyrieError
 
 TINY = {
-    "seed": 0, "num_conversations": 80, "vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 2,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64, "train_steps": 30,
-    "batch_size": 4, "seq_len": 64, "learning_rate": 1e-2,
+    "seed": 0,
+    "num_conversations": 80,
+    "vocab_size": 320,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 64,
+    "train_steps": 30,
+    "batch_size": 4,
+    "seq_len": 64,
+    "learning_rate": 1e-2,
 }
 
 
@@ -43,19 +52,33 @@ def conversations_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_target(conversations_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("target") / "target"
-    _cli(target_mod, ["--conversations", str(conversations_file), "--out-dir", str(out),
-                      "--settings", json.dumps({"demo": TINY})])
+    _cli(
+        target_mod,
+        [
+            "--conversations",
+            str(conversations_file),
+            "--out-dir",
+            str(out),
+            "--settings",
+            json.dumps({"demo": TINY}),
+        ],
+    )
     return out
 
 
 # ----------------------------------------------------------------------------- conversations
 
+
 def test_conversations_deterministic_and_well_formed(tmp_path, conversations_file):
     again = tmp_path / "again.jsonl"
-    write_conversations(again, {"demo": {"seed": TINY["seed"], "num_conversations": TINY["num_conversations"]}})
+    write_conversations(
+        again, {"demo": {"seed": TINY["seed"], "num_conversations": TINY["num_conversations"]}}
+    )
     assert again.read_bytes() == conversations_file.read_bytes()
     other = tmp_path / "other.jsonl"
-    write_conversations(other, {"demo": {"seed": 1, "num_conversations": TINY["num_conversations"]}})
+    write_conversations(
+        other, {"demo": {"seed": 1, "num_conversations": TINY["num_conversations"]}}
+    )
     assert other.read_bytes() != conversations_file.read_bytes()
 
     lines = conversations_file.read_text().splitlines()
@@ -64,7 +87,9 @@ def test_conversations_deterministic_and_well_formed(tmp_path, conversations_fil
     for rec in records:
         msgs = rec["messages"]
         assert set(rec) == {"messages"}
-        assert all(m["role"] in ("system", "user", "assistant") and m["content"].strip() for m in msgs)
+        assert all(
+            m["role"] in ("system", "user", "assistant") and m["content"].strip() for m in msgs
+        )
         assert msgs[-1]["role"] == "assistant"
         body = msgs[1:] if msgs[0]["role"] == "system" else msgs
         assert [m["role"] for m in body] == ["user", "assistant"] * (len(body) // 2)
@@ -91,7 +116,9 @@ def test_clean_summary():
 
 
 def test_bad_conversations_file_names_file_and_line(tmp_path, capsys):
-    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    good = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    )
     bad = tmp_path / "bad.jsonl"
     bad.write_text(f"{good}\n{good}\n{{not json\n")
     with pytest.raises(EyrieError) as err:
@@ -100,7 +127,9 @@ def test_bad_conversations_file_names_file_and_line(tmp_path, capsys):
     assert f"{bad}:3:" in msg and "\n" not in msg
 
     no_answer = tmp_path / "no_answer.jsonl"
-    no_answer.write_text(good + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    no_answer.write_text(
+        good + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+    )
     with pytest.raises(EyrieError, match=r"no_answer.jsonl:2: no assistant turn"):
         read_conversations(no_answer)
 
@@ -111,8 +140,18 @@ def test_bad_conversations_file_names_file_and_line(tmp_path, capsys):
 
     # Through the CLI: exit status 2 and one line on stderr, no traceback.
     from eyrie.cli import main
-    rc = main(["demo-target", "--conversations", str(bad), "--out-dir", str(tmp_path / "target"),
-               "--settings", json.dumps({"demo": TINY})])
+
+    rc = main(
+        [
+            "demo-target",
+            "--conversations",
+            str(bad),
+            "--out-dir",
+            str(tmp_path / "target"),
+            "--settings",
+            json.dumps({"demo": TINY}),
+        ]
+    )
     err_lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err_lines) == 1 and f"{bad}:3:" in err_lines[0], err_lines
 
@@ -128,12 +167,22 @@ def test_settings_errors(tmp_path, conversations_file):
     with pytest.raises(EyrieError, match="missing object 'demo'"):
         write_conversations(tmp_path / "c.jsonl", {})
     with pytest.raises(EyrieError, match="demo.hidden_size=30 is not divisible"):
-        train_target(conversations_file, tmp_path / "t", {"demo": {**TINY, "hidden_size": 30, "num_attention_heads": 4}})
-    with pytest.raises(EyrieError, match="demo.num_attention_heads=2 is not divisible by demo.num_key_value_heads=3"):
-        train_target(conversations_file, tmp_path / "t", {"demo": {**TINY, "num_key_value_heads": 3}})
+        train_target(
+            conversations_file,
+            tmp_path / "t",
+            {"demo": {**TINY, "hidden_size": 30, "num_attention_heads": 4}},
+        )
+    with pytest.raises(
+        EyrieError,
+        match="demo.num_attention_heads=2 is not divisible by demo.num_key_value_heads=3",
+    ):
+        train_target(
+            conversations_file, tmp_path / "t", {"demo": {**TINY, "num_key_value_heads": 3}}
+        )
 
 
 # ----------------------------------------------------------------------------- target
+
 
 def test_tiny_target_trains_and_loads(tiny_target):
     summary = json.loads((tiny_target / "demo_training.json").read_text())
@@ -150,7 +199,10 @@ def test_tiny_target_trains_and_loads(tiny_target):
     assert cfg.tie_word_embeddings is False and cfg.max_position_embeddings >= 1024
     assert cfg.num_hidden_layers == TINY["num_hidden_layers"] and cfg.vocab_size == len(tok)
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (
-        tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+        tok.bos_token_id,
+        tok.eos_token_id,
+        tok.pad_token_id,
+    )
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
 
     messages = [{"role": "user", "content": "What does `json.dumps` do?"}]

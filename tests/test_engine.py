@@ -31,26 +31,62 @@ from eyrie.extract.protocol import request
 DATASETS = ("input_ids", "loss_mask", "offsets", "sample_ids", "aux_hidden", "final_hidden")
 
 
-
 def placeholder_left(path) -> bool:
     """The engine closed: an empty regular file where its socket was (nothing to connect to)."""
     return stat.S_ISREG(os.lstat(path).st_mode) and os.path.getsize(path) == 0
 
-def start_engine(sock: Path, target: Path, preflight: Path, log: Path, cfg: dict,
-                 idle_exit_s: float) -> subprocess.Popen:
+
+def start_engine(
+    sock: Path, target: Path, preflight: Path, log: Path, cfg: dict, idle_exit_s: float
+) -> subprocess.Popen:
     """The real CLI, as the extract_engine rule runs it (one torch thread, like the tests)."""
-    cmd = [sys.executable, "-m", "eyrie.cli", "extract-engine", "--socket", str(sock),
-           "--target", str(target), "--preflight", str(preflight), "--settings", json.dumps(cfg),
-           "--idle-exit-s", str(idle_exit_s), "--torch-threads", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eyrie.cli",
+        "extract-engine",
+        "--socket",
+        str(sock),
+        "--target",
+        str(target),
+        "--preflight",
+        str(preflight),
+        "--settings",
+        json.dumps(cfg),
+        "--idle-exit-s",
+        str(idle_exit_s),
+        "--torch-threads",
+        "1",
+    ]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
-def client(sock: Path, target: Path, shard: Path, preflight: Path, out: Path, cfg: dict,
-           log: Path) -> subprocess.Popen:
+def client(
+    sock: Path, target: Path, shard: Path, preflight: Path, out: Path, cfg: dict, log: Path
+) -> subprocess.Popen:
     """`eyrie extract --engine` as the extract_hidden_states rule runs it."""
-    cmd = [sys.executable, "-m", "eyrie.cli", "extract", "--engine", str(sock), "--engine-wait-s",
-           "60", "--engine-log", str(log), "--target", str(target), "--shard", str(shard),
-           "--preflight", str(preflight), "--out", str(out), "--settings", json.dumps(cfg)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eyrie.cli",
+        "extract",
+        "--engine",
+        str(sock),
+        "--engine-wait-s",
+        "60",
+        "--engine-log",
+        str(log),
+        "--target",
+        str(target),
+        "--shard",
+        str(shard),
+        "--preflight",
+        str(preflight),
+        "--out",
+        str(out),
+        "--settings",
+        json.dumps(cfg),
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -73,18 +109,27 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
     target, shard0, preflight, ids, masks = build_case(tmp, "llama")
     shard1 = tmp / "shard_001.parquet"  # other samples, other lengths
-    pq.write_table(pa.table({
-        "sample_id": [f"other.jsonl:{i}" for i in range(5)],
-        "input_ids": pa.array([x[::-1].tolist() for x in ids[:5]], type=pa.list_(pa.int32())),
-        "loss_mask": pa.array([m.tolist() for m in masks[:5]], type=pa.list_(pa.uint8())),
-    }), shard1)
+    pq.write_table(
+        pa.table(
+            {
+                "sample_id": [f"other.jsonl:{i}" for i in range(5)],
+                "input_ids": pa.array(
+                    [x[::-1].tolist() for x in ids[:5]], type=pa.list_(pa.int32())
+                ),
+                "loss_mask": pa.array([m.tolist() for m in masks[:5]], type=pa.list_(pa.uint8())),
+            }
+        ),
+        shard1,
+    )
     cfg = settings(96)
     sock, log = tmp / "engine_000.sock", tmp / "engine.log"
     sock.touch()  # the workflow's placeholder: replaced by the engine's socket
     t0 = time.monotonic()
     engine = start_engine(sock, target, preflight, log, cfg, idle_exit_s=4)
-    clients = [client(sock, target, s, preflight, tmp / f"engine_{s.stem}.h5", cfg, log)
-               for s in (shard0, shard1)]
+    clients = [
+        client(sock, target, s, preflight, tmp / f"engine_{s.stem}.h5", cfg, log)
+        for s in (shard0, shard1)
+    ]
     outputs = [c.communicate(timeout=120)[0] for c in clients]
     assert [c.returncode for c in clients] == [0, 0], outputs
     missing = client(sock, target, tmp / "missing.parquet", preflight, tmp / "missing.h5", cfg, log)
@@ -97,11 +142,34 @@ def served(tmp_path_factory):
     engine_s = time.monotonic() - t0
     # the same shards, standalone: one model load each, in this process
     for s in (shard0, shard1):
-        assert run_stage(["--target", str(target), "--shard", str(s), "--preflight", str(preflight),
-                          "--out", str(tmp / f"alone_{s.stem}.h5"), "--settings", json.dumps(cfg)]) == 0
-    return {"tmp": tmp, "sock": sock, "log": log.read_text(), "rc": rc, "engine_s": engine_s,
-            "missing": (missing.returncode, missing_out), "mismatch": str(mismatch.value),
-            "last": last, "shards": (shard0, shard1)}
+        assert (
+            run_stage(
+                [
+                    "--target",
+                    str(target),
+                    "--shard",
+                    str(s),
+                    "--preflight",
+                    str(preflight),
+                    "--out",
+                    str(tmp / f"alone_{s.stem}.h5"),
+                    "--settings",
+                    json.dumps(cfg),
+                ]
+            )
+            == 0
+        )
+    return {
+        "tmp": tmp,
+        "sock": sock,
+        "log": log.read_text(),
+        "rc": rc,
+        "engine_s": engine_s,
+        "missing": (missing.returncode, missing_out),
+        "mismatch": str(mismatch.value),
+        "last": last,
+        "shards": (shard0, shard1),
+    }
 
 
 @pytest.mark.slow
@@ -123,19 +191,31 @@ def test_two_shards_one_load_same_bytes_as_standalone(served):
 def test_bad_shard_error_reaches_client_with_type_and_engine_keeps_serving(served):
     rc, out = served["missing"]
     assert rc == 2
-    assert "failed on" in out and "ExtractError: " in out and "missing.parquet: unreadable parquet" in out
+    assert (
+        "failed on" in out
+        and "ExtractError: " in out
+        and "missing.parquet: unreadable parquet" in out
+    )
     assert str(served["tmp"] / "engine.log") in out  # names the engine's log
     # the engine logged it with type and traceback, then served the next requests
     log = served["log"]
-    assert "engine: request failed: ExtractError:" in log and "Traceback (most recent call last)" in log
+    assert (
+        "engine: request failed: ExtractError:" in log
+        and "Traceback (most recent call last)" in log
+    )
     assert "EngineError: the client's --settings differ from the engine's" in served["mismatch"]
-    assert not (served["tmp"] / "missing.h5").exists() and not (served["tmp"] / "mismatch.h5").exists()
+    assert (
+        not (served["tmp"] / "missing.h5").exists() and not (served["tmp"] / "mismatch.h5").exists()
+    )
 
 
 @pytest.mark.slow
 def test_engine_exits_when_idle_and_leaves_a_placeholder(served):
     assert served["rc"] == 0
-    assert "engine: idle for" in served["log"] and "exiting after 5 requests (2 failed)" in served["log"]
+    assert (
+        "engine: idle for" in served["log"]
+        and "exiting after 5 requests (2 failed)" in served["log"]
+    )
     # no socket left to connect to, but a file for Snakemake's touch of the service output
     mode = os.lstat(served["sock"]).st_mode
     assert stat.S_ISREG(mode) and os.path.getsize(served["sock"]) == 0
@@ -146,8 +226,11 @@ def test_client_waits_through_placeholder_and_stale_socket(tmp_path):
     sock.touch()  # placeholder
     replies: list = []
     t0 = time.monotonic()
-    waiter = threading.Thread(target=lambda: replies.append(
-        request(sock, tmp_path / "s.parquet", tmp_path / "o.h5", wait_s=30)))
+    waiter = threading.Thread(
+        target=lambda: replies.append(
+            request(sock, tmp_path / "s.parquet", tmp_path / "o.h5", wait_s=30)
+        )
+    )
     waiter.start()
     time.sleep(1.0)
     sock.unlink()  # a stale socket: bound by a process that is gone, refuses connections
@@ -157,8 +240,9 @@ def test_client_waits_through_placeholder_and_stale_socket(tmp_path):
     time.sleep(1.0)
     assert waiter.is_alive() and sock.is_socket()
     engine = Engine(sock, idle_exit_s=5)  # > the client's retry interval, with room for a busy CI
-    served = threading.Thread(target=engine.serve, args=(
-        lambda req: {"ok": True, "out": req["out"], "seconds": 0.0},))
+    served = threading.Thread(
+        target=engine.serve, args=(lambda req: {"ok": True, "out": req["out"], "seconds": 0.0},)
+    )
     served.start()
     waiter.join(timeout=20)
     served.join(timeout=20)
@@ -221,8 +305,9 @@ eyrie.extract.extractor.Extractor = Stubborn
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 sys.exit(engine.serve({str(sock)!r}, "t", "p.json", {{}}, idle_exit_s=60))
 """
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
     wait_for_socket(sock, proc)
     time.sleep(0.3)
     t0 = time.monotonic()
@@ -249,15 +334,36 @@ def test_client_gives_up_after_engine_wait_s(tmp_path, capsys, state):
         s.bind(str(sock))
         s.close()
     t0 = time.monotonic()
-    rc = cli_main(["extract", "--engine", str(sock), "--engine-wait-s", "1.5", "--engine-log",
-                   "logs/e.log", "--target", "t", "--shard", "s.parquet", "--preflight", "p.json",
-                   "--out", str(tmp_path / "o.h5"), "--settings", "{}"])
+    rc = cli_main(
+        [
+            "extract",
+            "--engine",
+            str(sock),
+            "--engine-wait-s",
+            "1.5",
+            "--engine-log",
+            "logs/e.log",
+            "--target",
+            "t",
+            "--shard",
+            "s.parquet",
+            "--preflight",
+            "p.json",
+            "--out",
+            str(tmp_path / "o.h5"),
+            "--settings",
+            "{}",
+        ]
+    )
     waited = time.monotonic() - t0
     err = capsys.readouterr().err
     assert rc == 2 and 1.5 <= waited < 5
     assert f"no engine answered at {sock} within 1.5 s" in err and "extract.engine_wait_s" in err
-    assert {"placeholder": "placeholder file", "stale socket": "stale socket",
-            "nothing": "nothing is there"}[state] in err
+    assert {
+        "placeholder": "placeholder file",
+        "stale socket": "stale socket",
+        "nothing": "nothing is there",
+    }[state] in err
     assert "logs/e.log" in err and err.count("\n") == 1
 
 
@@ -319,8 +425,9 @@ def test_long_socket_path_binds_and_connects(tmp_path):
     sock = deep / "engine_000.sock"
     assert len(str(sock)) > 108  # longer than sockaddr_un allows
     engine = Engine(sock, idle_exit_s=0.5)
-    served = threading.Thread(target=engine.serve, args=(
-        lambda req: {"ok": True, "out": req["out"], "seconds": 0.0},))
+    served = threading.Thread(
+        target=engine.serve, args=(lambda req: {"ok": True, "out": req["out"], "seconds": 0.0},)
+    )
     served.start()
     reply = request(sock, "s.parquet", "o.h5", wait_s=5)
     served.join(timeout=10)

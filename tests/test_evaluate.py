@@ -28,8 +28,12 @@ from eyrie.evaluate.specdec import (
     target_step,
 )
 
-TEXTS = ["the quick brown fox jumps over the lazy dog", "def f(x): return x + 1",
-         "speculative decoding drafts tokens", "hidden states of the target model"] * 8
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "def f(x): return x + 1",
+    "speculative decoding drafts tokens",
+    "hidden states of the target model",
+] * 8
 AUX = [1, 2, 3]
 K = 3
 DRAFT_VOCAB = 64
@@ -40,11 +44,19 @@ def case(tmp_path_factory):
     """A saved tiny Llama target (+ tokenizer), a vocabulary map, a saved draft and prompts."""
     root = tmp_path_factory.mktemp("evaluate")
     tok = build_chat_tokenizer(TEXTS, vocab_size=300)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                         max_position_embeddings=256, tie_word_embeddings=False,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # larger random weights: clear argmax margins, varied greedy outputs
@@ -68,14 +80,29 @@ def case(tmp_path_factory):
     draft = build_draft(target, AUX, d2t, t2d, seed=1)
     draft.save_pretrained(root / "draft")
 
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}],
-                                            add_generation_prompt=True, return_dict=False))
-               for t in TEXTS[:4]]
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False
+            )
+        )
+        for t in TEXTS[:4]
+    ]
     eval_set = write_eval_set(root / "eval.parquet", prompts)
     preflight = write_preflight(root / "preflight.json", target, AUX, 32, len(tok))
-    return {"root": root, "target": target, "model": model.eval(), "vocab": vocab, "d2t": d2t,
-            "t2d": t2d, "draft": root / "draft", "eval_set": eval_set, "preflight": preflight,
-            "prompts": prompts, "eos": tok.eos_token_id}
+    return {
+        "root": root,
+        "target": target,
+        "model": model.eval(),
+        "vocab": vocab,
+        "d2t": d2t,
+        "t2d": t2d,
+        "draft": root / "draft",
+        "eval_set": eval_set,
+        "preflight": preflight,
+        "prompts": prompts,
+        "eos": tok.eos_token_id,
+    }
 
 
 def oracle(model, wrong_from: int | None = None):
@@ -87,6 +114,7 @@ def oracle(model, wrong_from: int | None = None):
         if wrong_from is None:
             return true
         return true[:wrong_from] + [(t + 1) % vocab for t in true[wrong_from:]]
+
     return propose
 
 
@@ -106,8 +134,10 @@ def test_eagle3_outputs_equal_greedy(case):
     stats = SpecStats(K)
     for prompt in case["prompts"]:
         reference = greedy_generate(model, prompt, 12, eos)
-        assert speculative_generate(model, prompt, propose, K, 12, eos, aux_ids=AUX,
-                                    stats=stats) == reference
+        assert (
+            speculative_generate(model, prompt, propose, K, 12, eos, aux_ids=AUX, stats=stats)
+            == reference
+        )
     assert stats.num_drafts > 0 and stats.num_draft_tokens == K * stats.num_drafts
 
 
@@ -118,22 +148,25 @@ def test_hand_built_proposer_outputs_equal_greedy(case):
     def sometimes_right(ids, aux, k):  # right, wrong, right ... with a varying pattern
         calls.append(1)
         true = greedy_generate(model, ids.tolist(), k, None)
-        return [t if (i + len(calls)) % 2 else (t + 7) % model.config.vocab_size
-                for i, t in enumerate(true)]
+        return [
+            t if (i + len(calls)) % 2 else (t + 7) % model.config.vocab_size
+            for i, t in enumerate(true)
+        ]
 
     for prompt in case["prompts"][:2]:
         for max_new in (1, 2, 9):
-            assert (speculative_generate(model, prompt, sometimes_right, K, max_new, eos,
-                                         aux_ids=AUX)
-                    == greedy_generate(model, prompt, max_new, eos))
+            assert speculative_generate(
+                model, prompt, sometimes_right, K, max_new, eos, aux_ids=AUX
+            ) == greedy_generate(model, prompt, max_new, eos)
 
 
 def test_oracle_acceptance_is_one_plus_k(case):
     model, prompt = case["model"], case["prompts"][0]
     max_new = 13
     stats = SpecStats(K)
-    out = speculative_generate(model, prompt, oracle(model), K, max_new, None, aux_ids=AUX,
-                               stats=stats)
+    out = speculative_generate(
+        model, prompt, oracle(model), K, max_new, None, aux_ids=AUX, stats=stats
+    )
     assert out == greedy_generate(model, prompt, max_new, None)
     # the prefill gives 1 token, each verification K + 1: ceil(12 / 4) = 3 drafts
     assert stats.num_drafts == math.ceil((max_new - 1) / (K + 1))
@@ -146,8 +179,9 @@ def test_oracle_acceptance_is_one_plus_k(case):
 def test_always_wrong_proposer(case):
     model, prompt = case["model"], case["prompts"][1]
     stats = SpecStats(K)
-    out = speculative_generate(model, prompt, oracle(model, wrong_from=0), K, 10, None,
-                               aux_ids=AUX, stats=stats)
+    out = speculative_generate(
+        model, prompt, oracle(model, wrong_from=0), K, 10, None, aux_ids=AUX, stats=stats
+    )
     assert out == greedy_generate(model, prompt, 10, None)
     m = stats.metrics()
     assert m["acceptance_length"] == 1.0
@@ -158,8 +192,9 @@ def test_always_wrong_proposer(case):
 def test_right_on_first_two_of_three(case):
     model, prompt = case["model"], case["prompts"][2]
     stats = SpecStats(K)
-    out = speculative_generate(model, prompt, oracle(model, wrong_from=2), K, 10, None,
-                               aux_ids=AUX, stats=stats)
+    out = speculative_generate(
+        model, prompt, oracle(model, wrong_from=2), K, 10, None, aux_ids=AUX, stats=stats
+    )
     assert out == greedy_generate(model, prompt, 10, None)
     m = stats.metrics()
     assert m["per_position_acceptance"] == [1.0, 1.0, 0.0]
@@ -173,21 +208,25 @@ def test_step_logits_match_speculators_forward(case):
     model, prompt = case["model"], case["prompts"][0]
     draft = load_draft(case["draft"])
     propose = Eagle3Proposer(draft)
-    ids = torch.tensor(prompt)                       # [T]: x_0 .. x_{T-1}
+    ids = torch.tensor(prompt)  # [T]: x_0 .. x_{T-1}
     T = len(ids)
-    _, aux = target_step(model, ids, AUX)            # [T, 3H]
+    _, aux = target_step(model, ids, AUX)  # [T, 3H]
 
     logged = []
     hook = draft.lm_head.register_forward_hook(lambda mod, inp, out: logged.append(out.detach()))
     with torch.no_grad():
         # shift_batch alignment: (x_{t+1}, g_t); the last state has no next token in this batch
-        draft_tokens = draft(hidden_states=aux[None, :-1], input_ids=ids[None, 1:],
-                             document_ids=torch.zeros(1, T - 1, dtype=torch.long), ttt_steps=2)
+        draft_tokens = draft(
+            hidden_states=aux[None, :-1],
+            input_ids=ids[None, 1:],
+            document_ids=torch.zeros(1, T - 1, dtype=torch.long),
+            ttt_steps=2,
+        )
     hook.remove()
     step0_ref, step1_ref = logged[0][0], logged[1][0]  # [T-1, draft_vocab] each
 
     with torch.no_grad():
-        hidden = propose.fuse(aux[:-1])              # [T-1, H]
+        hidden = propose.fuse(aux[:-1])  # [T-1, H]
         pos = torch.arange(1, T)
         out0 = propose.decode(ids[1:], hidden, pos)  # [T-1, H]
         logits0, carried = propose.head(out0)
@@ -203,9 +242,9 @@ def test_step_logits_match_speculators_forward(case):
         # step 1 at position p = T-3: context pairs 0..p, then (x_{p+2}, out0[p]) at id p+2,
         # which is what forward's teacher-forced TTT step 1 computes at p
         p = T - 3
-        seq_ids = torch.cat([ids[1:p + 2], ids[p + 2:p + 3]])
-        seq_hidden = torch.cat([hidden[:p + 1], carried[p:p + 1]])
-        seq_pos = torch.cat([pos[:p + 1], pos[p:p + 1] + 1])
+        seq_ids = torch.cat([ids[1 : p + 2], ids[p + 2 : p + 3]])
+        seq_hidden = torch.cat([hidden[: p + 1], carried[p : p + 1]])
+        seq_pos = torch.cat([pos[: p + 1], pos[p : p + 1] + 1])
         logits1, _ = propose.head(propose.decode(seq_ids, seq_hidden, seq_pos)[-1])
         torch.testing.assert_close(logits1, step1_ref[p], rtol=1e-4, atol=1e-5)
         # the proposer's own step 1 is that construction at the last position, fed its draft
@@ -217,12 +256,32 @@ def test_step_logits_match_speculators_forward(case):
 
 
 def cli_args(case, out_dir, **settings):
-    eval_settings = {"num_speculative_tokens": K, "max_new_tokens": 8, "num_prompts": 3,
-                     "device": "cpu", **settings}
-    return ["evaluate", "--target", str(case["target"]), "--draft", str(case["draft"]),
-            "--vocab", str(case["vocab"]), "--eval-set", str(case["eval_set"]),
-            "--preflight", str(case["preflight"]), "--out", str(out_dir / "eval.json"),
-            "--plot", str(out_dir / "eval.png"), "--settings", json.dumps({"eval": eval_settings})]
+    eval_settings = {
+        "num_speculative_tokens": K,
+        "max_new_tokens": 8,
+        "num_prompts": 3,
+        "device": "cpu",
+        **settings,
+    }
+    return [
+        "evaluate",
+        "--target",
+        str(case["target"]),
+        "--draft",
+        str(case["draft"]),
+        "--vocab",
+        str(case["vocab"]),
+        "--eval-set",
+        str(case["eval_set"]),
+        "--preflight",
+        str(case["preflight"]),
+        "--out",
+        str(out_dir / "eval.json"),
+        "--plot",
+        str(out_dir / "eval.png"),
+        "--settings",
+        json.dumps({"eval": eval_settings}),
+    ]
 
 
 def test_cli_writes_json_and_png(case, tmp_path):
@@ -261,6 +320,7 @@ def test_cli_output_mismatch_names_prompt(case, tmp_path, monkeypatch, capsys):
 
     def broken(*args, **kwargs):  # a decoding bug: drops the last token
         return real(*args, **kwargs)[:-1]
+
     monkeypatch.setattr(ev, "speculative_generate", broken)
     assert cli.main(cli_args(case, tmp_path, num_prompts=1)) == 2
     err = capsys.readouterr().err
@@ -270,5 +330,13 @@ def test_cli_output_mismatch_names_prompt(case, tmp_path, monkeypatch, capsys):
 
 def test_bad_settings_listed_together():
     with pytest.raises(ev_errors.EvaluateError, match="num_speculative_tokens.*device"):
-        ev.parse_settings({"eval": {"num_speculative_tokens": 0, "max_new_tokens": 4,
-                                    "num_prompts": 1, "device": "tpu"}})
+        ev.parse_settings(
+            {
+                "eval": {
+                    "num_speculative_tokens": 0,
+                    "max_new_tokens": 4,
+                    "num_prompts": 1,
+                    "device": "tpu",
+                }
+            }
+        )

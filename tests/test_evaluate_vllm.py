@@ -29,8 +29,12 @@ from eyrie.vllm import evaluate_vllm as ev
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path(os.environ.get("EYRIE_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
-TEXTS = ["the quick brown fox jumps over the lazy dog", "def f(x): return x + 1",
-         "speculative decoding drafts tokens", "hidden states of the target model"] * 8
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "def f(x): return x + 1",
+    "speculative decoding drafts tokens",
+    "hidden states of the target model",
+] * 8
 AUX = [1, 2, 3]
 K = 3
 DRAFT_VOCAB = 64
@@ -47,10 +51,20 @@ def installed_vllm_checked_elsewhere(request, monkeypatch):
 
 
 def settings(**overrides) -> dict:
-    out = {"eval": {"num_speculative_tokens": K, "max_new_tokens": MAX_NEW,
-                    "num_prompts": NUM_PROMPTS, "device": "cpu"},
-           "vllm": {"tensor_parallel_size": 1, "enforce_eager": True, "max_model_len": None,
-                    "gpu_memory_utilization": 0.3}}
+    out = {
+        "eval": {
+            "num_speculative_tokens": K,
+            "max_new_tokens": MAX_NEW,
+            "num_prompts": NUM_PROMPTS,
+            "device": "cpu",
+        },
+        "vllm": {
+            "tensor_parallel_size": 1,
+            "enforce_eager": True,
+            "max_model_len": None,
+            "gpu_memory_utilization": 0.3,
+        },
+    }
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
         out[section][key] = value
@@ -64,11 +78,19 @@ def world(tmp_path_factory):
     `eyrie.train.export` and the Hugging Face evaluation of that draft (`eyrie evaluate`)."""
     root = tmp_path_factory.mktemp("evaluate_vllm")
     tok = build_chat_tokenizer(TEXTS, vocab_size=300)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=4,
-                         num_attention_heads=2, num_key_value_heads=1, intermediate_size=128,
-                         max_position_embeddings=256, tie_word_embeddings=False,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -92,30 +114,80 @@ def world(tmp_path_factory):
 
     # an (untrained) draft saved the way training saves it, then the real export
     build_draft(target, AUX, d2t, t2d, seed=1).save_pretrained(root / "train" / "draft")
-    (root / "train" / "train.json").write_text(json.dumps({
-        "run_id": "test", "aux_layer_ids": AUX,
-        "target": {"fingerprint": fingerprint(read_config(target))}}))
+    (root / "train" / "train.json").write_text(
+        json.dumps(
+            {
+                "run_id": "test",
+                "aux_layer_ids": AUX,
+                "target": {"fingerprint": fingerprint(read_config(target))},
+            }
+        )
+    )
     draft = root / "draft"
     export(target, root / "train", draft, train_settings(ttt_steps=K))
 
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}],
-                                            add_generation_prompt=True, return_dict=False))
-               for t in TEXTS[:NUM_PROMPTS]]
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False
+            )
+        )
+        for t in TEXTS[:NUM_PROMPTS]
+    ]
     eval_set = write_eval_set(root / "eval.parquet", prompts)
     preflight = write_preflight(root / "preflight.json", target, AUX, 64, len(tok))
     hf_eval = root / "eval.json"
-    assert cli.main(["evaluate", "--target", str(target), "--draft", str(draft), "--vocab",
-                     str(vocab), "--eval-set", str(eval_set), "--preflight", str(preflight),
-                     "--out", str(hf_eval), "--plot", str(root / "eval.png"),
-                     "--settings", json.dumps({"eval": settings()["eval"]})]) == 0
-    return {"root": root, "target": target, "draft": draft, "eval_set": eval_set,
-            "hf_eval": hf_eval, "prompts": prompts, "eos": tok.eos_token_id}
+    assert (
+        cli.main(
+            [
+                "evaluate",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--vocab",
+                str(vocab),
+                "--eval-set",
+                str(eval_set),
+                "--preflight",
+                str(preflight),
+                "--out",
+                str(hf_eval),
+                "--plot",
+                str(root / "eval.png"),
+                "--settings",
+                json.dumps({"eval": settings()["eval"]}),
+            ]
+        )
+        == 0
+    )
+    return {
+        "root": root,
+        "target": target,
+        "draft": draft,
+        "eval_set": eval_set,
+        "hf_eval": hf_eval,
+        "prompts": prompts,
+        "eos": tok.eos_token_id,
+    }
 
 
 def stage_args(world, out: Path, draft: Path | None = None, **overrides) -> list[str]:
-    return ["evaluate-vllm", "--target", str(world["target"]), "--draft", str(draft or world["draft"]),
-            "--eval-set", str(world["eval_set"]), "--hf-eval", str(world["hf_eval"]),
-            "--out", str(out), "--settings", json.dumps(settings(**overrides))]
+    return [
+        "evaluate-vllm",
+        "--target",
+        str(world["target"]),
+        "--draft",
+        str(draft or world["draft"]),
+        "--eval-set",
+        str(world["eval_set"]),
+        "--hf-eval",
+        str(world["hf_eval"]),
+        "--out",
+        str(out),
+        "--settings",
+        json.dumps(settings(**overrides)),
+    ]
 
 
 class FakeEngines:
@@ -129,26 +201,44 @@ class FakeEngines:
     def __call__(self, name, request, workdir):
         self.requests[name] = request
         spec = request["speculative_config"] is not None
-        stats = SpecStats(K, num_drafts=10, num_draft_tokens=30, accepted_tokens=12,
-                          accepted_at_position=[6, 4, 2])
-        return {"vllm_version": "0.22.0", "dtype": "bfloat16",
-                "outputs": self.speculative if spec else self.outputs,
-                "counters": stats.metrics() if spec else None}
+        stats = SpecStats(
+            K,
+            num_drafts=10,
+            num_draft_tokens=30,
+            accepted_tokens=12,
+            accepted_at_position=[6, 4, 2],
+        )
+        return {
+            "vllm_version": "0.22.0",
+            "dtype": "bfloat16",
+            "outputs": self.speculative if spec else self.outputs,
+            "counters": stats.metrics() if spec else None,
+        }
 
 
 # ----------------------------------------------------------------------------- CPU tests
 
 
 def test_settings_every_problem_at_once():
-    bad = settings(eval__num_speculative_tokens=0, eval__max_new_tokens="8",
-                   vllm__tensor_parallel_size=0, vllm__enforce_eager="yes",
-                   vllm__max_model_len=-1, vllm__gpu_memory_utilization=1.5)
+    bad = settings(
+        eval__num_speculative_tokens=0,
+        eval__max_new_tokens="8",
+        vllm__tensor_parallel_size=0,
+        vllm__enforce_eager="yes",
+        vllm__max_model_len=-1,
+        vllm__gpu_memory_utilization=1.5,
+    )
     with pytest.raises(EvaluateError) as err:
         ev.parse_settings(bad)
     msg = str(err.value)
-    for key in ("eval.num_speculative_tokens=0", "eval.max_new_tokens='8'",
-                "vllm.tensor_parallel_size=0", "vllm.enforce_eager='yes'",
-                "vllm.max_model_len=-1", "vllm.gpu_memory_utilization=1.5"):
+    for key in (
+        "eval.num_speculative_tokens=0",
+        "eval.max_new_tokens='8'",
+        "vllm.tensor_parallel_size=0",
+        "vllm.enforce_eager='yes'",
+        "vllm.max_model_len=-1",
+        "vllm.gpu_memory_utilization=1.5",
+    ):
         assert key in msg
     with pytest.raises(EvaluateError, match="'eval' missing.*'vllm' missing"):
         ev.parse_settings({})
@@ -156,9 +246,15 @@ def test_settings_every_problem_at_once():
     with pytest.raises(EvaluateError, match="--gpu-memory-utilization=0"):
         ev.parse_settings(settings(), gpu_memory_utilization=0)
     cfg = ev.parse_settings({"eval": settings()["eval"], "vllm": {}}, gpu_memory_utilization=0.6)
-    assert cfg == ev.VllmEvalSettings(K=K, max_new_tokens=MAX_NEW, num_prompts=NUM_PROMPTS,
-                                      tensor_parallel_size=1, gpu_memory_utilization=0.6,
-                                      enforce_eager=True, max_model_len=None)
+    assert cfg == ev.VllmEvalSettings(
+        K=K,
+        max_new_tokens=MAX_NEW,
+        num_prompts=NUM_PROMPTS,
+        tensor_parallel_size=1,
+        gpu_memory_utilization=0.6,
+        enforce_eager=True,
+        max_model_len=None,
+    )
 
 
 @pytest.mark.parametrize("flags", [("fc_norm",), ("norm_output",), ("fc_norm", "norm_output")])
@@ -171,6 +267,7 @@ def test_refuses_flags_vllm_ignores_before_any_engine(world, tmp_path, monkeypat
 
     def no_engine(*args, **kwargs):
         raise AssertionError("an engine was started for a draft that must be refused")
+
     monkeypatch.setattr(ev, "run_engine", no_engine)
     assert cli.main(stage_args(world, tmp_path / "out.json", draft)) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
@@ -190,8 +287,14 @@ def test_refuses_draft_of_another_target(world, tmp_path, monkeypatch):
     (draft / "config.json").write_text(json.dumps(config))
     monkeypatch.setattr(ev, "run_engine", None)  # would fail if called
     with pytest.raises(EvaluateError, match=r"target_hidden_size 32 .* 64.*\[1, 2, 9\].*0\.\.3"):
-        ev.evaluate_vllm(world["target"], draft, world["eval_set"], world["hf_eval"],
-                         tmp_path / "out.json", settings())
+        ev.evaluate_vllm(
+            world["target"],
+            draft,
+            world["eval_set"],
+            world["hf_eval"],
+            tmp_path / "out.json",
+            settings(),
+        )
 
 
 def test_requests_and_report(world, tmp_path, monkeypatch):
@@ -205,8 +308,11 @@ def test_requests_and_report(world, tmp_path, monkeypatch):
 
     base, spec = engines.requests["baseline"], engines.requests["speculative"]
     assert base["speculative_config"] is None
-    assert spec["speculative_config"] == {"model": str(world["draft"].resolve()), "method": "eagle3",
-                                          "num_speculative_tokens": K}
+    assert spec["speculative_config"] == {
+        "model": str(world["draft"].resolve()),
+        "method": "eagle3",
+        "num_speculative_tokens": K,
+    }
     assert base["engine"] == spec["engine"]  # same execution mode for both runs
     engine = base["engine"]
     assert engine["model"] == str(world["target"].resolve())  # never the verifier path
@@ -223,13 +329,18 @@ def test_requests_and_report(world, tmp_path, monkeypatch):
     assert report["output_tokens"] == sum(map(len, outputs))
     assert report["acceptance_length"] == pytest.approx(2.2)
     assert report["per_position_acceptance"] == pytest.approx([0.6, 0.4, 0.2])
-    assert report["counters"] == {"num_drafts": 10, "num_draft_tokens": 30, "accepted_tokens": 12,
-                                  "accepted_at_position": [6, 4, 2]}
+    assert report["counters"] == {
+        "num_drafts": 10,
+        "num_draft_tokens": 30,
+        "accepted_tokens": 12,
+        "accepted_at_position": [6, 4, 2],
+    }
     hf_al, hf_pp = hf["trained"]["acceptance_length"], hf["trained"]["per_position_acceptance"]
     assert report["hf"]["acceptance_length"] == hf_al
     assert report["difference"]["acceptance_length"] == pytest.approx(2.2 - hf_al)
     assert report["difference"]["per_position_acceptance"] == pytest.approx(
-        [a - b for a, b in zip([0.6, 0.4, 0.2], hf_pp)])
+        [a - b for a, b in zip([0.6, 0.4, 0.2], hf_pp)]
+    )
     assert report["engine"]["dtype"] == "bfloat16"
     assert report["provenance"]["settings"]["vllm"]["enforce_eager"] is True
     assert not stale.exists()  # a diagnostic from an earlier failed run is removed
@@ -248,18 +359,36 @@ def test_differing_output_fails_with_diagnostic(world, tmp_path, monkeypatch, ca
     assert not out.exists()
     diag = json.loads(ev.diagnostic_path(out).read_text())
     assert [(p["sample_id"], p["first_difference"]) for p in diag["prompts"]] == [
-        ("conv.jsonl:2", 2), ("conv.jsonl:4", 1)]
-    assert diag["prompts"][0]["baseline"] == [8, 8, 8] and diag["prompts"][0]["speculative"] == [8, 8, 3]
+        ("conv.jsonl:2", 2),
+        ("conv.jsonl:4", 1),
+    ]
+    assert diag["prompts"][0]["baseline"] == [8, 8, 8] and diag["prompts"][0]["speculative"] == [
+        8,
+        8,
+        3,
+    ]
 
 
 def test_stale_hf_evaluation_refused(world, tmp_path, monkeypatch):
     monkeypatch.setattr(ev, "run_engine", None)
     with pytest.raises(EvaluateError, match=r"evaluated with K 3 \(here 2\)"):
-        ev.evaluate_vllm(world["target"], world["draft"], world["eval_set"], world["hf_eval"],
-                         tmp_path / "out.json", settings(eval__num_speculative_tokens=2))
+        ev.evaluate_vllm(
+            world["target"],
+            world["draft"],
+            world["eval_set"],
+            world["hf_eval"],
+            tmp_path / "out.json",
+            settings(eval__num_speculative_tokens=2),
+        )
     with pytest.raises(EvaluateError, match="vllm.max_model_len=10 is below"):
-        ev.evaluate_vllm(world["target"], world["draft"], world["eval_set"], world["hf_eval"],
-                         tmp_path / "out.json", settings(vllm__max_model_len=10))
+        ev.evaluate_vllm(
+            world["target"],
+            world["draft"],
+            world["eval_set"],
+            world["hf_eval"],
+            tmp_path / "out.json",
+            settings(vllm__max_model_len=10),
+        )
 
 
 def test_first_difference():
@@ -274,11 +403,28 @@ def test_workflow_rule_only_when_asked(tmp_path):
     base = {"target": {"name": "tiny"}, "data": {"conversations": ["convs.jsonl"]}}
     plans = {}
     for flag in (False, True):
-        (tmp_path / "config.yaml").write_text(json.dumps(
-            {**base, "eval": {"vllm": flag}, "vllm": {"gpu_memory_utilization": 0.5}}))
-        proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"),
-                               "-d", str(tmp_path), "--configfile", str(tmp_path / "config.yaml"),
-                               "--cores", "1", "-n", "-p"], capture_output=True, text=True)
+        (tmp_path / "config.yaml").write_text(
+            json.dumps({**base, "eval": {"vllm": flag}, "vllm": {"gpu_memory_utilization": 0.5}})
+        )
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "snakemake",
+                "-s",
+                str(REPO / "Snakefile"),
+                "-d",
+                str(tmp_path),
+                "--configfile",
+                str(tmp_path / "config.yaml"),
+                "--cores",
+                "1",
+                "-n",
+                "-p",
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         plans[flag] = proc.stdout + proc.stderr
     assert "evaluate_vllm" not in plans[False]
@@ -287,9 +433,15 @@ def test_workflow_rule_only_when_asked(tmp_path):
     assert "--gpu-memory-utilization 0.5" in cmd and "--hf-eval results/tiny/eval/eval.json" in cmd
     # only what changes the result is compared by the params trigger
     passed = json.loads(cmd.split("--settings '", 1)[1].split("'", 1)[0])
-    assert passed == {"eval": {"max_new_tokens": 64, "num_prompts": 16, "num_speculative_tokens": 3},
-                      "vllm": {"dtype": "auto", "enforce_eager": True, "max_model_len": None,
-                               "tensor_parallel_size": 1}}
+    assert passed == {
+        "eval": {"max_new_tokens": 64, "num_prompts": 16, "num_speculative_tokens": 3},
+        "vllm": {
+            "dtype": "auto",
+            "enforce_eager": True,
+            "max_model_len": None,
+            "tensor_parallel_size": 1,
+        },
+    }
 
 
 # ----------------------------------------------------------------------------- vLLM environment
@@ -297,12 +449,14 @@ def test_workflow_rule_only_when_asked(tmp_path):
 needs_vllm_env = pytest.mark.skipif(
     not VLLM_PYTHON.exists(),
     reason=f"no vLLM environment at {VLLM_PYTHON}: run `bash scripts/setup-vllm.sh` "
-           "(or set EYRIE_VLLM_PYTHON)")
+    "(or set EYRIE_VLLM_PYTHON)",
+)
 
 
 def vllm_python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([str(VLLM_PYTHON), "-c", code], capture_output=True, text=True,
-                          cwd=REPO, timeout=timeout)
+    return subprocess.run(
+        [str(VLLM_PYTHON), "-c", code], capture_output=True, text=True, cwd=REPO, timeout=timeout
+    )
 
 
 @needs_vllm_env
@@ -312,9 +466,14 @@ def test_installed_vllm_check_in_the_vllm_environment(tmp_path, arch, ok):
     """The first seconds of evaluate-vllm: the real installed vLLM's version and whether the
     target's class can serve an EAGLE-3 draft (GPT-2 cannot)."""
     model_type = "llama" if arch.startswith("Llama") else "gpt2"
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type}))
-    proc = vllm_python("import sys; from eyrie.vllm.evaluate_vllm import check_installed_vllm; "
-                       f"check_installed_vllm({str(tmp_path)!r}); print('ok')", timeout=180)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": [arch], "model_type": model_type})
+    )
+    proc = vllm_python(
+        "import sys; from eyrie.vllm.evaluate_vllm import check_installed_vllm; "
+        f"check_installed_vllm({str(tmp_path)!r}); print('ok')",
+        timeout=180,
+    )
     if ok:
         assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
     else:
@@ -324,8 +483,10 @@ def test_installed_vllm_check_in_the_vllm_environment(tmp_path, arch, ok):
 
 @needs_vllm_env
 def test_module_imports_in_vllm_environment():
-    proc = vllm_python("import sys, eyrie.vllm.evaluate_vllm, eyrie.cli; "
-                       "print(sorted(m for m in ('speculators', 'matplotlib') if m in sys.modules))")
+    proc = vllm_python(
+        "import sys, eyrie.vllm.evaluate_vllm, eyrie.cli; "
+        "print(sorted(m for m in ('speculators', 'matplotlib') if m in sys.modules))"
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
@@ -380,7 +541,10 @@ def test_counters_to_acceptance_on_vllm_metric_classes():
     assert two["accepted_at_position"] == [8, 5, 2]
     assert out["no_drafts"]["acceptance_length"] is None
     assert out["no_drafts"]["per_position_acceptance"] is None
-    assert "vllm:spec_decode_num_accepted_tokens" in out["missing"] and "disable_log_stats" in out["missing"]
+    assert (
+        "vllm:spec_decode_num_accepted_tokens" in out["missing"]
+        and "disable_log_stats" in out["missing"]
+    )
     assert "2 positions, expected K=3" in out["wrong_k"]
     assert "sums to 11" in out["inconsistent"]
 
@@ -403,8 +567,14 @@ def test_whole_stage_through_vllm(vllm_cuda, world, tmp_path):
     baseline outputs agree token for token and the counters give the report's AL."""
     out = tmp_path / "eval_vllm.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([str(VLLM_PYTHON), "-m", "eyrie.cli", *stage_args(world, out)],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "eyrie.cli", *stage_args(world, out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     report = json.loads(out.read_text())
     assert report["vllm_version"] and report["K"] == K
@@ -415,10 +585,12 @@ def test_whole_stage_through_vllm(vllm_cuda, world, tmp_path):
     assert sum(c["accepted_at_position"]) == c["accepted_tokens"]
     assert report["acceptance_length"] == pytest.approx(1 + c["accepted_tokens"] / c["num_drafts"])
     assert report["per_position_acceptance"] == pytest.approx(
-        [a / c["num_drafts"] for a in c["accepted_at_position"]])
+        [a / c["num_drafts"] for a in c["accepted_at_position"]]
+    )
     assert 0 < report["output_tokens"] <= NUM_PROMPTS * MAX_NEW
     hf = json.loads(world["hf_eval"].read_text())
     assert report["hf"]["acceptance_length"] == hf["trained"]["acceptance_length"]
     assert report["difference"]["acceptance_length"] == pytest.approx(
-        report["acceptance_length"] - hf["trained"]["acceptance_length"])
+        report["acceptance_length"] - hf["trained"]["acceptance_length"]
+    )
     assert not ev.diagnostic_path(out).exists()

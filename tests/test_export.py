@@ -28,19 +28,41 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     world = build_world(root, num_conversations=8)
     settings = train_settings(epochs=1, ttt_steps=2)
-    train(world["target"], world["preflight"], world["vocab"], world["shards"], root / "train",
-          root / "state", settings)
+    train(
+        world["target"],
+        world["preflight"],
+        world["vocab"],
+        world["shards"],
+        root / "train",
+        root / "state",
+        settings,
+    )
     return world, root / "train", settings
 
 
 def test_export_round_trip(trained, tmp_path):
     world, train_dir, settings = trained
     out = tmp_path / "draft"
-    rc = cli_main(["export", "--target", str(world["target"]), "--train-dir", str(train_dir),
-                   "--out-dir", str(out), "--settings", json.dumps(settings)])
+    rc = cli_main(
+        [
+            "export",
+            "--target",
+            str(world["target"]),
+            "--train-dir",
+            str(train_dir),
+            "--out-dir",
+            str(out),
+            "--settings",
+            json.dumps(settings),
+        ]
+    )
     assert rc == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "config.py", "model.safetensors",
-                                                      "provenance.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "config.py",
+        "model.safetensors",
+        "provenance.json",
+    ]
     config = json.loads((out / "config.json").read_text())
     for field in CONFIG_FIELDS:
         assert config.get(field) is not None, field
@@ -54,8 +76,10 @@ def test_export_round_trip(trained, tmp_path):
     assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
     assert spec["proposal_methods"][0]["proposal_type"] == "greedy"
     assert spec["proposal_methods"][0]["speculative_tokens"] == 2  # train.ttt_steps
-    assert spec["verifier"] == {"name_or_path": str(world["target"].resolve()),
-                                "architectures": ["LlamaForCausalLM"]}
+    assert spec["verifier"] == {
+        "name_or_path": str(world["target"].resolve()),
+        "architectures": ["LlamaForCausalLM"],
+    }
 
     V = len(world["tokenizer"])
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -70,6 +94,7 @@ def test_export_round_trip(trained, tmp_path):
 
     # An independent client: speculators' loader, against the draft that training saved.
     from speculators.models.eagle3 import Eagle3DraftModel
+
     assert isinstance(load_draft(out), Eagle3DraftModel)
     trained_model = load_draft(train_dir / "draft")
     exported = load_draft(out)
@@ -127,7 +152,9 @@ def test_validation_catches_changed_weights_and_tensor_sets(trained, tmp_path):
     expect = {"speculators_config.proposal_methods.0.speculative_tokens": 2}
     validate_export(out, reference, 2, expect)  # the untouched export passes
     with pytest.raises(ExportError, match="speculative_tokens is 2, expected 3"):
-        validate_export(out, reference, 2, {"speculators_config.proposal_methods.0.speculative_tokens": 3})
+        validate_export(
+            out, reference, 2, {"speculators_config.proposal_methods.0.speculative_tokens": 3}
+        )
 
     tensors = load_file(str(out / "model.safetensors"))
     tensors["fc.weight"] = tensors["fc.weight"].clone()

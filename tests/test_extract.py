@@ -18,7 +18,6 @@ from eyrie.arch.target import inspect_target, tokenizer_hash
 from eyrie.demo.tokenizer import build_chat_tokenizer
 from eyrie.errors import EyrieError
 from eyrie.extract import extract as extract_stage_extract
-from eyrie.extract import extractor as extract_stage
 from eyrie.extract import hf as extract_stage_hf
 from eyrie.extract.extractor import (
     Extractor,
@@ -31,8 +30,12 @@ from eyrie.extract.hf import HFBackend
 from eyrie.formats.hidden import ShardReader
 from eyrie.formats.tokenized import read_tokenized
 
-TEXTS = ["the quick brown fox jumps over the lazy dog", "def f(x): return x + 1",
-         "speculative decoding drafts tokens", "hidden states of the target model"] * 8
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "def f(x): return x + 1",
+    "speculative decoding drafts tokens",
+    "hidden states of the target model",
+] * 8
 # lengths chosen so that batches mix samples of different lengths (padding inside a batch)
 LENGTHS = [5, 23, 1, 17, 40, 9, 33, 12, 28, 2, 19]
 AUX = [1, 2, 3]
@@ -47,15 +50,36 @@ def run_stage(argv: list[str]) -> int:
 
 def make_config(kind: str, vocab_size: int):
     if kind == "llama":
-        return LlamaConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                           max_position_embeddings=256)
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=256,
+        )
     return DeepseekV3Config(
-        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
-        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16,
-        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1,
-        topk_group=1, max_position_embeddings=256)
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=256,
+    )
 
 
 def build_case(tmp_path, kind: str):
@@ -75,20 +99,35 @@ def build_case(tmp_path, kind: str):
     ids = [rng.integers(0, len(tok), n).astype(np.int32) for n in LENGTHS]
     masks = [(rng.random(n) < 0.5).astype(np.uint8) for n in LENGTHS]
     shard = tmp_path / "shard_000.parquet"
-    pq.write_table(pa.table({
-        "sample_id": [f"conv.jsonl:{i + 1}" for i in range(len(ids))],
-        "input_ids": pa.array([x.tolist() for x in ids], type=pa.list_(pa.int32())),
-        "loss_mask": pa.array([m.tolist() for m in masks], type=pa.list_(pa.uint8())),
-    }), shard)
+    pq.write_table(
+        pa.table(
+            {
+                "sample_id": [f"conv.jsonl:{i + 1}" for i in range(len(ids))],
+                "input_ids": pa.array([x.tolist() for x in ids], type=pa.list_(pa.int32())),
+                "loss_mask": pa.array([m.tolist() for m in masks], type=pa.list_(pa.uint8())),
+            }
+        ),
+        shard,
+    )
     preflight = tmp_path / "preflight.json"
-    preflight.write_text(json.dumps({"ok": True, "target": {"fingerprint": inspect_target(target).fingerprint}}))
+    preflight.write_text(
+        json.dumps({"ok": True, "target": {"fingerprint": inspect_target(target).fingerprint}})
+    )
     return target, shard, preflight, ids, masks
 
 
 def settings(max_tokens: int, storage: str = "bfloat16") -> dict:
-    return {"extract": {"backend": "hf", "device": "cpu", "dtype": "float32",
-                        "storage_dtype": storage, "max_tokens_per_batch": max_tokens},
-            "layers": {"aux_ids": AUX}, "trust_remote_code": False}
+    return {
+        "extract": {
+            "backend": "hf",
+            "device": "cpu",
+            "dtype": "float32",
+            "storage_dtype": storage,
+            "max_tokens_per_batch": max_tokens,
+        },
+        "layers": {"aux_ids": AUX},
+        "trust_remote_code": False,
+    }
 
 
 def reference(model, ids: np.ndarray) -> dict[int, torch.Tensor]:
@@ -107,7 +146,9 @@ def reference(model, ids: np.ndarray) -> dict[int, torch.Tensor]:
 
 def raw(path) -> dict[str, np.ndarray]:
     with h5py.File(path, "r") as f:
-        return {k: f[k][:] for k in ("input_ids", "loss_mask", "offsets", "aux_hidden", "final_hidden")}
+        return {
+            k: f[k][:] for k in ("input_ids", "loss_mask", "offsets", "aux_hidden", "final_hidden")
+        }
 
 
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
@@ -142,8 +183,20 @@ def test_batched_equals_one_by_one_and_reference(tmp_path, kind):
     # the batched plan really batches (several samples per forward, with padding)
     assert max(len(b) for b in plan_batches(LENGTHS, 96)) >= 3
     batched, single = tmp_path / "batched.h5", tmp_path / "single.h5"
-    rc = run_stage(["--target", str(target), "--shard", str(shard), "--preflight",
-                    str(preflight), "--out", str(batched), "--settings", json.dumps(settings(96))])
+    rc = run_stage(
+        [
+            "--target",
+            str(target),
+            "--shard",
+            str(shard),
+            "--preflight",
+            str(preflight),
+            "--out",
+            str(batched),
+            "--settings",
+            json.dumps(settings(96)),
+        ]
+    )
     assert rc == 0
     extract_shard(target, shard, preflight, single, settings(1))  # every sample alone
 
@@ -152,9 +205,13 @@ def test_batched_equals_one_by_one_and_reference(tmp_path, kind):
         assert np.array_equal(a[name], b[name]), name
 
     N = 4
-    expect = {"target_fingerprint": inspect_target(target).fingerprint,
-              "tokenizer_hash": tokenizer_hash(target), "aux_layer_ids": AUX,
-              "final_layer_id": N, "hidden_size": 32}
+    expect = {
+        "target_fingerprint": inspect_target(target).fingerprint,
+        "tokenizer_hash": tokenizer_hash(target),
+        "aux_layer_ids": AUX,
+        "final_layer_id": N,
+        "hidden_size": 32,
+    }
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     mismatches = 0
     with ShardReader(batched, expect=expect) as rb, ShardReader(single, expect=expect) as rs:
@@ -183,7 +240,9 @@ def test_float32_storage_matches_reference_exactly(tmp_path):
     with ShardReader(out) as reader:
         got = reader.read(1)
         assert got["final_hidden"].dtype == torch.float32
-    ref = reference(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), ids[1])
+    ref = reference(
+        AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), ids[1]
+    )
     assert torch.equal(got["final_hidden"], ref[4])
     assert torch.equal(got["aux_hidden"], torch.cat([ref[k] for k in AUX], dim=-1))
 
@@ -203,12 +262,14 @@ def test_float8_storage_is_within_its_bound(tmp_path):
     with ShardReader(out) as reader:
         for i in range(len(ids)):
             got, ref = reader.read(i), reference(model, ids[i])
-            for name, want in (("aux_hidden", torch.cat([ref[k] for k in AUX], -1)),
-                               ("final_hidden", ref[4])):
+            for name, want in (
+                ("aux_hidden", torch.cat([ref[k] for k in AUX], -1)),
+                ("final_hidden", ref[4]),
+            ):
                 assert got[name].dtype == torch.float32
                 amax = want.abs().amax(dim=1)  # [T]
                 rel = (got[name] - want).abs().amax(dim=1) / amax
-                assert bool((rel <= (1 + 2.0 ** -18) / 28).all()), (i, name, float(rel.max()))
+                assert bool((rel <= (1 + 2.0**-18) / 28).all()), (i, name, float(rel.max()))
                 worst = max(worst, float(rel.max()))
     assert worst > 0.5 / 28  # really quantized (float32 storage would give 0)
 
@@ -219,7 +280,9 @@ def test_stale_or_failed_preflight_is_refused(tmp_path):
     preflight.write_text(json.dumps({"ok": True, "target": {"fingerprint": "0123456789abcdef"}}))
     with pytest.raises(EyrieError, match="preflight is stale.*rerun it"):
         extract_shard(target, shard, preflight, out, settings(64))
-    preflight.write_text(json.dumps({"ok": False, "target": {"fingerprint": inspect_target(target).fingerprint}}))
+    preflight.write_text(
+        json.dumps({"ok": False, "target": {"fingerprint": inspect_target(target).fingerprint}})
+    )
     with pytest.raises(EyrieError, match="did not pass"):
         extract_shard(target, shard, preflight, out, settings(64))
     assert not out.exists()
@@ -232,17 +295,39 @@ def test_bad_settings_and_shard_are_refused(tmp_path):
     bad["extract"]["device"] = "tpu"
     with pytest.raises(EyrieError) as err:
         extract_shard(target, shard, preflight, out, bad)
-    assert "extract.device='tpu'" in str(err.value) and "extract.max_tokens_per_batch=0" in str(err.value)
+    assert "extract.device='tpu'" in str(err.value) and "extract.max_tokens_per_batch=0" in str(
+        err.value
+    )
     bad = settings(64)
     bad["layers"]["aux_ids"] = [1, 4]
     with pytest.raises(EyrieError, match="layers.aux_ids.*out of range"):
         extract_shard(target, shard, preflight, out, bad)
     # token ids outside the vocabulary: one line naming the file and the sample
-    pq.write_table(pa.table({"sample_id": ["x:1"], "input_ids": [[1, 2, 100000]],
-                             "loss_mask": pa.array([[0, 1, 1]], type=pa.list_(pa.uint8()))}), shard)
+    pq.write_table(
+        pa.table(
+            {
+                "sample_id": ["x:1"],
+                "input_ids": [[1, 2, 100000]],
+                "loss_mask": pa.array([[0, 1, 1]], type=pa.list_(pa.uint8())),
+            }
+        ),
+        shard,
+    )
     with pytest.raises(EyrieError) as err:
-        run_stage(["--target", str(target), "--shard", str(shard), "--preflight", str(preflight),
-                   "--out", str(out), "--settings", json.dumps(settings(64))])
+        run_stage(
+            [
+                "--target",
+                str(target),
+                "--shard",
+                str(shard),
+                "--preflight",
+                str(preflight),
+                "--out",
+                str(out),
+                "--settings",
+                json.dumps(settings(64)),
+            ]
+        )
     assert str(shard) in str(err.value) and "sample x:1: token id 100000 outside" in str(err.value)
     assert "\n" not in str(err.value)
     assert not out.exists()
@@ -269,8 +354,16 @@ def test_one_extractor_loads_the_target_once_for_many_shards(tmp_path, monkeypat
     for name in a:
         assert np.array_equal(a[name], b[name]) and np.array_equal(a[name], c[name]), name
     # standalone: a bad shard fails before the (expensive) load
-    pq.write_table(pa.table({"sample_id": ["x:1"], "input_ids": [[1, 100000]],
-                             "loss_mask": pa.array([[0, 1]], type=pa.list_(pa.uint8()))}), shard)
+    pq.write_table(
+        pa.table(
+            {
+                "sample_id": ["x:1"],
+                "input_ids": [[1, 100000]],
+                "loss_mask": pa.array([[0, 1]], type=pa.list_(pa.uint8())),
+            }
+        ),
+        shard,
+    )
     with pytest.raises(EyrieError, match="token id 100000 outside"):
         extract_shard(target, shard, preflight, tmp_path / "bad.h5", settings(96))
     assert len(loads) == 2
@@ -324,19 +417,26 @@ def test_batching_on_cuda_adds_no_error(tmp_path, kind):
         e_single = float((err["single"][k] - ref).abs().mean())
         e_batched = float((err["batched"][k] - ref).abs().mean())
         same = torch.equal(err["single"][k], err["batched"][k])
-        print(f"{kind} {k}: mean |bf16 - fp32| single {e_single:.3g}, batched {e_batched:.3g}, "
-              f"bit-identical: {same}")
+        print(
+            f"{kind} {k}: mean |bf16 - fp32| single {e_single:.3g}, batched {e_batched:.3g}, "
+            f"bit-identical: {same}"
+        )
         assert e_batched <= 1.25 * e_single + 1e-6 * float(ref.abs().mean())
 
 
-@pytest.mark.parametrize("ids,mask,message", [
-    ([[1, 2], []], [[0, 1], []], "sample b:2: no tokens"),
-    ([[1, 2], [3]], [[0, 1], [1, 1]], "sample b:2: 1 input_ids but 2 loss_mask values"),
-    ([[1, 2], [3]], [[0, 1], [2]], "loss_mask holds values other than 0/1"),
-])
+@pytest.mark.parametrize(
+    "ids,mask,message",
+    [
+        ([[1, 2], []], [[0, 1], []], "sample b:2: no tokens"),
+        ([[1, 2], [3]], [[0, 1], [1, 1]], "sample b:2: 1 input_ids but 2 loss_mask values"),
+        ([[1, 2], [3]], [[0, 1], [2]], "loss_mask holds values other than 0/1"),
+    ],
+)
 def test_bad_tokenized_rows_are_named(tmp_path, ids, mask, message):
     path = tmp_path / "t.parquet"
-    pq.write_table(pa.table({"sample_id": ["b:1", "b:2"], "input_ids": ids, "loss_mask": mask}), path)
+    pq.write_table(
+        pa.table({"sample_id": ["b:1", "b:2"], "input_ids": ids, "loss_mask": mask}), path
+    )
     with pytest.raises(EyrieError, match=f"{path}: {message}"):
         read_tokenized(path, vocab_size=10)
 
@@ -363,12 +463,20 @@ def test_gpu_staging_writes_what_the_host_path_writes(tmp_path, storage):
     staging = PinnedStaging(slots=2)
     with ShardWriter(tmp_path / "gpu.h5", meta, ["a", "b", "c"], ids, ids) as w:
         for batch in ([2, 0], [1]):  # length-sorted batches, as the backend yields them
-            stored, bad = stored_tensors(torch.cat([aux[i] for i in batch]).cuda(),
-                                         torch.cat([final[i] for i in batch]).cuda(), storage)
-            _write_staged(w, staging.stage(batch, [lengths[i] for i in batch], stored, bad),
-                          tmp_path / "gpu.h5")
+            stored, bad = stored_tensors(
+                torch.cat([aux[i] for i in batch]).cuda(),
+                torch.cat([final[i] for i in batch]).cuda(),
+                storage,
+            )
+            _write_staged(
+                w,
+                staging.stage(batch, [lengths[i] for i in batch], stored, bad),
+                tmp_path / "gpu.h5",
+            )
     host, gpu = raw(tmp_path / "host.h5"), raw(tmp_path / "gpu.h5")
-    names = ["aux_hidden", "final_hidden"] + (["aux_scale", "final_scale"] if "float8" in storage else [])
+    names = ["aux_hidden", "final_hidden"] + (
+        ["aux_scale", "final_scale"] if "float8" in storage else []
+    )
     for k in names:
         with h5py.File(tmp_path / "host.h5") as fh, h5py.File(tmp_path / "gpu.h5") as fg:
             assert np.array_equal(fh[k][:], fg[k][:]), k
@@ -376,6 +484,8 @@ def test_gpu_staging_writes_what_the_host_path_writes(tmp_path, storage):
 
     aux[0][5, 7] = float("nan")
     stored, bad = stored_tensors(aux[0].cuda(), final[0].cuda(), storage)
-    with pytest.raises(EyrieError, match="sample 0: non-finite"), \
-            ShardWriter(tmp_path / "bad.h5", meta, ["a", "b", "c"], ids, ids) as w:
+    with (
+        pytest.raises(EyrieError, match="sample 0: non-finite"),
+        ShardWriter(tmp_path / "bad.h5", meta, ["a", "b", "c"], ids, ids) as w,
+    ):
         _write_staged(w, staging.stage([0], [7], stored, bad), tmp_path / "bad.h5")

@@ -86,8 +86,9 @@ def facts():
     return real_facts()
 
 
-def run_checks(tmp_path: Path, config: dict, facts, aux_ids=None, weights_gib=None, eval_vllm=False,
-               **vllm) -> dict:
+def run_checks(
+    tmp_path: Path, config: dict, facts, aux_ids=None, weights_gib=None, eval_vllm=False, **vllm
+) -> dict:
     """vLLM preflight on a target folder holding `config` (and sparse weights of `weights_gib`)."""
     folder = write_target(tmp_path / "target", config, weights_gib)
     info = inspect_target(folder)
@@ -152,15 +153,24 @@ def with_classes(real, model_cls=None, layer_cls=None):
     """Real facts with the fields of the given classes replaced, read by the same inspection code
     gather_facts runs on vLLM's classes (a class left None keeps its real fields)."""
     new = inspect_classes(model_cls, layer_cls)
-    return replace(real, **{k: v for k, v in new.items()
-                            if (layer_cls if k.startswith("layer") else model_cls) is not None})
+    return replace(
+        real,
+        **{
+            k: v
+            for k, v in new.items()
+            if (layer_cls if k.startswith("layer") else model_cls) is not None
+        },
+    )
 
 
 def vllm_function(module: str, name: str) -> types.ModuleType:
     """vLLM's own function `name`, compiled from the INSTALLED vllm/model_executor/models/<module>.py
     into a module namespace here (the training environment has torch but no vLLM)."""
-    source = next(VLLM_PYTHON.parent.parent.glob(
-        f"lib/python*/site-packages/vllm/model_executor/models/{module}.py"))
+    source = next(
+        VLLM_PYTHON.parent.parent.glob(
+            f"lib/python*/site-packages/vllm/model_executor/models/{module}.py"
+        )
+    )
     tree = ast.parse(source.read_text())
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
     mod = types.ModuleType(f"vllm_{module}_{name}")
@@ -182,8 +192,12 @@ def test_embed_method_renamed(facts, tmp_path):
     new = with_classes(facts["deepseek"], model_cls=DeepseekModelFutureEmbed)
     got = run_checks(tmp_path / "new", DEEPSEEK, new, aux_ids=[1, 2, 3])
     problem = one(got["problems"], "has neither of")
-    assert "vllm.model_executor.models.deepseek_v2: DeepseekV2Model has neither of " \
-           "['embed_input_ids', 'get_input_embeddings']" in problem and ADAPTER_FIX in problem
+    assert (
+        "vllm.model_executor.models.deepseek_v2: DeepseekV2Model has neither of "
+        "['embed_input_ids', 'get_input_embeddings']"
+        in problem
+        and ADAPTER_FIX in problem
+    )
 
 
 @need_vllm
@@ -201,8 +215,10 @@ def test_layer_positional_order(facts, tmp_path):
     swapped = with_classes(facts["deepseek"], layer_cls=DeepseekLayerSwapped)
     got = run_checks(tmp_path / "ds", DEEPSEEK, swapped, aux_ids=[1, 2, 3])
     problem = one(got["problems"], "positional order differs")
-    assert "DeepseekV2DecoderLayer.forward('hidden_states', 'positions', 'residual', " \
-           "'llama_4_scaling') does not match the adapter's positional call" in problem
+    assert (
+        "DeepseekV2DecoderLayer.forward('hidden_states', 'positions', 'residual', "
+        "'llama_4_scaling') does not match the adapter's positional call" in problem
+    )
     # ... Llama's calls by keyword, so the same swap is harmless there
     llama = with_classes(facts["llama"], layer_cls=LlamaLayerSwapped)
     got = run_checks(tmp_path / "llama", LLAMA, llama, extraction_path="capture")
@@ -243,8 +259,11 @@ def test_no_native_method_or_connector(facts, tmp_path):
     assert "KV connector ExampleHiddenStatesConnector not registered" in path["native_refused"][1]
     got = run_checks(tmp_path / "native", LLAMA, gone, extraction_path="native")
     assert len(got["problems"]) == 2
-    assert all(p.startswith("vllm.extraction_path=native: vLLM 0.22.0: ")
-               and p.endswith("set vllm.extraction_path to capture or auto") for p in got["problems"])
+    assert all(
+        p.startswith("vllm.extraction_path=native: vLLM 0.22.0: ")
+        and p.endswith("set vllm.extraction_path to capture or auto")
+        for p in got["problems"]
+    )
 
 
 # ----------------------------------------------------------------------------- configs
@@ -260,27 +279,40 @@ def test_llama_4_scaling(facts, tmp_path):
     assert got.shape == (8, 1, 1)  # broadcast over heads and head_dim
     want = 1 + 0.1 * torch.log(1 + torch.floor(positions / 8192))
     torch.testing.assert_close(got[:, 0, 0], want)
-    assert got[0, 0, 0].item() == 1.0 and got[3, 0, 0].item() == pytest.approx(1 + 0.1 * math.log(2))
+    assert got[0, 0, 0].item() == 1.0 and got[3, 0, 0].item() == pytest.approx(
+        1 + 0.1 * math.log(2)
+    )
     assert got[7, 0, 0].item() == pytest.approx(1 + 0.1 * math.log(17))
     assert llama_4_scaling(transformers.PretrainedConfig(), positions, module) is None  # Kimi-K2.5
 
     # preflight: without the key nothing is needed; with it, vLLM's helper (0.22 has it)
     with_key = {**DEEPSEEK, "llama_4_scaling": spec}
-    assert run_checks(tmp_path / "a", with_key, facts["deepseek"], aux_ids=[1, 2, 3])["problems"] == []
-    no_helper = replace(facts["deepseek"], helpers={"llama_4_scaling": False},
-                        helper_params={"llama_4_scaling": None})
+    assert (
+        run_checks(tmp_path / "a", with_key, facts["deepseek"], aux_ids=[1, 2, 3])["problems"] == []
+    )
+    no_helper = replace(
+        facts["deepseek"],
+        helpers={"llama_4_scaling": False},
+        helper_params={"llama_4_scaling": None},
+    )
     assert run_checks(tmp_path / "b", DEEPSEEK, no_helper, aux_ids=[1, 2, 3])["problems"] == []
     got = run_checks(tmp_path / "c", with_key, no_helper, aux_ids=[1, 2, 3])
     problem = one(got["problems"], "llama_4_scaling")
     assert "config asks for llama_4_scaling but this vLLM has no _get_llama_4_scaling" in problem
-    renamed = replace(facts["deepseek"], helper_params={
-        "llama_4_scaling": ["original_max_position_embeddings", "beta", "positions"]})
+    renamed = replace(
+        facts["deepseek"],
+        helper_params={
+            "llama_4_scaling": ["original_max_position_embeddings", "beta", "positions"]
+        },
+    )
     got = run_checks(tmp_path / "d", with_key, renamed, aux_ids=[1, 2, 3])
     assert "does not take the keywords" in one(got["problems"], "_get_llama_4_scaling")
     bad = {**DEEPSEEK, "llama_4_scaling": {"beta": 0.1}}
     got = run_checks(tmp_path / "e", bad, facts["deepseek"], aux_ids=[1, 2, 3])
-    assert "config.json: llama_4_scaling={'beta': 0.1} needs keys original_max_position_embeddings " \
-           "and beta; fix the target's config" in got["problems"]
+    assert (
+        "config.json: llama_4_scaling={'beta': 0.1} needs keys original_max_position_embeddings "
+        "and beta; fix the target's config" in got["problems"]
+    )
 
 
 @need_vllm
@@ -304,21 +336,31 @@ def test_multimodal_wrapper(facts, tmp_path):
 def test_deepseek_native_final_layer(facts, tmp_path):
     # vLLM 0.22 captures DeepSeek states BEFORE each layer: id N (the training targets) never comes
     assert facts["kimi"].native_ids == facts["deepseek"].native_ids == "1..N-1"
-    got = run_checks(tmp_path / "native", KIMI_K25, facts["kimi"], weights_gib=KIMI_INT4_GIB,
-                     extraction_path="native", **H200)
+    got = run_checks(
+        tmp_path / "native",
+        KIMI_K25,
+        facts["kimi"],
+        weights_gib=KIMI_INT4_GIB,
+        extraction_path="native",
+        **H200,
+    )
     problem = one(got["problems"], "never returned")
-    assert problem == ("vllm.extraction_path=native: vLLM 0.22.0: the kimi_k2 model captures states "
-                       "BEFORE each layer (ids 1..60), so id 61 (the last layer's output, which the "
-                       "training targets need) is never returned; set vllm.extraction_path to "
-                       "capture or auto")
+    assert problem == (
+        "vllm.extraction_path=native: vLLM 0.22.0: the kimi_k2 model captures states "
+        "BEFORE each layer (ids 1..60), so id 61 (the last layer's output, which the "
+        "training targets need) is never returned; set vllm.extraction_path to "
+        "capture or auto"
+    )
     got = run_checks(tmp_path / "auto", KIMI_K25, facts["kimi"], weights_gib=KIMI_INT4_GIB, **H200)
     path = got["report"]["extraction_path"]
     assert got["problems"] == [] and path["chosen"] == "capture"
     assert "id 61" in path["native_refused"][0]
     # Llama captures after each layer: native works and auto takes it
     assert facts["llama"].native_ids == "0..N"
-    assert run_checks(tmp_path / "llama", LLAMA, facts["llama"])["report"]["extraction_path"][
-        "chosen"] == "native"
+    assert (
+        run_checks(tmp_path / "llama", LLAMA, facts["llama"])["report"]["extraction_path"]["chosen"]
+        == "native"
+    )
 
 
 @need_vllm
@@ -337,23 +379,30 @@ def test_draft_flag_vllm_ignores(facts, tmp_path):
         (train_dir / "train.json").write_text("{}")
         with pytest.raises(ExportError) as err:
             export(target, train_dir, tmp_path / "out", train_settings())
-        assert str(err.value).startswith(f"{train_dir / 'draft' / 'config.json'}: {flag} is true, "
-                                         f"but vLLM 0.22 does not read {flag}")
+        assert str(err.value).startswith(
+            f"{train_dir / 'draft' / 'config.json'}: {flag} is true, "
+            f"but vLLM 0.22 does not read {flag}"
+        )
         assert str(err.value).endswith(f"; retrain with {flag} off")
         assert not (tmp_path / "out").exists()
 
 
 def test_aux_ids_off_by_one(tmp_path):
     # HF-style "last hidden state" id N given as an aux id, and id 0 (the embeddings)
-    with pytest.raises(TargetError, match=r"layers\.aux_ids=\[2, 30, 61\]: id 61 is out of range for "
-                                          r"a 61-layer target; set layers\.aux_ids to strictly "
-                                          r"increasing ids within 1\.\.60"):
+    with pytest.raises(
+        TargetError,
+        match=r"layers\.aux_ids=\[2, 30, 61\]: id 61 is out of range for "
+        r"a 61-layer target; set layers\.aux_ids to strictly "
+        r"increasing ids within 1\.\.60",
+    ):
         resolve_layer_ids([2, 30, 61], 61)
     with pytest.raises(TargetError, match="id 0 is out of range"):
         resolve_layer_ids([0, 30, 58], 61)
     # through preflight, with the tiny-target default formula named
     folder = write_target(tmp_path / "t", {**LLAMA, "num_hidden_layers": 4})
-    with pytest.raises(pf_errors.PreflightError, match=r"default \[2, N//2, N-3\] = \[2, 2, 1\] for N=4"):
+    with pytest.raises(
+        pf_errors.PreflightError, match=r"default \[2, N//2, N-3\] = \[2, 2, 1\] for N=4"
+    ):
         pf.preflight(folder, None, tmp_path, {})
 
 
@@ -361,24 +410,34 @@ def test_all_zero_loss_mask(tmp_path):
     # a template that renders assistant turns as a bare newline: their text is hidden, so no token
     # of the rendering belongs to an assistant turn
     tok = build_chat_tokenizer(["What does json.dumps do? Seven. Eleven."] * 20, 300)
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '\\n' }}"
-                         "{% else %}{{ m['content'] + '\\n' }}{% endif %}{% endfor %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '\\n' }}"
+        "{% else %}{{ m['content'] + '\\n' }}{% endif %}{% endfor %}"
+    )
     tok.save_pretrained(tmp_path)
     check = pf_checks.Check([], [])
     pf_checks.check_tokenizer(tmp_path, False, check)
     assert len(check.problems) == 2  # both sample conversations
-    assert check.problems[0] == (f"{tmp_path}: chat template yields an all-zero assistant loss mask "
-                                 "on sample conversation 0; the template must render assistant "
-                                 "turns so their text can be located (see docs/tokenization)")
+    assert check.problems[0] == (
+        f"{tmp_path}: chat template yields an all-zero assistant loss mask "
+        "on sample conversation 0; the template must render assistant "
+        "turns so their text can be located (see docs/tokenization)"
+    )
 
 
 def test_draft_vocab_too_large(tmp_path):
     folder = write_target(tmp_path / "t", LLAMA)  # vocab_size 320
     with pytest.raises(VocabError) as err:
-        build_vocab(folder, [tmp_path / "shard_000.parquet"], tmp_path / "vocab.safetensors",
-                    {"vocab": {"draft_vocab_size": 512}})
-    assert str(err.value) == (f"vocab.draft_vocab_size=512 is larger than the target vocabulary "
-                              f"(320 in {folder / 'config.json'}); set it <= 320")
+        build_vocab(
+            folder,
+            [tmp_path / "shard_000.parquet"],
+            tmp_path / "vocab.safetensors",
+            {"vocab": {"draft_vocab_size": 512}},
+        )
+    assert str(err.value) == (
+        f"vocab.draft_vocab_size=512 is larger than the target vocabulary "
+        f"(320 in {folder / 'config.json'}); set it <= 320"
+    )
     assert not (tmp_path / "vocab.safetensors").exists()
 
 
@@ -396,21 +455,37 @@ def test_disk_too_small(tmp_path):
 
 @need_vllm
 def test_tensor_parallel_heads(facts, tmp_path):
-    got = run_checks(tmp_path, KIMI_K25, facts["kimi"], weights_gib=KIMI_INT4_GIB,
-                     tensor_parallel_size=6, gpu_memory_gib=141)
+    got = run_checks(
+        tmp_path,
+        KIMI_K25,
+        facts["kimi"],
+        weights_gib=KIMI_INT4_GIB,
+        tensor_parallel_size=6,
+        gpu_memory_gib=141,
+    )
     problem = one(got["problems"], "does not divide")
-    assert problem == ("vllm.tensor_parallel_size=6 does not divide config.json: "
-                       "text_config.num_attention_heads=64; use one of [1, 2, 4, 8, 16, 32, 64]")
+    assert problem == (
+        "vllm.tensor_parallel_size=6 does not divide config.json: "
+        "text_config.num_attention_heads=64; use one of [1, 2, 4, 8, 16, 32, 64]"
+    )
 
 
 @need_vllm
 def test_weights_too_large(facts, tmp_path):
-    got = run_checks(tmp_path, KIMI_K25, facts["kimi"], weights_gib=KIMI_INT4_GIB,
-                     tensor_parallel_size=8, gpu_memory_gib=80)
+    got = run_checks(
+        tmp_path,
+        KIMI_K25,
+        facts["kimi"],
+        weights_gib=KIMI_INT4_GIB,
+        tensor_parallel_size=8,
+        gpu_memory_gib=80,
+    )
     problem = one(got["problems"], "weights need")
     assert "the weights need ~595.0 GiB (1 *.safetensors file(s)" in problem
-    assert "vllm.tensor_parallel_size=8 x vllm.gpu_memory_gib=80 x vllm.gpu_memory_utilization=0.85" \
-           " = 544.0 GiB leaves 435.2 GiB for them (80%" in problem
+    assert (
+        "vllm.tensor_parallel_size=8 x vllm.gpu_memory_gib=80 x vllm.gpu_memory_utilization=0.85"
+        " = 544.0 GiB leaves 435.2 GiB for them (80%" in problem
+    )
     # 11 GPUs of 80 GiB would hold the weights, but 64 heads allow 16
     assert "use vllm.tensor_parallel_size=16 (GPUs of that memory) or larger GPUs" in problem
     assert got["report"]["memory"]["fits"] is False
@@ -420,32 +495,46 @@ def test_weights_too_large(facts, tmp_path):
 def test_moe_routing_config_missing(facts, tmp_path):
     bare = {k: v for k, v in DEEPSEEK.items() if k not in ("scoring_func", "topk_method")}
     got = run_checks(tmp_path / "bare", bare, facts["deepseek"], aux_ids=[1, 2, 3])
-    assert "config.json: scoring_func missing: vLLM's deepseek model needs it to build the MoE " \
-           "routing (use ['sigmoid', 'softmax'])" in got["problems"]
+    assert (
+        "config.json: scoring_func missing: vLLM's deepseek model needs it to build the MoE "
+        "routing (use ['sigmoid', 'softmax'])" in got["problems"]
+    )
     assert one(got["problems"], "topk_method missing")
-    got = run_checks(tmp_path / "odd", {**DEEPSEEK, "scoring_func": "tanh"}, facts["deepseek"],
-                     aux_ids=[1, 2, 3])
-    assert "config.json: scoring_func='tanh': vLLM's deepseek model supports ['sigmoid', 'softmax']" \
+    got = run_checks(
+        tmp_path / "odd", {**DEEPSEEK, "scoring_func": "tanh"}, facts["deepseek"], aux_ids=[1, 2, 3]
+    )
+    assert (
+        "config.json: scoring_func='tanh': vLLM's deepseek model supports ['sigmoid', 'softmax']"
         in got["problems"]
+    )
 
 
 @need_vllm
 def test_quantization_without_method(facts, tmp_path):
     text = {**KIMI_K25["text_config"], "quantization_config": {"format": "pack-quantized"}}
-    got = run_checks(tmp_path, {**KIMI_K25, "text_config": text}, facts["kimi"],
-                     weights_gib=KIMI_INT4_GIB, **H200)
+    got = run_checks(
+        tmp_path,
+        {**KIMI_K25, "text_config": text},
+        facts["kimi"],
+        weights_gib=KIMI_INT4_GIB,
+        **H200,
+    )
     problem = one(got["problems"], "quant_method")
     assert problem.startswith("config.json: text_config.quantization_config has no quant_method")
     assert "add the method the checkpoint was quantized with" in problem
-    assert got["report"]["quantization"] == {"quant_method": None,
-                                             "where": "text_config.quantization_config"}
+    assert got["report"]["quantization"] == {
+        "quant_method": None,
+        "where": "text_config.quantization_config",
+    }
 
 
 def test_vllm_environment_missing(tmp_path):
     import sys
 
-    for python, expect in ((tmp_path / "none" / "python", "no vLLM environment there"),
-                           (Path(sys.executable), "No module named 'vllm'")):
+    for python, expect in (
+        (tmp_path / "none" / "python", "no vLLM environment there"),
+        (Path(sys.executable), "No module named 'vllm'"),
+    ):
         folder = write_target(tmp_path / python.parent.name, LLAMA)
         info = inspect_target(folder)
         got = vllm_checks(folder, info, [2, 4, 5], 8, vllm_settings(python=str(python)))
@@ -455,10 +544,13 @@ def test_vllm_environment_missing(tmp_path):
 
 @need_vllm
 def test_architecture_unknown_to_vllm(facts, tmp_path):
-    got = run_checks(tmp_path, {**LLAMA, "architectures": ["LlamaNextForCausalLM"]},
-                     facts["unknown_arch"])
-    assert f"{tmp_path / 'target' / 'config.json'}: architectures[0]='LlamaNextForCausalLM' is not a " \
-           "model vLLM 0.22.0 knows; use a vLLM that supports it" in got["problems"]
+    got = run_checks(
+        tmp_path, {**LLAMA, "architectures": ["LlamaNextForCausalLM"]}, facts["unknown_arch"]
+    )
+    assert (
+        f"{tmp_path / 'target' / 'config.json'}: architectures[0]='LlamaNextForCausalLM' is not a "
+        "model vLLM 0.22.0 knows; use a vLLM that supports it" in got["problems"]
+    )
 
 
 @need_vllm
@@ -473,7 +565,9 @@ def test_eval_target_without_eagle3(facts, tmp_path):
 
 
 def test_every_entry_has_its_test():
-    names = {n[len("test_"):] for n, f in globals().items() if n.startswith("test_") and callable(f)}
+    names = {
+        n[len("test_") :] for n, f in globals().items() if n.startswith("test_") and callable(f)
+    }
     assert set(CATALOG) <= names, sorted(set(CATALOG) - names)
 
 

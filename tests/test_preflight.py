@@ -30,8 +30,10 @@ def copy_target(src, dst):
 
 
 def write_report(path, tokens=1000, assistant=400):
-    shards = [{"tokens": tokens // 2, "assistant_tokens": assistant // 2},
-              {"tokens": tokens - tokens // 2, "assistant_tokens": assistant - assistant // 2}]
+    shards = [
+        {"tokens": tokens // 2, "assistant_tokens": assistant // 2},
+        {"tokens": tokens - tokens // 2, "assistant_tokens": assistant - assistant // 2},
+    ]
     path.write_text(json.dumps({"shards": shards}))
     return path
 
@@ -52,28 +54,50 @@ def test_no_assistant_tokens_refused(target, tmp_path):
 
 def test_cli_writes_report(target, tmp_path):
     out = tmp_path / "preflight.json"
-    rc = main(["preflight", "--target", str(target), "--tokenize-report",
-               str(write_report(tmp_path / "r.json")), "--out", str(out),
-               "--settings", json.dumps({"layers": {"aux_ids": [1, 3, 6]}})])
+    rc = main(
+        [
+            "preflight",
+            "--target",
+            str(target),
+            "--tokenize-report",
+            str(write_report(tmp_path / "r.json")),
+            "--out",
+            str(out),
+            "--settings",
+            json.dumps({"layers": {"aux_ids": [1, 3, 6]}}),
+        ]
+    )
     assert rc == 0
     assert json.loads(out.read_text())["aux_layer_ids"] == [1, 3, 6]
 
 
 def test_cli_failure_writes_nothing_and_one_line_per_problem(target, tmp_path, capsys):
     out = tmp_path / "preflight.json"
-    rc = main(["preflight", "--target", str(target), "--out", str(out),
-               "--settings", json.dumps({"layers": {"aux_ids": [3, 3]}})])
+    rc = main(
+        [
+            "preflight",
+            "--target",
+            str(target),
+            "--out",
+            str(out),
+            "--settings",
+            json.dumps({"layers": {"aux_ids": [3, 3]}}),
+        ]
+    )
     assert rc == 2 and not out.exists()
     err = capsys.readouterr().err
     assert "layers.aux_ids=[3, 3]: duplicate ids" in err
 
 
-@pytest.mark.parametrize("ids, message", [
-    ([2, 2, 5], "duplicate ids"),
-    ([2, 4, 8], "id 8 is out of range for a 8-layer target"),
-    ([0, 4, 5], "id 0 is out of range"),
-    ([5, 4, 6], "not increasing"),
-])
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([2, 2, 5], "duplicate ids"),
+        ([2, 4, 8], "id 8 is out of range for a 8-layer target"),
+        ([0, 4, 5], "id 0 is out of range"),
+        ([5, 4, 6], "not increasing"),
+    ],
+)
 def test_bad_aux_ids(ids, message):
     with pytest.raises(TargetError, match=message):
         resolve_layer_ids(ids, 8)
@@ -87,17 +111,27 @@ def test_default_ids_invalid_for_tiny_targets_names_the_formula():
 
 def test_unknown_architecture_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 8}))
-    with pytest.raises(TargetError, match=r"'mamba' is not supported; supported: deepseek_v2, .*llama"):
+    with pytest.raises(
+        TargetError, match=r"'mamba' is not supported; supported: deepseek_v2, .*llama"
+    ):
         inspect_target(tmp_path)
 
 
 def test_multimodal_wrapper_reads_text_config(tmp_path):
     kimi = {
-        "model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "architectures": ["KimiK25ForConditionalGeneration"],
         "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
-        "text_config": {"model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61,
-                        "vocab_size": 163840, "num_attention_heads": 64, "scoring_func": "sigmoid",
-                        "kv_lora_rank": 512, "q_lora_rank": 1536},
+        "text_config": {
+            "model_type": "kimi_k2",
+            "hidden_size": 7168,
+            "num_hidden_layers": 61,
+            "vocab_size": 163840,
+            "num_attention_heads": 64,
+            "scoring_func": "sigmoid",
+            "kv_lora_rank": 512,
+            "q_lora_rank": 1536,
+        },
     }
     (tmp_path / "config.json").write_text(json.dumps(kimi))
     info = inspect_target(tmp_path)
@@ -128,7 +162,8 @@ def test_all_zero_loss_mask_template_refused(target, tmp_path):
     # A template that drops assistant turns entirely: nothing for the draft to learn.
     (path / "chat_template.jinja").write_text(
         "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}\n"
-        "{% endif %}{% endfor %}")
+        "{% endif %}{% endfor %}"
+    )
     with pytest.raises(pf_errors.PreflightError, match="chat template"):
         pf.preflight(path, None, tmp_path, {})
 
@@ -142,7 +177,9 @@ def test_missing_chat_template_refused(target, tmp_path):
 
 def test_too_little_disk(target, tmp_path, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(pf_checks.shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 10**6, 10**6))
+    monkeypatch.setattr(
+        pf_checks.shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 10**6, 10**6)
+    )
     with pytest.raises(pf_errors.PreflightError, match=r"need ~0\.26 GB .* only 0\.00 GB are free"):
         pf.preflight(target, write_report(tmp_path / "r.json", tokens=1_000_000), tmp_path, {})
 
@@ -158,10 +195,14 @@ def test_all_problems_reported_at_once(target, tmp_path):
     assert "out of range" in text and "no *.safetensors" in text and "no chat template" in text
 
 
-@pytest.mark.parametrize("exc", [RuntimeError(), AssertionError(), KeyError("")],
-                         ids=["RuntimeError", "AssertionError", "KeyError"])
+@pytest.mark.parametrize(
+    "exc",
+    [RuntimeError(), AssertionError(), KeyError("")],
+    ids=["RuntimeError", "AssertionError", "KeyError"],
+)
 def test_cli_unexpected_error_logs_type_and_traceback(tmp_path, monkeypatch, caplog, exc):
     """An exception without a message must not become an empty log line."""
+
     def fail(args):
         raise exc
 

@@ -31,9 +31,15 @@ LENGTHS = [5, 1, 7]
 
 
 def meta(storage="bfloat16", **over) -> ShardMeta:
-    fields = dict(target_fingerprint="abcdef0123456789", tokenizer_hash="0123456789abcdef",
-                  aux_layer_ids=[1, 2, 3], final_layer_id=4, hidden_size=H,
-                  storage_dtype=storage, producer={"settings": {"extract": {}}})
+    fields = dict(
+        target_fingerprint="abcdef0123456789",
+        tokenizer_hash="0123456789abcdef",
+        aux_layer_ids=[1, 2, 3],
+        final_layer_id=4,
+        hidden_size=H,
+        storage_dtype=storage,
+        producer={"settings": {"extract": {}}},
+    )
     fields.update(over)
     return ShardMeta(**fields)
 
@@ -65,12 +71,16 @@ def write(path, storage="bfloat16", values=None, m=None):
         for i in (2, 0, 1):  # out of order: offsets, not write order, place the rows
             if i not in values:
                 if storage == "bfloat16":
-                    values[i] = (random_bf16((LENGTHS[i], N_AUX * H), rng),
-                                 random_bf16((LENGTHS[i], H), rng))
+                    values[i] = (
+                        random_bf16((LENGTHS[i], N_AUX * H), rng),
+                        random_bf16((LENGTHS[i], H), rng),
+                    )
                 else:  # float8_e4m3 is quantized from float32 by put
                     dt = torch.float32 if storage == "float8_e4m3" else getattr(torch, storage)
-                    values[i] = (torch.from_numpy(rng.standard_normal((LENGTHS[i], N_AUX * H))).to(dt),
-                                 torch.from_numpy(rng.standard_normal((LENGTHS[i], H))).to(dt))
+                    values[i] = (
+                        torch.from_numpy(rng.standard_normal((LENGTHS[i], N_AUX * H))).to(dt),
+                        torch.from_numpy(rng.standard_normal((LENGTHS[i], H))).to(dt),
+                    )
             w.put(i, *values[i])
     return values
 
@@ -84,7 +94,7 @@ def test_bf16_round_trip_is_bit_exact(tmp_path):
     values = write(path)
     with h5py.File(path, "r") as f:  # stored as the raw 16-bit pattern
         assert f["aux_hidden"].dtype == np.uint16 and f.attrs["storage_dtype"] == "bfloat16"
-        first = f["aux_hidden"][f["offsets"][2]:f["offsets"][3]]
+        first = f["aux_hidden"][f["offsets"][2] : f["offsets"][3]]
         assert np.array_equal(first, values[2][0].view(torch.int16).numpy().view(np.uint16))
     with ShardReader(path) as r:
         assert len(r) == 3 and list(r.lengths) == LENGTHS
@@ -110,7 +120,9 @@ def test_float_round_trips(tmp_path, storage):
 
 
 def test_bf16_storage_rounds_float32_input(tmp_path):
-    x = torch.tensor([1.0 + 2 ** -9, -3.14159, 1e-40, 3e38]).repeat(LENGTHS[0], 2 * N_AUX)[:, : N_AUX * H]
+    x = torch.tensor([1.0 + 2**-9, -3.14159, 1e-40, 3e38]).repeat(LENGTHS[0], 2 * N_AUX)[
+        :, : N_AUX * H
+    ]
     path = tmp_path / "s.h5"
     write(path, values={0: (x, x[:, :H])})
     with ShardReader(path) as r:
@@ -127,11 +139,13 @@ def test_one_sample_reads_without_the_others(tmp_path):
         nan = np.uint16(0x7FC0)
         for name in ("aux_hidden", "final_hidden"):
             f[name][: offsets[1]] = nan
-            f[name][offsets[2]:] = nan
+            f[name][offsets[2] :] = nan
     with ShardReader(path) as r:
         got = r.read(1)
         assert r.sample_ids() == sids
-        assert got["input_ids"].tolist() == ids[1] and got["loss_mask"].tolist() == [bool(m) for m in masks[1]]
+        assert got["input_ids"].tolist() == ids[1] and got["loss_mask"].tolist() == [
+            bool(m) for m in masks[1]
+        ]
         assert torch.equal(got["aux_hidden"].view(torch.int16), values[1][0].view(torch.int16))
         with pytest.raises(ShardError, match=r"sample 0: non-finite values in aux_hidden"):
             r.read(0)
@@ -146,15 +160,21 @@ def test_reader_refuses_other_expectations(tmp_path, field):
     good = {k: getattr(meta(), k) for k in CHECKED_FIELDS}
     with ShardReader(path, expect=good):
         pass
-    wrong = {"target_fingerprint": "ffffffffffffffff", "tokenizer_hash": "eeeeeeeeeeeeeeee",
-             "aux_layer_ids": [1, 2, 5], "final_layer_id": 61, "hidden_size": 7168}[field]
+    wrong = {
+        "target_fingerprint": "ffffffffffffffff",
+        "tokenizer_hash": "eeeeeeeeeeeeeeee",
+        "aux_layer_ids": [1, 2, 5],
+        "final_layer_id": 61,
+        "hidden_size": 7168,
+    }[field]
     with pytest.raises(ShardError) as err:
         ShardReader(path, expect={**good, field: wrong})
     assert f"{path}: {field} is " in str(err.value) and repr(wrong) in str(err.value)
 
 
-@pytest.mark.parametrize("damage", ["truncate-10", "truncate-50", "truncate-95", "superblock",
-                                    "not-hdf5", "missing"])
+@pytest.mark.parametrize(
+    "damage", ["truncate-10", "truncate-50", "truncate-95", "superblock", "not-hdf5", "missing"]
+)
 def test_damaged_file_names_the_file(tmp_path, damage):
     good, path = tmp_path / "good.h5", tmp_path / "bad.h5"
     write(good)
@@ -228,12 +248,22 @@ def test_failed_rewrite_keeps_the_previous_complete_file(tmp_path):
             pass
     assert path.read_bytes() == before and leftovers(tmp_path) == ["s.h5"]
     with ShardReader(path) as r:
-        assert torch.equal(r.read(0)["final_hidden"].view(torch.int16), values[0][1].view(torch.int16))
+        assert torch.equal(
+            r.read(0)["final_hidden"].view(torch.int16), values[0][1].view(torch.int16)
+        )
 
 
-@pytest.mark.parametrize("storage,bad", [("bfloat16", float("nan")), ("bfloat16", float("inf")),
-                                         ("float32", float("-inf")), ("float16", 1e6),
-                                         ("float8_e4m3", float("nan")), ("float8_e4m3", float("-inf"))])
+@pytest.mark.parametrize(
+    "storage,bad",
+    [
+        ("bfloat16", float("nan")),
+        ("bfloat16", float("inf")),
+        ("float32", float("-inf")),
+        ("float16", 1e6),
+        ("float8_e4m3", float("nan")),
+        ("float8_e4m3", float("-inf")),
+    ],
+)
 def test_non_finite_values_are_refused(tmp_path, storage, bad):
     sids, ids, masks = tokens()
     path = tmp_path / "s.h5"
@@ -247,7 +277,9 @@ def test_non_finite_values_are_refused(tmp_path, storage, bad):
 
 def test_shape_mismatch_gives_both_shapes(tmp_path):
     sids, ids, masks = tokens()
-    with pytest.raises(ShardError, match=r"got aux \(5, 24\) final \(5, 9\), expected \(5, 24\) and \(5, 8\)"):
+    with pytest.raises(
+        ShardError, match=r"got aux \(5, 24\) final \(5, 9\), expected \(5, 24\) and \(5, 8\)"
+    ):
         with ShardWriter(tmp_path / "s.h5", meta(), sids, ids, masks) as w:
             w.put(0, torch.zeros(5, N_AUX * H), torch.zeros(5, H + 1))
     assert leftovers(tmp_path) == []
@@ -283,8 +315,11 @@ def raw_hidden(path, i: int) -> dict[str, np.ndarray]:
     """Sample i's stored hidden rows (and scales), read by h5py."""
     with h5py.File(path, "r") as f:
         a, b = f["offsets"][i], f["offsets"][i + 1]
-        return {k: f[k][a:b] for k in ("aux_hidden", "final_hidden", "aux_scale", "final_scale")
-                if k in f}
+        return {
+            k: f[k][a:b]
+            for k in ("aux_hidden", "final_hidden", "aux_scale", "final_scale")
+            if k in f
+        }
 
 
 @pytest.mark.parametrize("storage", STORAGES)
@@ -292,8 +327,9 @@ def test_writer_layout_is_contiguous_and_read_by_offset(tmp_path, storage):
     path = tmp_path / "s.h5"
     write(path, storage)
     with h5py.File(path, "r") as f:
-        for name in ("aux_hidden", "final_hidden") + (("aux_scale", "final_scale")
-                                                      if storage == "float8_e4m3" else ()):
+        for name in ("aux_hidden", "final_hidden") + (
+            ("aux_scale", "final_scale") if storage == "float8_e4m3" else ()
+        ):
             ds = f[name]
             assert ds.chunks is None and ds.compression is None and ds.id.get_offset() is not None
     with ShardReader(path) as r:  # hidden states mapped, the small datasets read by pread
@@ -313,9 +349,13 @@ def test_returned_tensors_are_private_and_outlive_the_reader(tmp_path, map_all):
     with ShardReader(path, check_values=False) as r:
         got = r.read(2)["aux_hidden"]
         got[0, 0] = 7.0  # copy-on-write: neither the file nor the next read sees it
-        assert r.read(2)["aux_hidden"][0, 0].view(torch.int16) == values[2][0][0, 0].view(torch.int16)
+        assert r.read(2)["aux_hidden"][0, 0].view(torch.int16) == values[2][0][0, 0].view(
+            torch.int16
+        )
     assert path.read_bytes() == before
-    assert got[0, 0] == 7.0 and torch.equal(got[1:].view(torch.int16), values[2][0][1:].view(torch.int16))
+    assert got[0, 0] == 7.0 and torch.equal(
+        got[1:].view(torch.int16), values[2][0][1:].view(torch.int16)
+    )
     assert maps_of(path) == 1  # the tensor's own map, kept after close
     del got
     gc.collect()
@@ -354,10 +394,10 @@ def test_other_layouts_read_the_same(tmp_path, monkeypatch, storage, layout):
         for i in range(len(r)):
             got = r.read(i)
             for k, v in want[i].items():
-                assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.int16) if
-                                                               v.dtype == torch.bfloat16 else got[k],
-                                                               v.view(torch.int16) if
-                                                               v.dtype == torch.bfloat16 else v), k
+                assert got[k].dtype == v.dtype and torch.equal(
+                    got[k].view(torch.int16) if v.dtype == torch.bfloat16 else got[k],
+                    v.view(torch.int16) if v.dtype == torch.bfloat16 else v,
+                ), k
     validate_shard(path)
 
 
@@ -372,16 +412,20 @@ def poison(path, name: str, row: int, pattern: bytes) -> None:
 
 
 @pytest.mark.parametrize("mapped", [True, False])
-@pytest.mark.parametrize("storage,name,pattern", [
-    ("bfloat16", "final_hidden", b"\x80\x7f"),  # +inf
-    ("float16", "aux_hidden", b"\x01\x7e"),  # NaN
-    ("float32", "aux_hidden", b"\x00\x00\xc0\xff"),  # NaN
-    ("float8_e4m3", "aux_hidden", b"\x7f"),  # e4m3fn NaN code
-    ("float8_e4m3", "final_scale", np.float32(0).tobytes()),  # a zero scale
-    ("float8_e4m3", "aux_scale", np.float32("inf").tobytes()),
-])
-def test_checked_reads_and_the_scan_refuse_bad_values(tmp_path, monkeypatch, mapped, storage,
-                                                      name, pattern):
+@pytest.mark.parametrize(
+    "storage,name,pattern",
+    [
+        ("bfloat16", "final_hidden", b"\x80\x7f"),  # +inf
+        ("float16", "aux_hidden", b"\x01\x7e"),  # NaN
+        ("float32", "aux_hidden", b"\x00\x00\xc0\xff"),  # NaN
+        ("float8_e4m3", "aux_hidden", b"\x7f"),  # e4m3fn NaN code
+        ("float8_e4m3", "final_scale", np.float32(0).tobytes()),  # a zero scale
+        ("float8_e4m3", "aux_scale", np.float32("inf").tobytes()),
+    ],
+)
+def test_checked_reads_and_the_scan_refuse_bad_values(
+    tmp_path, monkeypatch, mapped, storage, name, pattern
+):
     if mapped:
         monkeypatch.setattr(shards, "MAP_MIN_BYTES", 0)
     path = tmp_path / "s.h5"
@@ -404,7 +448,9 @@ def test_bytes_per_token_match_the_files(tmp_path, storage):
     the rest of the file is a fixed few KiB of HDF5 metadata."""
     n = 1000
     path = tmp_path / "s.h5"
-    with ShardWriter(path, meta(storage), ["a:1", "a:2"], [[1] * n, [2] * n], [[1] * n, [0] * n]) as w:
+    with ShardWriter(
+        path, meta(storage), ["a:1", "a:2"], [[1] * n, [2] * n], [[1] * n, [0] * n]
+    ) as w:
         for i in range(2):
             w.put(i, torch.ones(n, N_AUX * H), torch.ones(n, H))
     with h5py.File(path, "r") as f:
@@ -420,7 +466,7 @@ def test_bytes_per_token_match_the_files(tmp_path, storage):
 
 E4M3_VALUES = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn).float()
 E4M3_FINITE = E4M3_VALUES[torch.isfinite(E4M3_VALUES)]  # [254]: NaN codes 0x7F, 0xFF left out
-SLACK = 1 + 2.0 ** -18  # float32 rounding of x / scale and of code * scale
+SLACK = 1 + 2.0**-18  # float32 rounding of x / scale and of code * scale
 
 
 def float8_rows(rng) -> torch.Tensor:
@@ -437,7 +483,9 @@ def test_float8_quantization_is_round_to_nearest_with_a_per_token_scale():
     x = float8_rows(np.random.default_rng(0))
     codes, scale = quantize_e4m3(x)
     amax = x.abs().amax(dim=1)
-    assert np.array_equal(scale, np.maximum(amax.numpy() * np.float32(1 / 448), np.float32(2.0 ** -126)))
+    assert np.array_equal(
+        scale, np.maximum(amax.numpy() * np.float32(1 / 448), np.float32(2.0**-126))
+    )
     q = torch.from_numpy(codes).view(torch.float8_e4m3fn).float()  # [24, 96]
     y = x * (1 / torch.from_numpy(scale))[:, None]  # what the quantizer rounds
     nearest = (E4M3_FINITE[None, None, :] - y[..., None]).abs().amin(dim=-1)
@@ -473,7 +521,7 @@ def test_float8_round_trip_error_bound(tmp_path, out_dtype, map_all):
     for name, ref in (("aux_hidden", x), ("final_hidden", x[:, :32] * 3)):
         err = (exact[name] - ref).abs()  # [24, W]
         scale = torch.from_numpy(raw[name.replace("hidden", "scale")])[:, None]
-        assert bool((err <= (2.0 ** -4 * ref.abs() + 2.0 ** -10 * scale) * SLACK).all())
+        assert bool((err <= (2.0**-4 * ref.abs() + 2.0**-10 * scale) * SLACK).all())
         amax = ref.abs().amax(dim=1)
         row = err.amax(dim=1)  # [24]
         assert bool((row <= amax / 28 * SLACK).all())
@@ -506,8 +554,8 @@ def test_packed_batches_read_what_the_reader_reads(tmp_path, storage):
         assert batch["document_ids"][0].tolist() == [0] * n2 + [-1, -1] + [1] * n0 + [-1, -1]
         h = batch["hidden_states"][0]  # [L, 3H] float32
         assert torch.equal(h[:n2], ref[2]["aux_hidden"][:-1])
-        assert torch.equal(h[n2 + 2:n2 + 2 + n0], ref[0]["aux_hidden"][:-1])
-        assert not h[n2:n2 + 2].any()
+        assert torch.equal(h[n2 + 2 : n2 + 2 + n0], ref[0]["aux_hidden"][:-1])
+        assert not h[n2 : n2 + 2].any()
         v = batch["verifier_last_hidden_states"][0]
         assert torch.equal(v[:n2], ref[2]["final_hidden"][1:])
         data.close()
@@ -527,8 +575,13 @@ def test_train_reads_float8_shards(tmp_path):
         with ShardReader(path) as r:
             sids = r.sample_ids()
         fp8.append(tmp_path / f"fp8_{s}.h5")
-        write_shard(fp8[-1], world["model"], world["samples"][s::len(world["shards"])],
-                    ShardMeta(**world["meta"], storage_dtype="float8_e4m3"), sids)
+        write_shard(
+            fp8[-1],
+            world["model"],
+            world["samples"][s :: len(world["shards"])],
+            ShardMeta(**world["meta"], storage_dtype="float8_e4m3"),
+            sids,
+        )
     expect = _expectation(world["preflight"])
     a = PackedShards(world["shards"], expect, max_tokens=128, gap=2)
     b = PackedShards(fp8, expect, max_tokens=128, gap=2)
@@ -537,12 +590,22 @@ def test_train_reads_float8_shards(tmp_path):
         amax = x[k][0].abs().amax(dim=1)  # [L]
         err = (y[k][0] - x[k][0]).abs().amax(dim=1)
         # float8 of the float32 states vs their bf16 rounding: 1/28 plus one bf16 rounding step
-        assert bool((err <= amax * (1 / 28 + 2.0 ** -8)).all())
+        assert bool((err <= amax * (1 / 28 + 2.0**-8)).all())
     assert all(torch.equal(x[k], y[k]) for k in ("input_ids", "loss_mask", "document_ids"))
     a.close(), b.close()
-    summary = train(world["target"], world["preflight"], world["vocab"], fp8, tmp_path / "train",
-                    tmp_path / "state", train_settings(epochs=1))
-    losses = [json.loads(x)["loss"] for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    summary = train(
+        world["target"],
+        world["preflight"],
+        world["vocab"],
+        fp8,
+        tmp_path / "train",
+        tmp_path / "state",
+        train_settings(epochs=1),
+    )
+    losses = [
+        json.loads(x)["loss"]
+        for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert summary["steps"] == len(losses) > 0 and all(np.isfinite(losses))
     assert (tmp_path / "train" / "draft" / "model.safetensors").is_file()
 
@@ -586,9 +649,12 @@ def _write_uncached(path, data: bytes) -> None:
                 os.close(fd)
 
 
-@pytest.mark.skipif(shards_pagecache._LIBC is None or not hasattr(shards_pagecache._LIBC, "mincore")
-                    or not hasattr(os, "posix_fadvise"),
-                    reason="map_private needs Linux (MAP_NORESERVE, mincore, posix_fadvise)")
+@pytest.mark.skipif(
+    shards_pagecache._LIBC is None
+    or not hasattr(shards_pagecache._LIBC, "mincore")
+    or not hasattr(os, "posix_fadvise"),
+    reason="map_private needs Linux (MAP_NORESERVE, mincore, posix_fadvise)",
+)
 def test_a_cold_sample_is_asked_for_whole_and_a_cached_one_is_not(tmp_path, monkeypatch):
     """map_private asks the kernel for a whole sample at once (WILLNEED) only when its first page
     is not in the page cache: cold reads then get large disk requests before the first fault,
@@ -603,16 +669,23 @@ def test_a_cold_sample_is_asked_for_whole_and_a_cached_one_is_not(tmp_path, monk
     _write_uncached(path, data)
     asked = []
     fadvise = os.posix_fadvise
-    monkeypatch.setattr(os, "posix_fadvise",
-                        lambda fd, offset, length, advice: (asked.append((offset, length, advice)),
-                                                            fadvise(fd, offset, length, advice)))
+    monkeypatch.setattr(
+        os,
+        "posix_fadvise",
+        lambda fd, offset, length, advice: (
+            asked.append((offset, length, advice)),
+            fadvise(fd, offset, length, advice),
+        ),
+    )
     start, length = 2 * page + 100, 512 << 10
     last = (start + length - 1) // page * page
     fd = os.open(path, os.O_RDONLY)
     try:
         if _resident(fd, 2 * page) or _resident(fd, last):
-            pytest.skip(f"{path.parent}: its filesystem keeps pages cached after O_DIRECT writes "
-                        "and DONTNEED, so no cold sample can be made here")
+            pytest.skip(
+                f"{path.parent}: its filesystem keeps pages cached after O_DIRECT writes "
+                "and DONTNEED, so no cold sample can be made here"
+            )
         cold = shards_pagecache.map_private(fd, start, length)
         assert asked == [(2 * page, length + 100, os.POSIX_FADV_WILLNEED)]
         # nothing touched the map: only WILLNEED brings the sample's last page in
@@ -620,9 +693,9 @@ def test_a_cold_sample_is_asked_for_whole_and_a_cached_one_is_not(tmp_path, monk
         while not _resident(fd, last) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert _resident(fd, last), "WILLNEED brought nothing in within 30 s"
-        assert cold.tobytes() == data[start:start + length]
+        assert cold.tobytes() == data[start : start + length]
         asked.clear()
         warm = shards_pagecache.map_private(fd, start, length)
-        assert asked == [] and warm.tobytes() == data[start:start + length]
+        assert asked == [] and warm.tobytes() == data[start : start + length]
     finally:
         os.close(fd)

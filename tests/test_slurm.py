@@ -28,8 +28,12 @@ RUN_TIMEOUT_S = 900
 def cluster_problem() -> str | None:
     if shutil.which("sinfo") is None:
         return "no SLURM here: run `bash scripts/slurm-local.sh up` (as root) first"
-    status = subprocess.run(["bash", str(REPO / "scripts/slurm-local.sh"), "status"],
-                            capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        ["bash", str(REPO / "scripts/slurm-local.sh"), "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if status.returncode != 0:
         return f"the local SLURM is not up ({status.stdout.strip()} {status.stderr.strip()})"
     if not (REPO / "slurm-gpu" / "config.yaml").is_file():
@@ -47,17 +51,37 @@ def cluster():
         pytest.skip(problem)
 
 
-def snakemake(work: Path, *args: str, check: bool = True, timeout: int = RUN_TIMEOUT_S,
-              snakefile: Path | None = None) -> subprocess.CompletedProcess:
+def snakemake(
+    work: Path,
+    *args: str,
+    check: bool = True,
+    timeout: int = RUN_TIMEOUT_S,
+    snakefile: Path | None = None,
+) -> subprocess.CompletedProcess:
     """The literal profile lookup: run from the repository root with `--profile slurm-gpu`."""
-    cmd = [sys.executable, "-m", "snakemake", "--profile", "slurm-gpu", *POLL, "-d", str(work), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--profile",
+        "slurm-gpu",
+        *POLL,
+        "-d",
+        str(work),
+        *args,
+    ]
     # last: --configfile takes every word after it
-    cmd += ["--configfile", str(work / "config.yaml")] if snakefile is None else ["-s", str(snakefile)]
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    cmd += (
+        ["--configfile", str(work / "config.yaml")] if snakefile is None else ["-s", str(snakefile)]
+    )
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-2500:]}" for p in sorted(work.glob("logs/**/*.log")))
-        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{(proc.stdout + proc.stderr)[-6000:]}\n{logs}")
+        logs = "\n".join(
+            f"--- {p}\n{p.read_text()[-2500:]}" for p in sorted(work.glob("logs/**/*.log"))
+        )
+        raise AssertionError(
+            f"snakemake {' '.join(args)} failed:\n{(proc.stdout + proc.stderr)[-6000:]}\n{logs}"
+        )
     return proc
 
 
@@ -67,8 +91,13 @@ def slurm_jobs(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 def sacct(job: str, fields: str = "State,AllocTRES") -> list[str]:
-    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", fields],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-j", job, "-o", fields],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     return [ln for ln in out.splitlines() if ln.strip()]
 
 
@@ -83,9 +112,20 @@ def built(tmp_path_factory):
     work = tmp_path_factory.mktemp("slurm")
     write_config(work, train__packs_per_step=2)
     subprocess.run(
-        [sys.executable, "-m", "eyrie.cli", "demo-conversations", "--out", str(work / "convs.jsonl"),
-         "--settings", '{"demo": {"seed": 7, "num_conversations": 60}}'], check=True,
-        capture_output=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "eyrie.cli",
+            "demo-conversations",
+            "--out",
+            str(work / "convs.jsonl"),
+            "--settings",
+            '{"demo": {"seed": 7, "num_conversations": 60}}',
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     t0 = time.monotonic()
     proc = snakemake(work)
     return {"work": work, "proc": proc, "seconds": time.monotonic() - t0}
@@ -126,9 +166,15 @@ def test_second_run_submits_nothing(built):
 
 def test_one_shard_asked_for_rebuilds_alone_in_one_job(built, tmp_path):
     work = tmp_path / "wf"
-    shutil.copytree(built["work"], work, symlinks=True, ignore=shutil.ignore_patterns("*.sock", ".snakemake"))
-    shutil.copytree(built["work"] / ".snakemake", work / ".snakemake", symlinks=True,
-                    ignore=shutil.ignore_patterns("*.sock", "locks", "incomplete"))
+    shutil.copytree(
+        built["work"], work, symlinks=True, ignore=shutil.ignore_patterns("*.sock", ".snakemake")
+    )
+    shutil.copytree(
+        built["work"] / ".snakemake",
+        work / ".snakemake",
+        symlinks=True,
+        ignore=shutil.ignore_patterns("*.sock", "locks", "incomplete"),
+    )
     target = "results/tiny/hidden/shard_001.h5"
     (work / target).unlink()
     proc = snakemake(work, target)
@@ -154,22 +200,49 @@ def test_shards_killed_mid_write_leave_nothing_that_looks_complete(built, tmp_pa
     hidden = work / "results/tiny/hidden"
     engine_log = work / "logs/tiny/extract_engine/engine_000.log"
     shards = [f"results/tiny/hidden/shard_{i:03d}.h5" for i in range(4)]
-    cmd = [sys.executable, "-m", "snakemake", "--profile", "slurm-gpu", *POLL, "-d", str(work),
-           "--retries", "0", *shards, "--configfile", str(work / "config.yaml")]
-    run = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--profile",
+        "slurm-gpu",
+        *POLL,
+        "-d",
+        str(work),
+        "--retries",
+        "0",
+        *shards,
+        "--configfile",
+        str(work / "config.yaml"),
+    ]
+    run = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 400
         while not list(hidden.glob(".shard_*.h5.tmp-*")):  # a shard being written
             assert time.monotonic() < deadline and run.poll() is None, "no shard was ever written"
             time.sleep(0.05)
         if kill == "scancel":
-            jobs = subprocess.run(["squeue", "-h", "-o", "%i", "-p", "gpu"], capture_output=True,
-                                  text=True, timeout=30, check=True).stdout.split()
+            jobs = subprocess.run(
+                ["squeue", "-h", "-o", "%i", "-p", "gpu"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout.split()
             assert len(jobs) == 1, jobs  # the engine's group job
             subprocess.run(["scancel", *jobs], check=True, timeout=30)
         else:
-            pid = int(re.search(r"engine: listening on \S+ \(pid (\d+)\)", engine_log.read_text())[1])
+            pid = int(
+                re.search(r"engine: listening on \S+ \(pid (\d+)\)", engine_log.read_text())[1]
+            )
             os.kill(pid, signal.SIGKILL)
         # Snakemake notices within its status polling (a cancelled job reads "CANCELLED by 0"
         # in sacct: scripts/slurm-shims/sacct is what lets the plugin see it at all)
@@ -181,14 +254,18 @@ def test_shards_killed_mid_write_leave_nothing_that_looks_complete(built, tmp_pa
     group_job = re.findall(r"SLURM jobid (\d+)", out)[-1]
     assert sacct(group_job, "State")[0].startswith("CANCELLED" if kill == "scancel" else "FAILED")
     left = list(hidden.glob(".shard_*.h5.tmp-*"))
-    assert bool(left) == (kill == "SIGKILL")  # SIGKILL runs no cleanup; the name never passes for a shard
+    assert bool(left) == (
+        kill == "SIGKILL"
+    )  # SIGKILL runs no cleanup; the name never passes for a shard
     done = [s for s in shards if (work / s).exists()]
     assert len(done) < len(shards)
     for s in done:  # whatever carries a shard's name is complete
         ShardReader(work / s).close()
     proc = snakemake(work, *shards)
-    assert job_table(proc.stdout + proc.stderr) == {"extract_engine": 1,
-                                                   "extract_hidden_states": len(shards) - len(done)}
+    assert job_table(proc.stdout + proc.stderr) == {
+        "extract_engine": 1,
+        "extract_hidden_states": len(shards) - len(done),
+    }
     for s in shards:
         ShardReader(work / s).close()
     assert not list(hidden.glob(".shard_*.h5.tmp-*"))  # the rewrite removed what the kill left
@@ -198,9 +275,15 @@ def test_a_job_killed_for_its_time_limit_is_retried_with_more_time(tmp_path):
     """The profile's retries with attempt-scaled runtime: 1 minute, then 2 (here for a rule that
     needs 75 s; the profile's own values are 60 * attempt minutes and up)."""
     (tmp_path / "Snakefile").write_text(
-        'rule slow:\n    output: "done.txt"\n    shell: "sleep 75 && echo {resources.runtime} > {output}"\n')
-    proc = snakemake(tmp_path, "--set-resources", "slow:runtime=attempt", snakefile=tmp_path / "Snakefile",
-                     timeout=600)
+        'rule slow:\n    output: "done.txt"\n    shell: "sleep 75 && echo {resources.runtime} > {output}"\n'
+    )
+    proc = snakemake(
+        tmp_path,
+        "--set-resources",
+        "slow:runtime=attempt",
+        snakefile=tmp_path / "Snakefile",
+        timeout=600,
+    )
     jobs = slurm_jobs(proc)
     assert len(jobs) == 2
     assert sacct(jobs[0], "State")[0].startswith("TIMEOUT")

@@ -35,8 +35,10 @@ def cluster() -> None:
         unavailable("no SLURM here (sinfo not on PATH): run `scripts/slurm-local.sh up` as root")
     status = run("bash", str(SCRIPT), "status", timeout=90)
     if status.returncode != 0:
-        unavailable(f"local SLURM is not up ({(status.stdout + status.stderr).strip()}): "
-                    "run `scripts/slurm-local.sh up` as root")
+        unavailable(
+            f"local SLURM is not up ({(status.stdout + status.stderr).strip()}): "
+            "run `scripts/slurm-local.sh up` as root"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +46,21 @@ def gpu_job(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[st
     """Runs one 2-GPU batch job to its end; returns its id and its output. Polls the controller
     itself: `sbatch --wait` sleeps 2, 4, 8 s between its checks (a 1 s job took 2.6-10.6 s)."""
     out = tmp_path_factory.mktemp("slurm") / "job.out"
-    sub = run("sbatch", "--parsable", "-A", "eyrie", "-p", "gpu", "--gpus=2", "-t", "2",
-              "-o", str(out), "--wrap", "echo $CUDA_VISIBLE_DEVICES")
+    sub = run(
+        "sbatch",
+        "--parsable",
+        "-A",
+        "eyrie",
+        "-p",
+        "gpu",
+        "--gpus=2",
+        "-t",
+        "2",
+        "-o",
+        str(out),
+        "--wrap",
+        "echo $CUDA_VISIBLE_DEVICES",
+    )
     assert sub.returncode == 0, f"sbatch failed ({sub.returncode}): {sub.stderr.strip()}"
     job_id = sub.stdout.strip().split(";")[0]
     state = ""

@@ -23,8 +23,13 @@ TEXTS = [
     "Thanks! How do I sort a list? Use sorted(x) or x.sort().",
 ] * 10
 
-SYSTEM, Q1, A1, Q2, A2 = ("You are terse.", "What is a list?", "A list is a mutable sequence.",
-                          "How do I sort a list?", "Use sorted(x) or x.sort().")
+SYSTEM, Q1, A1, Q2, A2 = (
+    "You are terse.",
+    "What is a list?",
+    "A list is a mutable sequence.",
+    "How do I sort a list?",
+    "Use sorted(x) or x.sort().",
+)
 
 
 def openai(*turns):
@@ -46,8 +51,14 @@ def target(tok, tmp_path_factory):
 
     path = tmp_path_factory.mktemp("target")
     tok.save_pretrained(path)
-    LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1).save_pretrained(path)
+    LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ).save_pretrained(path)
     return path
 
 
@@ -62,10 +73,12 @@ def encode_pieces(tok, pieces):
 
 
 # both forms in one Parquet table (a row of the other form reads back null in that column)
-MIXED = pa.schema([
-    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("conversations", pa.list_(pa.struct([("from", pa.string()), ("value", pa.string())]))),
-])
+MIXED = pa.schema(
+    [
+        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("conversations", pa.list_(pa.struct([("from", pa.string()), ("value", pa.string())]))),
+    ]
+)
 
 
 def runs(mask):
@@ -82,10 +95,13 @@ def runs(mask):
 
 # ----------------------------------------------------------------------------- golden masks
 
+
 def test_golden_mask_openai_single_turn(tok):
     messages = to_messages(openai(("system", SYSTEM), ("user", Q1), ("assistant", A1)))
     ids, mask = render_with_mask(tok, messages)
-    prompt = f"<|bos|><|start|>system\n{SYSTEM}<|end|>\n<|start|>user\n{Q1}<|end|>\n<|start|>assistant\n"
+    prompt = (
+        f"<|bos|><|start|>system\n{SYSTEM}<|end|>\n<|start|>user\n{Q1}<|end|>\n<|start|>assistant\n"
+    )
     assert (ids, mask) == encode_pieces(tok, [(prompt, 0), (A1 + "<|end|>", 1), ("\n", 0)])
 
     first = mask.index(1)
@@ -94,7 +110,7 @@ def test_golden_mask_openai_single_turn(tok):
     assert tok.decode(ids[:first]).endswith("<|start|>assistant\n")
     assert A1.startswith(tok.decode([ids[first]]))
     assert ids[last] == tok.convert_tokens_to_ids("<|end|>")
-    assert tok.decode(ids[first: last + 1]) == A1 + "<|end|>"
+    assert tok.decode(ids[first : last + 1]) == A1 + "<|end|>"
     assert ids[0] == tok.convert_tokens_to_ids("<|bos|>")
     assert runs(mask) == [(first, last + 1)]  # system and user tokens unmasked
 
@@ -104,21 +120,30 @@ def test_golden_mask_sharegpt_multi_turn(tok):
     messages = to_messages(record)
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
     ids, mask = render_with_mask(tok, messages)
-    expected = encode_pieces(tok, [
-        (f"<|bos|><|start|>system\n{SYSTEM}<|end|>\n<|start|>user\n{Q1}<|end|>\n<|start|>assistant\n", 0),
-        (A1 + "<|end|>", 1),
-        (f"\n<|start|>user\n{Q2}<|end|>\n<|start|>assistant\n", 0),
-        (A2 + "<|end|>", 1),
-        ("\n", 0),
-    ])
+    expected = encode_pieces(
+        tok,
+        [
+            (
+                f"<|bos|><|start|>system\n{SYSTEM}<|end|>\n<|start|>user\n{Q1}<|end|>\n<|start|>assistant\n",
+                0,
+            ),
+            (A1 + "<|end|>", 1),
+            (f"\n<|start|>user\n{Q2}<|end|>\n<|start|>assistant\n", 0),
+            (A2 + "<|end|>", 1),
+            ("\n", 0),
+        ],
+    )
     assert (ids, mask) == expected
     spans = runs(mask)
     assert [tok.decode(ids[a:b]) for a, b in spans] == [A1 + "<|end|>", A2 + "<|end|>"]
     for a, _ in spans:
-        assert tok.decode([ids[a - 1]]) == "\n" and tok.decode(ids[:a]).endswith("<|start|>assistant\n")
+        assert tok.decode([ids[a - 1]]) == "\n" and tok.decode(ids[:a]).endswith(
+            "<|start|>assistant\n"
+        )
     # the same conversation in OpenAI form renders identically
-    same = to_messages(openai(("system", SYSTEM), ("user", Q1), ("assistant", A1), ("user", Q2),
-                              ("assistant", A2)))
+    same = to_messages(
+        openai(("system", SYSTEM), ("user", Q1), ("assistant", A1), ("user", Q2), ("assistant", A2))
+    )
     assert render_with_mask(tok, same) == (ids, mask)
 
 
@@ -126,12 +151,15 @@ def test_conversation_opening_with_assistant(tok):
     messages = to_messages(openai(("assistant", A1), ("user", Q1), ("assistant", A2)))
     ids, mask = render_with_mask(tok, messages)
     assert [tok.decode(ids[a:b]) for a, b in runs(mask)] == [A1 + "<|end|>", A2 + "<|end|>"]
-    assert prompt_ids(tok, messages) == tok.encode("<|bos|><|start|>assistant\n", add_special_tokens=False)
+    assert prompt_ids(tok, messages) == tok.encode(
+        "<|bos|><|start|>assistant\n", add_special_tokens=False
+    )
 
 
 def test_prompt_ids_is_prefix_before_first_assistant(tok):
-    messages = to_messages(openai(("system", SYSTEM), ("user", Q1), ("assistant", A1), ("user", Q2),
-                                  ("assistant", A2)))
+    messages = to_messages(
+        openai(("system", SYSTEM), ("user", Q1), ("assistant", A1), ("user", Q2), ("assistant", A2))
+    )
     ids, mask = render_with_mask(tok, messages)
     prompt = prompt_ids(tok, messages)
     assert ids[: len(prompt)] == prompt and mask[len(prompt)] == 1 and not any(mask[: len(prompt)])
@@ -139,12 +167,17 @@ def test_prompt_ids_is_prefix_before_first_assistant(tok):
 
 # ----------------------------------------------------------------------------- truncation
 
+
 def test_truncation(tok):
-    raw = RawRecord("x.jsonl", 1, openai(("user", Q1), ("assistant", A1), ("user", Q2), ("assistant", A2)))
+    raw = RawRecord(
+        "x.jsonl", 1, openai(("user", Q1), ("assistant", A1), ("user", Q2), ("assistant", A2))
+    )
     full_ids, full_mask = render_with_mask(tok, to_messages(raw.obj))
     cut = runs(full_mask)[0][0] + 2  # keeps two tokens of the first answer
     example, truncated = tokenize_record(tok, raw, cut)
-    assert truncated and example.input_ids == full_ids[:cut] and example.loss_mask == full_mask[:cut]
+    assert (
+        truncated and example.input_ids == full_ids[:cut] and example.loss_mask == full_mask[:cut]
+    )
     assert sum(example.loss_mask) == 2
     example, truncated = tokenize_record(tok, raw, len(full_ids))
     assert not truncated and example.input_ids == full_ids
@@ -162,8 +195,12 @@ BAD = {
     "unknown_role": json.dumps(openai(("tool", "x"), ("assistant", A1))),
     "no_assistant_turn": json.dumps(openai(("system", SYSTEM), ("user", Q1))),
     "empty_content": json.dumps(openai(("user", Q1), ("assistant", "  "))),
-    "non_text_content": json.dumps(openai(("user", [{"type": "text", "text": Q1}]), ("assistant", A1))),
-    "no_assistant_tokens_after_truncation": json.dumps(openai(("user", "word " * 80), ("assistant", A1))),
+    "non_text_content": json.dumps(
+        openai(("user", [{"type": "text", "text": Q1}]), ("assistant", A1))
+    ),
+    "no_assistant_tokens_after_truncation": json.dumps(
+        openai(("user", "word " * 80), ("assistant", A1))
+    ),
 }
 MAX_LEN = 48
 
@@ -179,9 +216,15 @@ def test_bad_records_counted_with_line_numbers(tok, tmp_path):
         lines += [BAD[reason], GOOD]
     path.write_text("\n".join(lines) + "\n")
     examples, tally = collect_examples(tok, [path], MAX_LEN, strict=False)
-    assert [(d["line"], d["reason"]) for d in tally.dropped] == [(3 + 2 * i, r) for i, r in enumerate(BAD)]
-    assert all(d["file"] == str(path) and "\n" not in d["detail"] and d["detail"] for d in tally.dropped)
-    assert [e.sample_id for e in examples] == [f"{path}:{n}" for n in [1, *range(4, 4 + 2 * len(BAD), 2)]]
+    assert [(d["line"], d["reason"]) for d in tally.dropped] == [
+        (3 + 2 * i, r) for i, r in enumerate(BAD)
+    ]
+    assert all(
+        d["file"] == str(path) and "\n" not in d["detail"] and d["detail"] for d in tally.dropped
+    )
+    assert [e.sample_id for e in examples] == [
+        f"{path}:{n}" for n in [1, *range(4, 4 + 2 * len(BAD), 2)]
+    ]
     assert tally.records_read == 1 + 2 * len(BAD)
     assert tally.by_reason() == {r: int(r in BAD) for r in REASONS}
 
@@ -199,17 +242,32 @@ def test_strict_one_line_error(tok, tmp_path, reason):
 
 def test_parquet_and_json_records_are_indexed(tok, tmp_path):
     js = tmp_path / "a.json"
-    js.write_text(json.dumps([sharegpt(("human", Q1), ("gpt", A1)), {"conversations": [{"from": "bot"}]},
-                              sharegpt(("human", Q2), ("gpt", A2))]))
+    js.write_text(
+        json.dumps(
+            [
+                sharegpt(("human", Q1), ("gpt", A1)),
+                {"conversations": [{"from": "bot"}]},
+                sharegpt(("human", Q2), ("gpt", A2)),
+            ]
+        )
+    )
     pa_path = tmp_path / "b.parquet"
-    rows = [openai(("user", Q1), ("assistant", A1)), sharegpt(("human", Q2), ("gpt", A2)),
-            openai(("user", Q2), ("user", A2))]
+    rows = [
+        openai(("user", Q1), ("assistant", A1)),
+        sharegpt(("human", Q2), ("gpt", A2)),
+        openai(("user", Q2), ("user", A2)),
+    ]
     pq.write_table(pa.Table.from_pylist(rows, schema=MIXED), pa_path)
     examples, tally = collect_examples(tok, [js, pa_path], MAX_LEN, strict=False)
     assert [e.sample_id for e in examples] == [f"{js}:0", f"{js}:2", f"{pa_path}:0", f"{pa_path}:1"]
     assert [(d["file"], d["line"], d["reason"]) for d in tally.dropped] == [
-        (str(js), 1, "unknown_format"), (str(pa_path), 2, "no_assistant_turn")]
-    assert examples[3].input_ids == render_with_mask(tok, to_messages(openai(("user", Q2), ("assistant", A2))))[0]
+        (str(js), 1, "unknown_format"),
+        (str(pa_path), 2, "no_assistant_turn"),
+    ]
+    assert (
+        examples[3].input_ids
+        == render_with_mask(tok, to_messages(openai(("user", Q2), ("assistant", A2))))[0]
+    )
 
 
 def _with_template(tok, template):
@@ -222,11 +280,13 @@ def _with_template(tok, template):
 # Like templates that strip the reasoning of earlier assistant turns: not prefix-stable.
 HIDES_OLD_ANSWERS = CHAT_TEMPLATE.replace(
     "message['content']",
-    "(message['content'] if message['role'] != 'assistant' or loop.last else '[old]')")
+    "(message['content'] if message['role'] != 'assistant' or loop.last else '[old]')",
+)
 RAISES = CHAT_TEMPLATE.replace(
     "{% for message in messages %}",
     "{% for message in messages %}{% if message['content'] == 'boom' %}"
-    "{{ raise_exception('boom is not allowed') }}{% endif %}")
+    "{{ raise_exception('boom is not allowed') }}{% endif %}",
+)
 
 
 def test_template_error_not_prefix_stable(tok, tmp_path):
@@ -239,10 +299,18 @@ def test_template_error_not_prefix_stable(tok, tmp_path):
     assert err.value.reason == "template_error" and "prefix" in str(err.value)
 
     path = tmp_path / "t.jsonl"
-    path.write_text(GOOD + "\n" + json.dumps(openai(*[(m["role"], m["content"]) for m in multi])) + "\n"
-                    + json.dumps(openai(("user", "boom"), ("assistant", A1))) + "\n")
+    path.write_text(
+        GOOD
+        + "\n"
+        + json.dumps(openai(*[(m["role"], m["content"]) for m in multi]))
+        + "\n"
+        + json.dumps(openai(("user", "boom"), ("assistant", A1)))
+        + "\n"
+    )
     examples, tally = collect_examples(hiding, [path], MAX_LEN, strict=False)
-    assert len(examples) == 2 and [(d["line"], d["reason"]) for d in tally.dropped] == [(2, "template_error")]
+    assert len(examples) == 2 and [(d["line"], d["reason"]) for d in tally.dropped] == [
+        (2, "template_error")
+    ]
     raising = _with_template(tok, RAISES)
     examples, tally = collect_examples(raising, [path], MAX_LEN, strict=False)
     assert [(d["line"], d["reason"]) for d in tally.dropped] == [(3, "template_error")]
@@ -261,20 +329,35 @@ def test_no_chat_template_names_folder(tok, tmp_path):
 
 # ----------------------------------------------------------------------------- CLI end to end
 
+
 def write_inputs(folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     qa = [(Q1, A1), (Q2, A2), (SYSTEM, A1), (Q1 + " " + Q2, A2 + " " + A1)]
     jl = folder / "a.jsonl"
-    lines = [json.dumps(openai(("user", q), ("assistant", a + f" ({i})"))) for i, (q, a) in
-             enumerate(qa * 2)]
+    lines = [
+        json.dumps(openai(("user", q), ("assistant", a + f" ({i})")))
+        for i, (q, a) in enumerate(qa * 2)
+    ]
     lines.insert(3, BAD["unknown_role"])  # line 4
     jl.write_text("\n".join(lines) + "\n")
     js = folder / "b.json"
-    js.write_text(json.dumps([sharegpt(("system", SYSTEM), ("human", q), ("gpt", a), ("human", q), ("gpt", a))
-                              for q, a in qa]))
+    js.write_text(
+        json.dumps(
+            [
+                sharegpt(("system", SYSTEM), ("human", q), ("gpt", a), ("human", q), ("gpt", a))
+                for q, a in qa
+            ]
+        )
+    )
     pa_path = folder / "c.parquet"
-    pq.write_table(pa.Table.from_pylist([openai(("user", q), ("assistant", a)) for q, a in qa]
-                                        + [sharegpt(("human", A1), ("gpt", Q1))], schema=MIXED), pa_path)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [openai(("user", q), ("assistant", a)) for q, a in qa]
+            + [sharegpt(("human", A1), ("gpt", Q1))],
+            schema=MIXED,
+        ),
+        pa_path,
+    )
     return [jl, js, pa_path]
 
 
@@ -282,8 +365,14 @@ E2E_LEN = 48  # truncates the longer conversations, drops none of the usable one
 
 
 def settings(**data):
-    base = {"max_seq_len": E2E_LEN, "num_shards": 3, "num_eval": 4, "seed": 0, "strict": False,
-            "conversations": ["ignored"]}
+    base = {
+        "max_seq_len": E2E_LEN,
+        "num_shards": 3,
+        "num_eval": 4,
+        "seed": 0,
+        "strict": False,
+        "conversations": ["ignored"],
+    }
     return json.dumps({"data": {**base, **data}, "trust_remote_code": False})
 
 
@@ -294,8 +383,19 @@ def only_this_stage(monkeypatch):
 
 
 def run_cli(target, inputs, out, **data):
-    return cli.main(["tokenize", "--target", str(target), "--inputs", *map(str, inputs),
-                     "--out-dir", str(out), "--settings", settings(**data)])
+    return cli.main(
+        [
+            "tokenize",
+            "--target",
+            str(target),
+            "--inputs",
+            *map(str, inputs),
+            "--out-dir",
+            str(out),
+            "--settings",
+            settings(**data),
+        ]
+    )
 
 
 def read(path):
@@ -307,21 +407,36 @@ def test_cli_end_to_end(tok, target, tmp_path):
     out = tmp_path / "tok"
     assert run_cli(target, inputs, out) == 0
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["eval.parquet", "report.json", "shard_000.parquet", "shard_001.parquet", "shard_002.parquet"]
+    assert names == [
+        "eval.parquet",
+        "report.json",
+        "shard_000.parquet",
+        "shard_001.parquet",
+        "shard_002.parquet",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "tok"]  # no temporaries left
 
     report = json.loads((out / "report.json").read_text())
     assert report["records_read"] == 9 + 4 + 5 and report["records_used"] == 17
-    assert report["dropped"] == [{"file": str(inputs[0]), "line": 4, "reason": "unknown_role",
-                                  "detail": report["dropped"][0]["detail"]}]
+    assert report["dropped"] == [
+        {
+            "file": str(inputs[0]),
+            "line": 4,
+            "reason": "unknown_role",
+            "detail": report["dropped"][0]["detail"],
+        }
+    ]
     assert report["dropped_by_reason"]["unknown_role"] == 1 and report["records_dropped"] == 1
     assert report["provenance"]["settings"]["data"]["num_shards"] == 3
 
     shards = [read(out / f"shard_{s:03d}.parquet") for s in range(3)]
     evals = read(out / "eval.parquet")
     assert [len(s) for s in shards] == [5, 4, 4] and len(evals) == 4
-    assert pq.read_schema(out / "shard_000.parquet").types == [pa.string(), pa.list_(pa.int32()),
-                                                              pa.list_(pa.uint8())]
+    assert pq.read_schema(out / "shard_000.parquet").types == [
+        pa.string(),
+        pa.list_(pa.int32()),
+        pa.list_(pa.uint8()),
+    ]
     assert pq.read_schema(out / "eval.parquet").field("prompt_ids").type == pa.list_(pa.int32())
     ids = [r["sample_id"] for s in [evals, *shards] for r in s]
     assert len(set(ids)) == 17 and f"{inputs[0]}:4" not in ids
@@ -331,8 +446,12 @@ def test_cli_end_to_end(tok, target, tmp_path):
     for line, text in enumerate(inputs[0].read_text().splitlines(), 1):
         records[f"{inputs[0]}:{line}"] = json.loads(text)
     records.update({f"{inputs[1]}:{i}": r for i, r in enumerate(json.loads(inputs[1].read_text()))})
-    records.update({f"{inputs[2]}:{i}": {k: v for k, v in r.items() if v is not None}
-                    for i, r in enumerate(read(inputs[2]))})
+    records.update(
+        {
+            f"{inputs[2]}:{i}": {k: v for k, v in r.items() if v is not None}
+            for i, r in enumerate(read(inputs[2]))
+        }
+    )
     truncated = 0
     for row in [r for s in [evals, *shards] for r in s]:
         messages = to_messages(records[row["sample_id"]])
@@ -354,7 +473,9 @@ def test_cli_deterministic(target, tmp_path):
     for name in ("eval.parquet", "shard_000.parquet", "shard_001.parquet", "shard_002.parquet"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
     assert run_cli(target, inputs, tmp_path / "other", seed=1) == 0
-    order = lambda d: [r["sample_id"] for n in ("eval", "shard_000") for r in read(tmp_path / d / f"{n}.parquet")]
+    order = lambda d: [
+        r["sample_id"] for n in ("eval", "shard_000") for r in read(tmp_path / d / f"{n}.parquet")
+    ]
     assert order("one") != order("other") and sorted(order("one")) != sorted(order("other"))
 
 
@@ -372,4 +493,5 @@ def test_cli_errors_are_one_line(target, tmp_path, capsys):
     missing = tmp_path / "in" / "nope.jsonl"
     assert run_cli(target, [inputs[0], missing], tmp_path / "m") == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"eyrie tokenize: error: {missing}: input file not found; fix data.conversations")
+        f"eyrie tokenize: error: {missing}: input file not found; fix data.conversations"
+    )

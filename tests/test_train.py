@@ -26,8 +26,16 @@ def world(tmp_path_factory):
 
 
 def run_train(world, root, settings, **kw):
-    return train(world["target"], world["preflight"], world["vocab"], world["shards"],
-                 root / "train", root / "state", settings, **kw)
+    return train(
+        world["target"],
+        world["preflight"],
+        world["vocab"],
+        world["shards"],
+        root / "train",
+        root / "state",
+        settings,
+        **kw,
+    )
 
 
 def test_shift_sample_aligns_mask_with_the_predicted_token():
@@ -61,9 +69,13 @@ def test_pack_respects_the_budget_and_truncates_long_samples():
 
 
 def test_packed_batch_layout(world):
-    expect = {"target_fingerprint": world["meta"]["target_fingerprint"],
-              "tokenizer_hash": world["meta"]["tokenizer_hash"], "aux_layer_ids": AUX_IDS,
-              "final_layer_id": 4, "hidden_size": HIDDEN}
+    expect = {
+        "target_fingerprint": world["meta"]["target_fingerprint"],
+        "tokenizer_hash": world["meta"]["tokenizer_hash"],
+        "aux_layer_ids": AUX_IDS,
+        "final_layer_id": 4,
+        "hidden_size": HIDDEN,
+    }
     data = PackedShards(world["shards"], expect, max_tokens=40, gap=2)
     long = max(range(len(data)), key=lambda i: data.lengths[i])
     assert data.lengths[long] > 38
@@ -90,8 +102,9 @@ def test_forward_backward_trains_only_draft_weights(world):
     data = PackedShards(world["shards"], expect, max_tokens=128, gap=2)
     d2t, t2d = read_vocab(world["vocab"])
     model = build_draft(world["target"], AUX_IDS, d2t, t2d, ttt_steps=3, seed=0)
-    _, loss, metrics = model(**data.batch([0, 1]), ttt_steps=3,
-                             loss_config=resolve_loss_config("kl_div", "eager"))
+    _, loss, metrics = model(
+        **data.batch([0, 1]), ttt_steps=3, loss_config=resolve_loss_config("kl_div", "eager")
+    )
     assert torch.isfinite(loss) and loss > 0
     assert {f"full_acc_{k}_sum" for k in range(3)} <= set(metrics)
     loss.backward()
@@ -117,15 +130,21 @@ def test_a_pack_padded_to_a_fixed_shape_trains_the_same(world):
         batch = data.batch([0, 1], pad_to=pad_to)
         assert batch["input_ids"].shape[1] == (128 if pad_to else data.tokens([0, 1])[0] + 2 * 2)
         model = build_draft(world["target"], AUX_IDS, d2t, t2d, ttt_steps=3, seed=0)
-        _, loss, metrics = model(**batch, ttt_steps=3, loss_config=resolve_loss_config("kl_div", "eager"))
+        _, loss, metrics = model(
+            **batch, ttt_steps=3, loss_config=resolve_loss_config("kl_div", "eager")
+        )
         loss.backward()
-        out[name] = (loss.detach(), {k: v.detach() for k, v in metrics.items()},
-                     model.fc.weight.grad.clone())
+        out[name] = (
+            loss.detach(),
+            {k: v.detach() for k, v in metrics.items()},
+            model.fc.weight.grad.clone(),
+        )
     (l0, m0, g0), (l1, m1, g1) = out["exact"], out["fixed"]
     assert torch.allclose(l0, l1, rtol=1e-5, atol=1e-7)
     for k in m0:
-        assert torch.allclose(torch.as_tensor(m0[k]).float(), torch.as_tensor(m1[k]).float(),
-                              rtol=1e-5, atol=1e-6), k
+        assert torch.allclose(
+            torch.as_tensor(m0[k]).float(), torch.as_tensor(m1[k]).float(), rtol=1e-5, atol=1e-6
+        ), k
     assert torch.allclose(g0, g1, rtol=1e-4, atol=1e-7)
     data.close()
 
@@ -162,7 +181,9 @@ def test_float8_codes_decoded_on_the_device_equal_the_host_dequantized_batch(wor
 
 def test_loss_falls_and_outputs_are_written(world, tmp_path):
     summary = run_train(world, tmp_path, train_settings(epochs=5, log_every=7))
-    records = [json.loads(ln) for ln in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(ln) for ln in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in records] == list(range(1, summary["steps"] + 1))
     first = sum(r["loss"] for r in records[:5]) / 5
     last = sum(r["loss"] for r in records[-5:]) / 5
@@ -170,7 +191,12 @@ def test_loss_falls_and_outputs_are_written(world, tmp_path):
     acc0_first = sum(r["full_acc_0"] for r in records[:5]) / 5
     assert summary["final"]["full_acc"][0] > acc0_first
     out = tmp_path / "train"
-    assert sorted(p.name for p in out.iterdir()) == ["curves.png", "draft", "metrics.jsonl", "train.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "curves.png",
+        "draft",
+        "metrics.jsonl",
+        "train.json",
+    ]
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((out / "train.json").read_text())
     assert saved["steps"] == summary["steps"] and saved["tokens"] > 0 and saved["tokens_per_s"] > 0
@@ -188,10 +214,25 @@ def test_interrupted_runs_resume_to_identical_weights(world, tmp_path):
 
     b = tmp_path / "b"
     # 1. a planned stop through the CLI (checkpoint at step 3, exit code 3, no outputs)
-    args = ["train", "--target", str(world["target"]), "--preflight", str(world["preflight"]),
-            "--vocab", str(world["vocab"]), "--shards", *map(str, world["shards"]),
-            "--out-dir", str(b / "train"), "--state-dir", str(b / "state"),
-            "--settings", json.dumps(settings), "--stop-after-steps", "3"]
+    args = [
+        "train",
+        "--target",
+        str(world["target"]),
+        "--preflight",
+        str(world["preflight"]),
+        "--vocab",
+        str(world["vocab"]),
+        "--shards",
+        *map(str, world["shards"]),
+        "--out-dir",
+        str(b / "train"),
+        "--state-dir",
+        str(b / "state"),
+        "--settings",
+        json.dumps(settings),
+        "--stop-after-steps",
+        "3",
+    ]
     assert cli_main(args) == 3
     assert not (b / "train").exists()
 
@@ -216,7 +257,10 @@ def test_interrupted_runs_resume_to_identical_weights(world, tmp_path):
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
-    la = [json.loads(ln)["loss"] for ln in (tmp_path / "a" / "train" / "metrics.jsonl").read_text().splitlines()]
+    la = [
+        json.loads(ln)["loss"]
+        for ln in (tmp_path / "a" / "train" / "metrics.jsonl").read_text().splitlines()
+    ]
     lb = [json.loads(ln)["loss"] for ln in (b / "train" / "metrics.jsonl").read_text().splitlines()]
     assert la == lb
 
@@ -226,8 +270,15 @@ def test_mismatching_shard_is_refused_before_training(world, tmp_path):
     bad = tmp_path / "bad.h5"
     write_shard(bad, world["model"], world["samples"][:2], ShardMeta(**meta), ["x:1", "x:2"])
     with pytest.raises(ShardError, match=r"bad\.h5: tokenizer_hash is '0123456789abcdef'"):
-        train(world["target"], world["preflight"], world["vocab"], [world["shards"][0], bad],
-              tmp_path / "train", tmp_path / "state", train_settings())
+        train(
+            world["target"],
+            world["preflight"],
+            world["vocab"],
+            [world["shards"][0], bad],
+            tmp_path / "train",
+            tmp_path / "state",
+            train_settings(),
+        )
     assert not (tmp_path / "state").exists() and not (tmp_path / "train").exists()
 
 
@@ -264,8 +315,12 @@ def test_a_step_is_the_mean_over_consecutive_packs(world, tmp_path):
     d2t, t2d = read_vocab(world["vocab"])
     model = build_draft(world["target"], AUX_IDS, d2t, t2d, ttt_steps=3, seed=0)
     batches = [data.batch(p) for p in packs[:P]]
-    losses = torch.stack([model(**b, ttt_steps=3, loss_config=resolve_loss_config("kl_div", "eager"))[1]
-                          for b in batches])  # [P]
+    losses = torch.stack(
+        [
+            model(**b, ttt_steps=3, loss_config=resolve_loss_config("kl_div", "eager"))[1]
+            for b in batches
+        ]
+    )  # [P]
     losses.mean().backward()  # the step's gradient is the gradient of the mean loss
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     first = json.loads((tmp_path / "train" / "metrics.jsonl").read_text().splitlines()[0])
@@ -287,8 +342,16 @@ def test_truncated_shard_is_refused_before_the_first_step(world, tmp_path):
     os.truncate(bad, bad.stat().st_size // 2)
     steps = []
     with pytest.raises(ShardError) as err:
-        train(world["target"], world["preflight"], world["vocab"], shards, tmp_path / "train",
-              tmp_path / "state", train_settings(), on_step=steps.append)
+        train(
+            world["target"],
+            world["preflight"],
+            world["vocab"],
+            shards,
+            tmp_path / "train",
+            tmp_path / "state",
+            train_settings(),
+            on_step=steps.append,
+        )
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(f"{bad}: unreadable HDF5") and "truncated file" in msg
     assert f"to rebuild: delete {bad} and rerun snakemake (or: snakemake --force {bad})" in msg
@@ -304,22 +367,39 @@ def test_corrupted_shard_values_are_refused_before_the_first_step(world, tmp_pat
         fh.write(b"\xff" * 64)
     steps = []
     with pytest.raises(ShardError) as err:
-        train(world["target"], world["preflight"], world["vocab"], shards, tmp_path / "train",
-              tmp_path / "state", train_settings(), on_step=steps.append)
+        train(
+            world["target"],
+            world["preflight"],
+            world["vocab"],
+            shards,
+            tmp_path / "train",
+            tmp_path / "state",
+            train_settings(),
+            on_step=steps.append,
+        )
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(f"{bad}: non-finite values in aux_hidden")
     assert f"delete {bad} and rerun snakemake" in msg
     assert steps == [] and not (tmp_path / "state").exists()
     # Without the scan the file opens; the bad sample fails only when training reads it.
     with pytest.raises(ShardError, match=r"sample \d+: non-finite values in aux_hidden"):
-        train(world["target"], world["preflight"], world["vocab"], shards, tmp_path / "train",
-              tmp_path / "state", train_settings(verify_shards=False))
+        train(
+            world["target"],
+            world["preflight"],
+            world["vocab"],
+            shards,
+            tmp_path / "train",
+            tmp_path / "state",
+            train_settings(verify_shards=False),
+        )
 
 
 # ---------------------------------------------------------------- the prefetching loader
 
+
 def _expect(world):
     from eyrie.train.recipe import _expectation
+
     return _expectation(world["preflight"])
 
 
@@ -328,7 +408,7 @@ def test_prefetcher_gives_the_synchronous_batches_and_token_counts(world):
 
     data = PackedShards(world["shards"], _expect(world), max_tokens=64, gap=2)
     packs = pack(data.lengths, epoch_order(len(data), 0, 0), 64, 2)
-    steps = [packs[i:i + 2] for i in range(0, len(packs) - 1, 2)]
+    steps = [packs[i : i + 2] for i in range(0, len(packs) - 1, 2)]
     assert len(steps) >= 3 and data.transfer_dtype == torch.bfloat16  # the world's shards: bf16
     with Prefetcher(data, steps, depth=1) as loader:
         for step in steps:
@@ -339,8 +419,10 @@ def test_prefetcher_gives_the_synchronous_batches_and_token_counts(world):
                 assert batch.keys() == want.keys()
                 for k in want:
                     assert batch[k].dtype == want[k].dtype and torch.equal(batch[k], want[k]), k
-                assert data.tokens(p) == (int((want["document_ids"] >= 0).sum()),
-                                          int(want["loss_mask"].sum()))
+                assert data.tokens(p) == (
+                    int((want["document_ids"] >= 0).sum()),
+                    int(want["loss_mask"].sum()),
+                )
                 # stored dtype on the way, widened later: the same float32 values
                 narrow = data.batch(p, data.transfer_dtype)
                 assert narrow["hidden_states"].dtype == torch.bfloat16

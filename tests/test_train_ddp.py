@@ -45,13 +45,33 @@ def world(tmp_path_factory):
     return build_world(tmp_path_factory.mktemp("world"))
 
 
-def eyrie_train(world: dict, root: Path, settings: dict, *extra: str, threads: int = 2) -> list[str]:
+def eyrie_train(
+    world: dict, root: Path, settings: dict, *extra: str, threads: int = 2
+) -> list[str]:
     """`python -m eyrie train ...`; --threads is the node's (under torchrun: 1 per rank)."""
-    return [sys.executable, "-m", "eyrie", "--threads", str(threads), "train",
-            "--target", str(world["target"]), "--preflight", str(world["preflight"]),
-            "--vocab", str(world["vocab"]), "--shards", *map(str, world["shards"]),
-            "--out-dir", str(root / "train"), "--state-dir", str(root / "state"),
-            "--settings", json.dumps(settings), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "eyrie",
+        "--threads",
+        str(threads),
+        "train",
+        "--target",
+        str(world["target"]),
+        "--preflight",
+        str(world["preflight"]),
+        "--vocab",
+        str(world["vocab"]),
+        "--shards",
+        *map(str, world["shards"]),
+        "--out-dir",
+        str(root / "train"),
+        "--state-dir",
+        str(root / "state"),
+        "--settings",
+        json.dumps(settings),
+        *extra,
+    ]
 
 
 def run_eyrie(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -102,8 +122,15 @@ def assert_weights(a: dict, b: dict, exact: bool) -> None:
 @pytest.fixture(scope="module")
 def one_process(world, tmp_path_factory):
     root = tmp_path_factory.mktemp("one")
-    summary = train(world["target"], world["preflight"], world["vocab"], world["shards"],
-                    root / "train", root / "state", train_settings(**DDP))
+    summary = train(
+        world["target"],
+        world["preflight"],
+        world["vocab"],
+        world["shards"],
+        root / "train",
+        root / "state",
+        train_settings(**DDP),
+    )
     return root, summary
 
 
@@ -117,6 +144,7 @@ def two_processes(world, tmp_path_factory):
 
 # ---------------------------------------------------------------- torchrun + DDP
 
+
 @pytest.mark.slow
 def test_two_processes_train_the_same_draft_as_one(one_process, two_processes):
     (one, summary), (two, proc) = one_process, two_processes
@@ -127,7 +155,9 @@ def test_two_processes_train_the_same_draft_as_one(one_process, two_processes):
     assert saved["dropped_packs"] == summary["dropped_packs"]
     assert_weights(weights(one), weights(two), exact=False)
     m1, m2 = metrics(one), metrics(two)
-    assert [r["step"] for r in m1] == [r["step"] for r in m2] == list(range(1, summary["steps"] + 1))
+    assert (
+        [r["step"] for r in m1] == [r["step"] for r in m2] == list(range(1, summary["steps"] + 1))
+    )
     for a, b in zip(m1, m2):
         assert a["tokens"] == b["tokens"] and a["loss_tokens"] == b["loss_tokens"]
         assert b["loss"] == pytest.approx(a["loss"], rel=RTOL)
@@ -142,8 +172,9 @@ def test_two_processes_train_the_same_draft_as_one(one_process, two_processes):
 def killed_ddp(world, tmp_path_factory):
     """A 2-process run killed (every process, SIGKILL) once its step-4 checkpoint exists."""
     root = tmp_path_factory.mktemp("killed")
-    log = start_and_kill(eyrie_train(world, root, train_settings(**DDP), "--nproc-per-node", "2"),
-                         root, 4)
+    log = start_and_kill(
+        eyrie_train(world, root, train_settings(**DDP), "--nproc-per-node", "2"), root, 4
+    )
     assert not (root / "train").exists(), log
     return root
 
@@ -164,8 +195,15 @@ def test_killed_ddp_run_resumes_exactly(world, killed_ddp, two_processes, tmp_pa
 def test_killed_ddp_run_resumes_in_one_process(world, killed_ddp, one_process, tmp_path):
     """The number of processes is not part of the run: 2 processes' state resumes in 1."""
     shutil.copytree(killed_ddp, tmp_path / "copy")
-    resumed = train(world["target"], world["preflight"], world["vocab"], world["shards"],
-                    tmp_path / "copy" / "train", tmp_path / "copy" / "state", train_settings(**DDP))
+    resumed = train(
+        world["target"],
+        world["preflight"],
+        world["vocab"],
+        world["shards"],
+        tmp_path / "copy" / "train",
+        tmp_path / "copy" / "state",
+        train_settings(**DDP),
+    )
     assert resumed["resumed_from_step"] >= 4 and resumed["world_size"] == 1
     assert resumed["run_id"] == one_process[1]["run_id"]
     assert_weights(weights(one_process[0]), weights(tmp_path / "copy"), exact=False)
@@ -173,16 +211,21 @@ def test_killed_ddp_run_resumes_in_one_process(world, killed_ddp, one_process, t
 
 @pytest.mark.slow
 def test_packs_per_step_not_divisible_by_processes_is_one_line(world, tmp_path):
-    proc = run_eyrie(eyrie_train(world, tmp_path, train_settings(packs_per_step=3),
-                                 "--nproc-per-node", "2"), tmp_path)
+    proc = run_eyrie(
+        eyrie_train(world, tmp_path, train_settings(packs_per_step=3), "--nproc-per-node", "2"),
+        tmp_path,
+    )
     assert proc.returncode != 0
     # one complete line per rank that got to print it (torchrun stops the other rank once one
     # has failed, sometimes before it printed)
     lines = [ln for ln in proc.stderr.splitlines() if "eyrie train: error:" in ln]
     assert 1 <= len(lines) <= 2, proc.stderr[-4000:]
     for line in lines:
-        assert re.fullmatch(r"eyrie train: error: rank [01]/2: train\.packs_per_step is 3 but the run "
-                            r"has 2 processes .*multiple of 2 \(e\.g\. 4\).*", line), line
+        assert re.fullmatch(
+            r"eyrie train: error: rank [01]/2: train\.packs_per_step is 3 but the run "
+            r"has 2 processes .*multiple of 2 \(e\.g\. 4\).*",
+            line,
+        ), line
     assert "torchrun exited with status" in proc.stderr
     assert not (tmp_path / "state").exists()
 
@@ -190,18 +233,35 @@ def test_packs_per_step_not_divisible_by_processes_is_one_line(world, tmp_path):
 def test_packs_per_step_is_checked_against_world_size(world, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(EyrieError, match=r"packs_per_step is 6 but the run has 4 processes .*e\.g\. 8"):
-        train(world["target"], world["preflight"], world["vocab"], world["shards"], tmp_path / "t",
-              tmp_path / "s", train_settings(packs_per_step=6))
+    with pytest.raises(
+        EyrieError, match=r"packs_per_step is 6 but the run has 4 processes .*e\.g\. 8"
+    ):
+        train(
+            world["target"],
+            world["preflight"],
+            world["vocab"],
+            world["shards"],
+            tmp_path / "t",
+            tmp_path / "s",
+            train_settings(packs_per_step=6),
+        )
 
 
 # ---------------------------------------------------------------- one process killed
 
+
 @pytest.mark.slow
 def test_killed_run_resumes_to_identical_weights(world, tmp_path, caplog):
     settings = train_settings(epochs=4, checkpoint_every=2)
-    full = train(world["target"], world["preflight"], world["vocab"], world["shards"],
-                 tmp_path / "a" / "train", tmp_path / "a" / "state", settings)
+    full = train(
+        world["target"],
+        world["preflight"],
+        world["vocab"],
+        world["shards"],
+        tmp_path / "a" / "train",
+        tmp_path / "a" / "state",
+        settings,
+    )
     b = tmp_path / "b"
     cmd = eyrie_train(world, b, settings, threads=1)  # the thread count of this test session
     log = start_and_kill(cmd, b, 4)
@@ -217,19 +277,51 @@ def test_killed_run_resumes_to_identical_weights(world, tmp_path, caplog):
 
 # ---------------------------------------------------------------- the command
 
+
 def test_torchrun_command_one_node():
     cmd = launch_command(["train", "--x", "1"], 4, 1, {}, "/py")
-    assert cmd == ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                   "--module", "eyrie", "train", "--x", "1"]
+    assert cmd == [
+        "/py",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "--module",
+        "eyrie",
+        "train",
+        "--x",
+        "1",
+    ]
 
 
 def test_torchrun_command_several_nodes_under_slurm():
     env = {"SLURM_JOB_ID": "4711", "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_JOB_NUM_NODES": "2"}
     cmd = launch_command(["train"], 8, 2, env, "/py", first_host="gpu03")
-    assert cmd == ["srun", "--nodes", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
-                   "/py", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8",
-                   "--rdzv-backend", "c10d", "--rdzv-id", "4711",
-                   "--rdzv-endpoint", f"gpu03:{29400 + 711}", "--module", "eyrie", "train"]
+    assert cmd == [
+        "srun",
+        "--nodes",
+        "2",
+        "--ntasks-per-node",
+        "1",
+        "--kill-on-bad-exit=1",
+        "/py",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "8",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-id",
+        "4711",
+        "--rdzv-endpoint",
+        f"gpu03:{29400 + 711}",
+        "--module",
+        "eyrie",
+        "train",
+    ]
     assert rdzv_port({**env, "MASTER_PORT": "12345"}) == 12345
 
 
@@ -244,10 +336,32 @@ def test_torchrun_command_refuses_what_cannot_work():
 
 
 def test_worker_arguments_parse_back_to_the_same_namespace(tmp_path):
-    argv = ["--threads", "8", "train", "--target", "t", "--preflight", "p.json", "--vocab", "v",
-            "--shards", "a.h5", "b.h5", "--out-dir", "o", "--state-dir", "s",
-            "--settings", json.dumps({"train": {"epochs": 2}}), "--nproc-per-node", "4",
-            "--nnodes", "2", "--stop-after-steps", "5"]
+    argv = [
+        "--threads",
+        "8",
+        "train",
+        "--target",
+        "t",
+        "--preflight",
+        "p.json",
+        "--vocab",
+        "v",
+        "--shards",
+        "a.h5",
+        "b.h5",
+        "--out-dir",
+        "o",
+        "--state-dir",
+        "s",
+        "--settings",
+        json.dumps({"train": {"epochs": 2}}),
+        "--nproc-per-node",
+        "4",
+        "--nnodes",
+        "2",
+        "--stop-after-steps",
+        "5",
+    ]
     args = build_parser("train").parse_args(argv)
     again = build_parser("train").parse_args(worker_args(args))
     assert vars(again) == vars(args)

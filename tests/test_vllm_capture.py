@@ -34,7 +34,7 @@ class Layer(torch.nn.Module):
     def __init__(self, seed: int, positional_extra: bool = False):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.w = torch.nn.Parameter(torch.randn(H, H, generator=g) / H ** 0.5)
+        self.w = torch.nn.Parameter(torch.randn(H, H, generator=g) / H**0.5)
         self.norm = AddNorm()
 
     def forward(self, positions, hidden_states, residual):
@@ -66,13 +66,17 @@ class Stack(torch.nn.Module):
         return self.norm(hidden, residual)[0]
 
 
-def reference_states(stack: Stack, ids: torch.Tensor, positions: torch.Tensor) -> dict[int, torch.Tensor]:
+def reference_states(
+    stack: Stack, ids: torch.Tensor, positions: torch.Tensor
+) -> dict[int, torch.Tensor]:
     """Residual stream entering each layer, computed on fresh copies (no aliasing possible)."""
     out = {}
     hidden, residual = stack.embed_input_ids(ids).clone(), None
     for k, layer in enumerate(stack.layers):
         out[k] = (hidden if residual is None else hidden + residual).clone()
-        hidden, residual = layer(positions, hidden.clone(), None if residual is None else residual.clone())
+        hidden, residual = layer(
+            positions, hidden.clone(), None if residual is None else residual.clone()
+        )
     out[len(stack.layers)] = hidden + residual
     return out
 
@@ -152,7 +156,9 @@ def test_layer_returning_one_tensor_is_a_clear_error():
         def forward(self, positions, hidden_states, residual):
             return hidden_states
 
-    with pytest.raises(VllmAdapterError, match=r"returned Tensor, expected \(hidden_states, residual\)"):
+    with pytest.raises(
+        VllmAdapterError, match=r"returned Tensor, expected \(hidden_states, residual\)"
+    ):
         call_layer(ADAPTERS["llama"], Single(), torch.arange(2), torch.ones(2, H), None, {})
 
 
@@ -175,4 +181,7 @@ def test_every_registered_target_family_has_an_adapter():
     from eyrie.arch.registry import REGISTRY
 
     assert set(REGISTRY) <= set(ADAPTERS)
-    assert all(isinstance(a, VllmAdapter) and a.call in ("keyword", "positional") for a in ADAPTERS.values())
+    assert all(
+        isinstance(a, VllmAdapter) and a.call in ("keyword", "positional")
+        for a in ADAPTERS.values()
+    )

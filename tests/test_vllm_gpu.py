@@ -21,16 +21,20 @@ pytestmark = pytest.mark.gpu
 
 
 def step(*args: str, timeout: int = 600) -> str:
-    proc = subprocess.run([VLLM_PYTHON, CHECK, *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
+    proc = subprocess.run(
+        [VLLM_PYTHON, CHECK, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
 
 
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
-    cuda = subprocess.run([VLLM_PYTHON, "-c", "import torch; print(torch.cuda.is_available())"],
-                          capture_output=True, text=True)
+    cuda = subprocess.run(
+        [VLLM_PYTHON, "-c", "import torch; print(torch.cuda.is_available())"],
+        capture_output=True,
+        text=True,
+    )
     if cuda.stdout.strip() != "True":
         pytest.skip(f"{VLLM_PYTHON} sees no CUDA device")
     root = tmp_path_factory.mktemp("vllm_gpu")

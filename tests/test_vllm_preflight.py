@@ -46,8 +46,9 @@ def facts():
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """A complete tiny Llama target (weights, tokenizer, chat template)."""
-    return save_chat_target(tmp_path_factory.mktemp("target"), TEXTS, num_attention_heads=4,
-                            num_key_value_heads=2)
+    return save_chat_target(
+        tmp_path_factory.mktemp("target"), TEXTS, num_attention_heads=4, num_key_value_heads=2
+    )
 
 
 # ----------------------------------------------------------------------------- settings
@@ -56,8 +57,11 @@ def target(tmp_path_factory):
 def test_compared_settings_hold_only_what_changes_the_extraction():
     config = validate_config({"target": {"name": "t"}})
     plain = vp.rule_settings(config)
-    assert plain == {"layers": config["layers"], "extract": {"storage_dtype": "bfloat16"},
-                     "trust_remote_code": False}
+    assert plain == {
+        "layers": config["layers"],
+        "extract": {"storage_dtype": "bfloat16"},
+        "trust_remote_code": False,
+    }
     assert vp.runtime_settings(config) == {}
     assert vp.uses(vp.merge_settings(plain, vp.runtime_settings(config))) == []
     # vLLM evaluation asked for: checked at run time, but compared settings are unchanged, so
@@ -76,7 +80,10 @@ def test_compared_settings_hold_only_what_changes_the_extraction():
     assert compared["vllm"] == {k: config["vllm"][k] for k in vp.VLLM_EXTRACT_KEYS}
     assert "python" not in compared["vllm"] and "gpu_memory_gib" not in compared["vllm"]
     merged = vp.merge_settings(compared, vp.runtime_settings(config))
-    assert vp.uses(merged) == ["extract", "eval"] and merged["vllm"]["python"] == config["vllm"]["python"]
+    assert (
+        vp.uses(merged) == ["extract", "eval"]
+        and merged["vllm"]["python"] == config["vllm"]["python"]
+    )
 
 
 def test_no_vllm_no_vllm_object(target, tmp_path):
@@ -89,8 +96,11 @@ def test_no_vllm_no_vllm_object(target, tmp_path):
 
 def _params_without_norms(model) -> int:
     """Parameters count_parameters estimates: all but norms and the router's score bias."""
-    return sum(p.numel() for n, p in model.named_parameters()
-               if "norm" not in n and "e_score_correction_bias" not in n)
+    return sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if "norm" not in n and "e_score_correction_bias" not in n
+    )
 
 
 @pytest.mark.parametrize("config", [LLAMA, DEEPSEEK], ids=["llama", "deepseek_v3"])
@@ -130,28 +140,43 @@ def test_memory_budget_and_headroom(tmp_path):
 
 
 def test_tensor_parallel_rules_follow_vllm(tmp_path):
-    folder = write_target(tmp_path / "t", {**LLAMA, "hidden_size": 48, "num_attention_heads": 12,
-                                           "num_key_value_heads": 6})
+    folder = write_target(
+        tmp_path / "t",
+        {**LLAMA, "hidden_size": 48, "num_attention_heads": 12, "num_key_value_heads": 6},
+    )
     info = inspect_target(folder)
     assert vp.parallel_problems(info, 3) == []  # 12 % 3, 6 % 3
     assert vp.parallel_problems(info, 12) == []  # KV heads replicated: 12 % 6 == 0
     (problem,) = vp.parallel_problems(info, 4)  # 12 % 4 == 0 but 6 and 4 neither way
     assert "num_key_value_heads=6 can be neither split" in problem
     problems = vp.parallel_problems(info, 5)
-    assert "does not divide config.json: num_attention_heads=12; use one of [1, 2, 3, 4, 6, 12]" \
+    assert (
+        "does not divide config.json: num_attention_heads=12; use one of [1, 2, 3, 4, 6, 12]"
         in problems[0]
+    )
 
 
 def test_quantization_reported_and_refused_only_when_unloadable(facts):
     assert vp.quantization_check(LLAMA, facts["llama"]) == (None, [], [])
-    ct = {**KIMI_K25, "text_config": {**KIMI_K25["text_config"], "quantization_config": {
-        "quant_method": "compressed-tensors", "format": "pack-quantized"}}}
+    ct = {
+        **KIMI_K25,
+        "text_config": {
+            **KIMI_K25["text_config"],
+            "quantization_config": {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+            },
+        },
+    }
     report, problems, warnings = vp.quantization_check(ct, facts["kimi"])
-    assert report == {"quant_method": "compressed-tensors",
-                      "where": "text_config.quantization_config"}
+    assert report == {
+        "quant_method": "compressed-tensors",
+        "where": "text_config.quantization_config",
+    }
     assert problems == warnings == []
-    _, _, warnings = vp.quantization_check({**LLAMA, "quantization_config": {"quant_method": "x9"}},
-                                           facts["llama"])
+    _, _, warnings = vp.quantization_check(
+        {**LLAMA, "quantization_config": {"quant_method": "x9"}}, facts["llama"]
+    )
     assert "'x9' is not one of vLLM 0.22" in warnings[0]
 
 
@@ -162,8 +187,10 @@ def test_model_type_without_adapter_lists_the_supported(tmp_path, monkeypatch):
     folder = write_target(tmp_path / "t", LLAMA)
     got = vp.vllm_checks(folder, inspect_target(folder), [2, 4, 5], 8, vllm_settings())
     (problem,) = got["problems"]  # and no vLLM subprocess: nothing to check it against
-    assert problem.startswith(f"{folder / 'config.json'}: model_type 'llama' has no vLLM adapter; "
-                              "supported: deepseek_v2, deepseek_v3, gpt_oss, kimi_k2, mistral")
+    assert problem.startswith(
+        f"{folder / 'config.json'}: model_type 'llama' has no vLLM adapter; "
+        "supported: deepseek_v2, deepseek_v3, gpt_oss, kimi_k2, mistral"
+    )
     assert got["report"]["facts"] is None
 
 
@@ -173,15 +200,18 @@ def test_model_type_without_adapter_lists_the_supported(tmp_path, monkeypatch):
 def test_missing_vllm_environment_is_a_problem_with_the_fix(tmp_path):
     folder = write_target(tmp_path / "t", LLAMA)
     info = inspect_target(folder)
-    got = vp.vllm_checks(folder, info, [2, 4, 5], 8,
-                         vllm_settings(python=str(tmp_path / "nowhere" / "python")))
+    got = vp.vllm_checks(
+        folder, info, [2, 4, 5], 8, vllm_settings(python=str(tmp_path / "nowhere" / "python"))
+    )
     (problem,) = [p for p in got["problems"] if "vllm.python" in p]
     assert "no vLLM environment there" in problem and "bash scripts/setup-vllm.sh" in problem
 
 
 def test_environment_without_vllm_is_a_problem_with_the_fix():
     # the training environment has eyrie but no vLLM: a real, quick failure of the gatherer
-    with pytest.raises(vp.VllmEnvError, match=r"No module named 'vllm'.*bash scripts/setup-vllm\.sh"):
+    with pytest.raises(
+        vp.VllmEnvError, match=r"No module named 'vllm'.*bash scripts/setup-vllm\.sh"
+    ):
         vp.run_gatherer(sys.executable, [LLAMA])
 
 
@@ -205,8 +235,17 @@ def test_preflight_report_names_the_path(target, tmp_path, facts, caplog):
     settings = vllm_settings()
     settings["eval"]["vllm"] = True
     with caplog.at_level(logging.INFO, logger="eyrie.preflight"):
-        rc = main(["preflight", "--target", str(target), "--out", str(out),
-                   "--settings", json.dumps(settings)])
+        rc = main(
+            [
+                "preflight",
+                "--target",
+                str(target),
+                "--out",
+                str(out),
+                "--settings",
+                json.dumps(settings),
+            ]
+        )
     assert rc == 0
     v = json.loads(out.read_text())["vllm"]
     assert v["version"] == facts["llama"].version and v["adapter"] == "llama"
@@ -230,9 +269,23 @@ def test_preflight_cli_wall_time(target, tmp_path):
     """The whole stage as the rule runs it (a fresh process, vLLM's facts included): <= 60 s."""
     out = tmp_path / "preflight.json"
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "eyrie.cli", "preflight", "--target", str(target),
-                           "--out", str(out), "--settings", json.dumps(vllm_settings())],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eyrie.cli",
+            "preflight",
+            "--target",
+            str(target),
+            "--out",
+            str(out),
+            "--settings",
+            json.dumps(vllm_settings()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     wall = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(out.read_text())["vllm"]["extraction_path"]["chosen"] == "native"

@@ -18,7 +18,10 @@ from eyrie.data.vocab import count_assistant_tokens, select_draft_ids, vocab_map
 from eyrie.demo.tokenizer import build_chat_tokenizer
 from eyrie.errors import VocabError
 
-TEXTS = ["What is a list? A list is a mutable sequence.", "Use sorted(x) or x.sort() to sort a list."] * 10
+TEXTS = [
+    "What is a list? A list is a mutable sequence.",
+    "Use sorted(x) or x.sort() to sort a list.",
+] * 10
 
 
 def ours(counts: dict[int, int], size: int, vocab_size: int):
@@ -42,10 +45,14 @@ def test_matches_speculators(case):
     rng = np.random.default_rng(list(["ties", "fill", "full", "sparse_fill"]).index(case))
     vocab_size = 500
     if case == "ties":  # many equal counts: order among ties decides the cut
-        counts = {int(t): int(rng.integers(1, 4)) for t in rng.choice(vocab_size, 300, replace=False)}
+        counts = {
+            int(t): int(rng.integers(1, 4)) for t in rng.choice(vocab_size, 300, replace=False)
+        }
         size = 64
     elif case == "fill":  # fewer distinct tokens than the draft vocab
-        counts = {int(t): int(rng.integers(1, 50)) for t in rng.choice(vocab_size, 40, replace=False)}
+        counts = {
+            int(t): int(rng.integers(1, 50)) for t in rng.choice(vocab_size, 40, replace=False)
+        }
         size = 100
     elif case == "full":
         counts = {int(t): int(rng.integers(1, 1000)) for t in range(vocab_size)}
@@ -68,11 +75,16 @@ def test_too_large_draft_vocab_is_one_line():
 
 
 def write_shard(path, rows):
-    pq.write_table(pa.table({
-        "sample_id": [f"x:{i}" for i in range(len(rows))],
-        "input_ids": pa.array([r[0] for r in rows], pa.list_(pa.int32())),
-        "loss_mask": pa.array([r[1] for r in rows], pa.list_(pa.uint8())),
-    }), path)
+    pq.write_table(
+        pa.table(
+            {
+                "sample_id": [f"x:{i}" for i in range(len(rows))],
+                "input_ids": pa.array([r[0] for r in rows], pa.list_(pa.int32())),
+                "loss_mask": pa.array([r[1] for r in rows], pa.list_(pa.uint8())),
+            }
+        ),
+        path,
+    )
 
 
 def test_counts_only_masked_tokens(tmp_path):
@@ -80,12 +92,17 @@ def test_counts_only_masked_tokens(tmp_path):
     write_shard(tmp_path / "b.parquet", [([5, 1, 1], [0, 1, 1])])
     counts, stats = count_assistant_tokens([tmp_path / "a.parquet", tmp_path / "b.parquet"], 8)
     assert counts.tolist() == [0, 2, 1, 2, 1, 0, 0, 0]
-    assert [(s["records"], s["tokens"], s["assistant_tokens"]) for s in stats] == [(2, 6, 4), (1, 3, 2)]
+    assert [(s["records"], s["tokens"], s["assistant_tokens"]) for s in stats] == [
+        (2, 6, 4),
+        (1, 3, 2),
+    ]
 
 
 def test_bad_shards(tmp_path):
     write_shard(tmp_path / "big.parquet", [([1, 9], [1, 1])])
-    with pytest.raises(VocabError, match=r"token id 9 is outside the target vocabulary \(vocab_size 8"):
+    with pytest.raises(
+        VocabError, match=r"token id 9 is outside the target vocabulary \(vocab_size 8"
+    ):
         count_assistant_tokens([tmp_path / "big.parquet"], 8)
     write_shard(tmp_path / "skew.parquet", [([1, 2], [1, 1]), ([1, 2, 3], [1, 1])])
     with pytest.raises(VocabError, match=r"sample x:1: input_ids has 3 tokens but loss_mask 2"):
@@ -101,8 +118,14 @@ def target(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
     tok = build_chat_tokenizer(TEXTS, vocab_size=320)
     tok.save_pretrained(path)
-    LlamaConfig(vocab_size=len(tok) + 6, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1).save_pretrained(path)
+    LlamaConfig(
+        vocab_size=len(tok) + 6,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ).save_pretrained(path)
     return path
 
 
@@ -114,19 +137,56 @@ def only_these_stages(monkeypatch):
 
 def test_cli_end_to_end(target, tmp_path, capsys):
     conv = tmp_path / "c.jsonl"
-    conv.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q},
-                                                       {"role": "assistant", "content": a}]})
-                              for q, a in [("What is a list?", "A mutable sequence."),
-                                           ("How to sort?", "Use sorted(x)."),
-                                           ("And a tuple?", "An immutable list."),
-                                           ("Thanks", "You are welcome.")] * 2) + "\n")
+    conv.write_text(
+        "\n".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            )
+            for q, a in [
+                ("What is a list?", "A mutable sequence."),
+                ("How to sort?", "Use sorted(x)."),
+                ("And a tuple?", "An immutable list."),
+                ("Thanks", "You are welcome."),
+            ]
+            * 2
+        )
+        + "\n"
+    )
     data = {"max_seq_len": 64, "num_shards": 2, "num_eval": 2, "seed": 0, "strict": True}
-    assert cli.main(["tokenize", "--target", str(target), "--inputs", str(conv), "--out-dir",
-                     str(tmp_path / "tok"), "--settings", json.dumps({"data": data})]) == 0
+    assert (
+        cli.main(
+            [
+                "tokenize",
+                "--target",
+                str(target),
+                "--inputs",
+                str(conv),
+                "--out-dir",
+                str(tmp_path / "tok"),
+                "--settings",
+                json.dumps({"data": data}),
+            ]
+        )
+        == 0
+    )
     shards = [tmp_path / "tok" / f"shard_{s:03d}.parquet" for s in range(2)]
     out = tmp_path / "vocab" / "vocab.safetensors"
-    assert cli.main(["vocab", "--target", str(target), "--shards", *map(str, shards), "--out", str(out),
-                     "--settings", json.dumps({"vocab": {"draft_vocab_size": 24}})]) == 0
+    assert (
+        cli.main(
+            [
+                "vocab",
+                "--target",
+                str(target),
+                "--shards",
+                *map(str, shards),
+                "--out",
+                str(out),
+                "--settings",
+                json.dumps({"vocab": {"draft_vocab_size": 24}}),
+            ]
+        )
+        == 0
+    )
 
     tensors = load_file(out)
     d2t, t2d = tensors["d2t"], tensors["t2d"]
@@ -154,10 +214,25 @@ def test_cli_end_to_end(target, tmp_path, capsys):
     assert sorted(p.name for p in out.parent.iterdir()) == ["vocab.json", "vocab.safetensors"]
 
     capsys.readouterr()
-    assert cli.main(["vocab", "--target", str(target), "--shards", *map(str, shards), "--out",
-                     str(tmp_path / "v2" / "vocab.safetensors"), "--settings",
-                     json.dumps({"vocab": {"draft_vocab_size": vocab_size + 1}})]) == 2
+    assert (
+        cli.main(
+            [
+                "vocab",
+                "--target",
+                str(target),
+                "--shards",
+                *map(str, shards),
+                "--out",
+                str(tmp_path / "v2" / "vocab.safetensors"),
+                "--settings",
+                json.dumps({"vocab": {"draft_vocab_size": vocab_size + 1}}),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"eyrie vocab: error: vocab.draft_vocab_size={vocab_size + 1} is larger "
-                              f"than the target vocabulary ({vocab_size} in ")
+    assert err[-1].startswith(
+        f"eyrie vocab: error: vocab.draft_vocab_size={vocab_size + 1} is larger "
+        f"than the target vocabulary ({vocab_size} in "
+    )
     assert not (tmp_path / "v2" / "vocab.safetensors").exists()

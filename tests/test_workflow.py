@@ -20,9 +20,16 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
 TINY = {
     "target": {"name": "tiny"},
     "demo": {
-        "num_conversations": 240, "vocab_size": 400, "hidden_size": 32, "num_hidden_layers": 4,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64,
-        "train_steps": 12, "batch_size": 4, "seq_len": 96,
+        "num_conversations": 240,
+        "vocab_size": 400,
+        "hidden_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 64,
+        "train_steps": 12,
+        "batch_size": 4,
+        "seq_len": 96,
     },
     "data": {"conversations": ["convs.jsonl"], "max_seq_len": 96, "num_shards": 4, "num_eval": 4},
     "layers": {"aux_ids": [1, 2, 3]},
@@ -44,8 +51,16 @@ def write_config(workdir: Path, **overrides) -> Path:
 
 
 def snakemake(workdir: Path, *args: str, timeout: int = 600) -> str:
-    cmd = [*SNAKEMAKE, "-d", str(workdir), "--configfile", str(workdir / "config.yaml"),
-           "--cores", "2", *args]
+    cmd = [
+        *SNAKEMAKE,
+        "-d",
+        str(workdir),
+        "--configfile",
+        str(workdir / "config.yaml"),
+        "--cores",
+        "2",
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -81,15 +96,30 @@ def built(tmp_path_factory):
     work = tmp_path_factory.mktemp("wf")
     write_config(work)
     convs = subprocess.run(
-        [sys.executable, "-m", "eyrie.cli", "demo-conversations", "--out", str(work / "convs.jsonl"),
-         "--settings", json.dumps({"demo": {"seed": 7, "num_conversations": 60}})],
-        capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "eyrie.cli",
+            "demo-conversations",
+            "--out",
+            str(work / "convs.jsonl"),
+            "--settings",
+            json.dumps({"demo": {"seed": 7, "num_conversations": 60}}),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert convs.returncode == 0, convs.stderr
     # Before anything is built: asking for one shard plans only what that shard needs.
     one = planned(work, "results/tiny/hidden/shard_001.h5")
-    assert one == {"build_demo_conversations": 1, "build_demo_target": 1,
-                   "tokenize_conversations": 1, "preflight": 1, "extract_engine": 1,
-                   "extract_hidden_states": 1}
+    assert one == {
+        "build_demo_conversations": 1,
+        "build_demo_target": 1,
+        "tokenize_conversations": 1,
+        "preflight": 1,
+        "extract_engine": 1,
+        "extract_hidden_states": 1,
+    }
     snakemake(work)
     return work
 
@@ -130,8 +160,12 @@ def test_second_run_plans_nothing(built):
 def test_training_setting_reruns_only_train_export_evaluate(built):
     write_config(built, train__learning_rate=1e-3)
     try:
-        assert planned(built) == {"train_draft": 1, "export_draft": 1, "evaluate_draft": 1,
-                                  "all": 1}
+        assert planned(built) == {
+            "train_draft": 1,
+            "export_draft": 1,
+            "evaluate_draft": 1,
+            "all": 1,
+        }
     finally:
         write_config(built)
 
@@ -156,8 +190,12 @@ def test_dag_draws_built_jobs_dashed(built):
         styles = dag_styles(built)
     finally:
         write_config(built)
-    assert {r for r, s in styles.items() if s == {"solid"}} == {"train_draft", "export_draft",
-                                                              "evaluate_draft", "all"}
+    assert {r for r, s in styles.items() if s == {"solid"}} == {
+        "train_draft",
+        "export_draft",
+        "evaluate_draft",
+        "all",
+    }
     # everything upstream stays dashed (the graph holds only the jobs the targets need)
     assert styles["tokenize_conversations"] == styles["preflight"] == {"dashed"}
 
@@ -175,7 +213,9 @@ def test_eval_setting_reruns_only_evaluation(built):
 def test_vllm_evaluation_and_environment_rerun_no_extraction(built):
     """Asking for the vLLM evaluation, or pointing at another vLLM environment or GPU size, reruns
     neither preflight nor what depends on it: only the new evaluation is planned."""
-    write_config(built, eval__vllm=True, vllm__gpu_memory_gib=40, vllm__python="/opt/vllm/bin/python")
+    write_config(
+        built, eval__vllm=True, vllm__gpu_memory_gib=40, vllm__python="/opt/vllm/bin/python"
+    )
     try:
         jobs = planned(built)
     finally:
@@ -190,8 +230,14 @@ def test_extract_setting_reruns_extraction_not_preflight(built):
         jobs = planned(built)
     finally:
         write_config(built)
-    assert jobs == {"extract_engine": 1, "extract_hidden_states": 4, "train_draft": 1,
-                    "export_draft": 1, "evaluate_draft": 1, "all": 1}
+    assert jobs == {
+        "extract_engine": 1,
+        "extract_hidden_states": 4,
+        "train_draft": 1,
+        "export_draft": 1,
+        "evaluate_draft": 1,
+        "all": 1,
+    }
 
 
 @pytest.mark.slow
@@ -201,7 +247,11 @@ def test_aux_ids_rerun_extraction_not_tokenization(built):
         jobs = planned(built)
     finally:
         write_config(built)
-    assert jobs["extract_hidden_states"] == 4 and jobs["extract_engine"] == 1 and jobs["preflight"] == 1
+    assert (
+        jobs["extract_hidden_states"] == 4
+        and jobs["extract_engine"] == 1
+        and jobs["preflight"] == 1
+    )
     assert jobs["train_draft"] == 1
     assert "tokenize_conversations" not in jobs and "build_vocab_map" not in jobs
     assert "build_demo_target" not in jobs
@@ -211,16 +261,28 @@ def test_aux_ids_rerun_extraction_not_tokenization(built):
 def test_edited_conversations_rerun_everything_downstream(built):
     convs = built / "convs.jsonl"
     original = convs.read_bytes()
-    extra = {"messages": [{"role": "user", "content": "What does len do?"},
-                          {"role": "assistant", "content": "It returns the number of items."}]}
+    extra = {
+        "messages": [
+            {"role": "user", "content": "What does len do?"},
+            {"role": "assistant", "content": "It returns the number of items."},
+        ]
+    }
     convs.write_bytes(original + (json.dumps(extra) + "\n").encode())
     try:
         jobs = planned(built)
     finally:
         convs.write_bytes(original)
-    assert jobs == {"tokenize_conversations": 1, "build_vocab_map": 1, "preflight": 1,
-                    "extract_engine": 1, "extract_hidden_states": 4, "train_draft": 1,
-                    "export_draft": 1, "evaluate_draft": 1, "all": 1}
+    assert jobs == {
+        "tokenize_conversations": 1,
+        "build_vocab_map": 1,
+        "preflight": 1,
+        "extract_engine": 1,
+        "extract_hidden_states": 4,
+        "train_draft": 1,
+        "export_draft": 1,
+        "evaluate_draft": 1,
+        "all": 1,
+    }
 
 
 @pytest.mark.slow
@@ -231,14 +293,15 @@ def test_deleted_shard_rebuilds_alone_with_its_engine(built):
     shard.unlink()
     try:
         assert planned(built, "results/tiny/hidden/shard_000.h5") == {
-            "extract_engine": 1, "extract_hidden_states": 1}
+            "extract_engine": 1,
+            "extract_hidden_states": 1,
+        }
     finally:
         shutil.move(saved, shard)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("override", [{"extract__engine_wait_s": 5},
-                                      {"extract__group_size": 8}])
+@pytest.mark.parametrize("override", [{"extract__engine_wait_s": 5}, {"extract__group_size": 8}])
 def test_scheduling_settings_rerun_nothing(built, override):
     """engine_wait_s and group_size change no shard's content (they are not in params); a larger
     group_size that keeps every shard in its group changes no input path either."""
@@ -259,8 +322,14 @@ def test_group_size_reruns_the_shards_that_change_group(built):
         jobs = planned(built)
     finally:
         write_config(built)
-    assert jobs == {"extract_engine": 1, "extract_hidden_states": 2, "train_draft": 1,
-                    "export_draft": 1, "evaluate_draft": 1, "all": 1}
+    assert jobs == {
+        "extract_engine": 1,
+        "extract_hidden_states": 2,
+        "train_draft": 1,
+        "export_draft": 1,
+        "evaluate_draft": 1,
+        "all": 1,
+    }
     changed = re.findall(r"^results/tiny/hidden/(shard_\d+)\.h5$", out, re.M)
     assert sorted(changed) == ["shard_002", "shard_003"]
 
@@ -272,9 +341,18 @@ def test_ten_thousand_shards_plan_in_a_dry_run(tmp_path):
     its own job, 16 to an engine. No timing here: benchmarks/workflow_overhead.py measures it."""
     write_config(tmp_path, data__conversations=[], data__num_shards=10_000, extract__group_size=16)
     assert planned(tmp_path, "--quiet", "rules") == {
-        "build_demo_conversations": 1, "build_demo_target": 1, "tokenize_conversations": 1,
-        "build_vocab_map": 1, "preflight": 1, "extract_engine": 625, "extract_hidden_states": 10_000,
-        "train_draft": 1, "export_draft": 1, "evaluate_draft": 1, "all": 1}
+        "build_demo_conversations": 1,
+        "build_demo_target": 1,
+        "tokenize_conversations": 1,
+        "build_vocab_map": 1,
+        "preflight": 1,
+        "extract_engine": 625,
+        "extract_hidden_states": 10_000,
+        "train_draft": 1,
+        "export_draft": 1,
+        "evaluate_draft": 1,
+        "all": 1,
+    }
 
 
 @pytest.mark.slow

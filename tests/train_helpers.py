@@ -18,8 +18,10 @@ from eyrie.formats.hidden import ShardMeta, ShardWriter
 
 AUX_IDS, FINAL_ID, HIDDEN, DRAFT_VOCAB = [1, 2, 3], 4, 32, 96
 
-WORDS = ("the cat dog sat ran on a mat log red blue big small fast slow and then it was very "
-         "happy sad old new tree house car").split()
+WORDS = (
+    "the cat dog sat ran on a mat log red blue big small fast slow and then it was very "
+    "happy sad old new tree house car"
+).split()
 
 
 def conversations(n: int, seed: int) -> list[list[dict]]:
@@ -34,10 +36,23 @@ def conversations(n: int, seed: int) -> list[list[dict]]:
 
 
 def train_settings(**overrides) -> dict:
-    train = dict(seed=0, device="cpu", epochs=2, learning_rate=1e-2, weight_decay=0.0,
-                 warmup_steps=2, max_grad_norm=1.0, max_tokens_per_batch=128, ttt_steps=3,
-                 ttt_step_loss_decay=1.0, num_layers=1, draft_arch="llama",
-                 norm_before_residual=True, checkpoint_every=100, log_every=5)
+    train = dict(
+        seed=0,
+        device="cpu",
+        epochs=2,
+        learning_rate=1e-2,
+        weight_decay=0.0,
+        warmup_steps=2,
+        max_grad_norm=1.0,
+        max_tokens_per_batch=128,
+        ttt_steps=3,
+        ttt_step_loss_decay=1.0,
+        num_layers=1,
+        draft_arch="llama",
+        norm_before_residual=True,
+        checkpoint_every=100,
+        log_every=5,
+    )
     train.update(overrides)
     return {"train": train}
 
@@ -46,10 +61,18 @@ def build_world(root: Path, num_conversations: int = 24, shards: int = 2) -> dic
     """Target folder, preflight.json, vocab.safetensors and hidden-state shards under `root`."""
     texts = [m["content"] for conv in conversations(200, 1) for m in conv]
     tok = build_chat_tokenizer(texts, 300)
-    config = LlamaConfig(hidden_size=HIDDEN, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, vocab_size=len(tok),
-                         max_position_embeddings=512, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = LlamaConfig(
+        hidden_size=HIDDEN,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=len(tok),
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     target = root / "target"
@@ -79,24 +102,53 @@ def build_world(root: Path, num_conversations: int = 24, shards: int = 2) -> dic
 
     target_fp, tok_hash = fingerprint(read_config(target)), tokenizer_hash(target)
     preflight = root / "preflight.json"
-    preflight.write_text(json.dumps({
-        "ok": True,
-        "target": {"path": str(target), "model_type": "llama", "num_hidden_layers": 4,
-                   "hidden_size": HIDDEN, "vocab_size": len(tok), "fingerprint": target_fp,
-                   "tokenizer_hash": tok_hash},
-        "aux_layer_ids": AUX_IDS, "final_layer_id": FINAL_ID,
-    }))
-    meta = dict(target_fingerprint=target_fp, tokenizer_hash=tok_hash, aux_layer_ids=AUX_IDS,
-                final_layer_id=FINAL_ID, hidden_size=HIDDEN)
+    preflight.write_text(
+        json.dumps(
+            {
+                "ok": True,
+                "target": {
+                    "path": str(target),
+                    "model_type": "llama",
+                    "num_hidden_layers": 4,
+                    "hidden_size": HIDDEN,
+                    "vocab_size": len(tok),
+                    "fingerprint": target_fp,
+                    "tokenizer_hash": tok_hash,
+                },
+                "aux_layer_ids": AUX_IDS,
+                "final_layer_id": FINAL_ID,
+            }
+        )
+    )
+    meta = dict(
+        target_fingerprint=target_fp,
+        tokenizer_hash=tok_hash,
+        aux_layer_ids=AUX_IDS,
+        final_layer_id=FINAL_ID,
+        hidden_size=HIDDEN,
+    )
     shard_paths = []
     for s in range(shards):
         part = samples[s::shards]
         path = root / f"shard_{s:03d}.h5"
-        write_shard(path, model, part, ShardMeta(**meta), [f"conv.jsonl:{s + 1 + shards * i}"
-                                                            for i in range(len(part))])
+        write_shard(
+            path,
+            model,
+            part,
+            ShardMeta(**meta),
+            [f"conv.jsonl:{s + 1 + shards * i}" for i in range(len(part))],
+        )
         shard_paths.append(path)
-    return {"target": target, "preflight": preflight, "vocab": vocab, "shards": shard_paths,
-            "meta": meta, "model": model, "samples": samples, "tokenizer": tok}
+    return {
+        "target": target,
+        "preflight": preflight,
+        "vocab": vocab,
+        "shards": shard_paths,
+        "meta": meta,
+        "model": model,
+        "samples": samples,
+        "tokenizer": tok,
+    }
 
 
 def write_shard(path: Path, model, samples, meta: ShardMeta, sample_ids: list[str]) -> None:
@@ -115,9 +167,17 @@ def save_chat_target(path: Path, texts: list[str], vocab_size: int = 320, **llam
     `llama` overrides LlamaConfig fields (8 layers, hidden 32 by default)."""
     tok = build_chat_tokenizer(texts, vocab_size)
     torch.manual_seed(0)
-    cfg = LlamaConfig(**{"vocab_size": len(tok), "hidden_size": 32, "num_hidden_layers": 8,
-                         "num_attention_heads": 2, "num_key_value_heads": 1,
-                         "intermediate_size": 64, **llama})
+    cfg = LlamaConfig(
+        **{
+            "vocab_size": len(tok),
+            "hidden_size": 32,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "intermediate_size": 64,
+            **llama,
+        }
+    )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -128,22 +188,40 @@ def write_eval_set(path: Path, prompts: list[list[int]]) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({
-        "sample_id": [f"conv.jsonl:{i + 1}" for i in range(len(prompts))],
-        "input_ids": pa.array(prompts, type=pa.list_(pa.int32())),
-        "loss_mask": pa.array([[0] * len(p) for p in prompts], type=pa.list_(pa.uint8())),
-        "prompt_ids": pa.array(prompts, type=pa.list_(pa.int32())),
-    }), path)
+    pq.write_table(
+        pa.table(
+            {
+                "sample_id": [f"conv.jsonl:{i + 1}" for i in range(len(prompts))],
+                "input_ids": pa.array(prompts, type=pa.list_(pa.int32())),
+                "loss_mask": pa.array([[0] * len(p) for p in prompts], type=pa.list_(pa.uint8())),
+                "prompt_ids": pa.array(prompts, type=pa.list_(pa.int32())),
+            }
+        ),
+        path,
+    )
     return path
 
 
-def write_preflight(path: Path, target: Path, aux_ids: list[int], hidden_size: int,
-                    vocab_size: int) -> Path:
+def write_preflight(
+    path: Path, target: Path, aux_ids: list[int], hidden_size: int, vocab_size: int
+) -> Path:
     """A passing preflight.json for a 4-layer Llama target (what read_report checks)."""
-    path.write_text(json.dumps({
-        "ok": True, "aux_layer_ids": aux_ids, "final_layer_id": 4,
-        "target": {"path": str(target), "model_type": "llama", "num_hidden_layers": 4,
-                   "hidden_size": hidden_size, "vocab_size": vocab_size,
-                   "fingerprint": fingerprint(read_config(target)),
-                   "tokenizer_hash": tokenizer_hash(target)}}))
+    path.write_text(
+        json.dumps(
+            {
+                "ok": True,
+                "aux_layer_ids": aux_ids,
+                "final_layer_id": 4,
+                "target": {
+                    "path": str(target),
+                    "model_type": "llama",
+                    "num_hidden_layers": 4,
+                    "hidden_size": hidden_size,
+                    "vocab_size": vocab_size,
+                    "fingerprint": fingerprint(read_config(target)),
+                    "tokenizer_hash": tokenizer_hash(target),
+                },
+            }
+        )
+    )
     return path

@@ -29,17 +29,41 @@ def make_config(kind: str):
     from transformers import DeepseekV3Config, LlamaConfig
 
     if kind == "llama":
-        return LlamaConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=512, max_position_embeddings=1024,
-                           torch_dtype="bfloat16")
+        return LlamaConfig(
+            vocab_size=1024,
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=512,
+            max_position_embeddings=1024,
+            torch_dtype="bfloat16",
+        )
     # vLLM needs scoring_func/topk_method of the real models to build the router (REFERENCE §5)
     return DeepseekV3Config(
-        vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=8,
-        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=512,
-        q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_group=1,
-        topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", max_position_embeddings=1024,
-        torch_dtype="bfloat16")
+        vocab_size=1024,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=512,
+        q_lora_rank=256,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        n_group=1,
+        topk_group=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        max_position_embeddings=1024,
+        torch_dtype="bfloat16",
+    )
 
 
 def build(root: Path) -> None:
@@ -72,19 +96,27 @@ def hf(root: Path, kind: str) -> None:
     from eyrie.arch.hooks import capture_hidden_states
 
     prompts = json.loads((root / "prompts.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(root / kind, dtype=torch.bfloat16).to("cuda").eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(root / kind, dtype=torch.bfloat16).to("cuda").eval()
+    )
     out, margins = {}, {}
-    gates = {i: layer.mlp.gate for i, layer in enumerate(model.model.layers)
-             if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "e_score_correction_bias")}
+    gates = {
+        i: layer.mlp.gate
+        for i, layer in enumerate(model.model.layers)
+        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "e_score_correction_bias")
+    }
     seen: dict[int, torch.Tensor] = {}
 
     def gate_hook(i):
         def hook(module, args):
             # the routing margin: k-th best expert score minus the best unselected one
             h = args[0].reshape(-1, args[0].shape[-1]).float()
-            scores = torch.sigmoid(h @ module.weight.float().T) + module.e_score_correction_bias.float()
+            scores = (
+                torch.sigmoid(h @ module.weight.float().T) + module.e_score_correction_bias.float()
+            )
             top = scores.topk(model.config.num_experts_per_tok + 1, dim=-1).values
             seen[i] = (top[:, -2] - top[:, -1]).cpu()
+
         return hook
 
     handles = [g.register_forward_pre_hook(gate_hook(i)) for i, g in gates.items()]
@@ -98,7 +130,9 @@ def hf(root: Path, kind: str) -> None:
                 margins[str(i)] = torch.stack([seen[j] for j in sorted(seen)], dim=1)
     for h in handles:
         h.remove()
-    torch.save({"states": out, "margins": margins, "moe_layers": sorted(gates)}, root / f"{kind}.hf.pt")
+    torch.save(
+        {"states": out, "margins": margins, "moe_layers": sorted(gates)}, root / f"{kind}.hf.pt"
+    )
 
 
 def run_vllm(root: Path, kind: str, path: str) -> None:
@@ -109,10 +143,18 @@ def run_vllm(root: Path, kind: str, path: str) -> None:
 
     prompts = [np.array(p, dtype=np.int32) for p in json.loads((root / "prompts.json").read_text())]
     info = inspect_target(root / kind)
-    cfg = SimpleNamespace(vllm={"extraction_path": path, "tensor_parallel_size": 1,
-                                "gpu_memory_utilization": 0.5, "enforce_eager": True,
-                                "max_model_len": 1024},
-                          max_tokens_per_batch=600, dtype=torch.bfloat16, trust_remote_code=False)
+    cfg = SimpleNamespace(
+        vllm={
+            "extraction_path": path,
+            "tensor_parallel_size": 1,
+            "gpu_memory_utilization": 0.5,
+            "enforce_eager": True,
+            "max_model_len": 1024,
+        },
+        max_tokens_per_batch=600,
+        dtype=torch.bfloat16,
+        trust_remote_code=False,
+    )
     ids = layer_ids(kind)
     result = {"kind": kind, "path": path}
     try:
@@ -148,10 +190,17 @@ def compare(root: Path) -> dict:
             got = torch.load(root / f"{kind}.{path}.pt")
             per_id = {}
             for j, k in enumerate(layer_ids(kind)):
-                cos = torch.cat([torch.nn.functional.cosine_similarity(got[i][:, j], ref[i][:, j], dim=-1)
-                                 for i in ref])
-                row = {"min_cos": round(cos.min().item(), 6), "mean_cos": round(cos.mean().item(), 6),
-                       "tokens_below_0.999": int((cos < 0.999).sum())}
+                cos = torch.cat(
+                    [
+                        torch.nn.functional.cosine_similarity(got[i][:, j], ref[i][:, j], dim=-1)
+                        for i in ref
+                    ]
+                )
+                row = {
+                    "min_cos": round(cos.min().item(), 6),
+                    "mean_cos": round(cos.mean().item(), 6),
+                    "tokens_below_0.999": int((cos < 0.999).sum()),
+                }
                 before = [m for m, layer in enumerate(moe_layers) if layer < k]
                 if margins and before:
                     # routing margin of each token over the MoE layers before id k (HF, fp32 scores)
@@ -159,13 +208,19 @@ def compare(root: Path) -> dict:
                     low = cos < 0.999
                     row["median_routing_margin"] = round(margin.median().item(), 6)
                     if low.any():
-                        row["routing_margin_of_tokens_below"] = [round(x, 6) for x in margin[low].tolist()]
+                        row["routing_margin_of_tokens_below"] = [
+                            round(x, 6) for x in margin[low].tolist()
+                        ]
                         row["rank_of_those_margins_among_all"] = [
-                            int((margin < x).sum()) for x in margin[low].tolist()]
+                            int((margin < x).sum()) for x in margin[low].tolist()
+                        ]
                 per_id[str(k)] = row
-            table[f"{kind}/{path}"] = {"samples": len(got), "tokens": sum(v.shape[0] for v in got.values()),
-                                       "per_id": per_id,
-                                       "min_cos": min(v["min_cos"] for v in per_id.values())}
+            table[f"{kind}/{path}"] = {
+                "samples": len(got),
+                "tokens": sum(v.shape[0] for v in got.values()),
+                "per_id": per_id,
+                "min_cos": min(v["min_cos"] for v in per_id.values()),
+            }
     return table
 
 

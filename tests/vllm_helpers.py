@@ -14,38 +14,85 @@ from eyrie.vllm.facts import VllmFacts
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-NO_VLLM = (f"no vLLM environment at {VLLM_PYTHON.parent.parent}: `bash scripts/setup-vllm.sh` makes "
-           "it (.ci/run does, before pytest)")
+NO_VLLM = (
+    f"no vLLM environment at {VLLM_PYTHON.parent.parent}: `bash scripts/setup-vllm.sh` makes "
+    "it (.ci/run does, before pytest)"
+)
 need_vllm = pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=NO_VLLM)
 
-LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32,
-         "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "intermediate_size": 64, "vocab_size": 320, "torch_dtype": "bfloat16"}
+LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 32,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 64,
+    "vocab_size": 320,
+    "torch_dtype": "bfloat16",
+}
 # a tiny DeepSeek-V3: what vLLM needs to build its MoE routing included (REFERENCE §5)
-DEEPSEEK = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
-            "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-            "num_key_value_heads": 4, "vocab_size": 320, "intermediate_size": 128,
-            "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1,
-            "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
-            "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-            "v_head_dim": 16, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-            "torch_dtype": "bfloat16"}
+DEEPSEEK = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 320,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+}
 # Kimi-K2.5's shape (REFERENCE §3): a multimodal wrapper, the language model in text_config only
 KIMI_K25 = {
-    "model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+    "model_type": "kimi_k25",
+    "architectures": ["KimiK25ForConditionalGeneration"],
     "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
     "text_config": {
-        "model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61,
-        "num_attention_heads": 64, "num_key_value_heads": 64, "vocab_size": 163840,
-        "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 384,
-        "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
-        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-        "torch_dtype": "bfloat16"},
+        "model_type": "kimi_k2",
+        "hidden_size": 7168,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "vocab_size": 163840,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 384,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+    },
 }
 # a Llama whose architectures[0] no vLLM knows
 UNKNOWN_ARCH = {**LLAMA, "architectures": ["LlamaNextForCausalLM"]}
-REAL_CONFIGS = {"llama": LLAMA, "deepseek": DEEPSEEK, "kimi": KIMI_K25, "unknown_arch": UNKNOWN_ARCH}
+REAL_CONFIGS = {
+    "llama": LLAMA,
+    "deepseek": DEEPSEEK,
+    "kimi": KIMI_K25,
+    "unknown_arch": UNKNOWN_ARCH,
+}
 
 
 def real_facts() -> dict[str, VllmFacts]:
@@ -67,9 +114,18 @@ def write_target(path: Path, config: dict, weights_gib: float | None = None) -> 
 
 def vllm_settings(**vllm) -> dict:
     """Preflight settings for vLLM extraction (and what the config's defaults say)."""
-    v = {"python": str(VLLM_PYTHON), "extraction_path": "auto", "tensor_parallel_size": 1,
-         "gpu_memory_gib": 80, "gpu_memory_utilization": 0.85, "enforce_eager": True,
-         "max_model_len": None}
+    v = {
+        "python": str(VLLM_PYTHON),
+        "extraction_path": "auto",
+        "tensor_parallel_size": 1,
+        "gpu_memory_gib": 80,
+        "gpu_memory_utilization": 0.85,
+        "enforce_eager": True,
+        "max_model_len": None,
+    }
     v.update(vllm)
-    return {"extract": {"backend": "vllm", "storage_dtype": "bfloat16"}, "eval": {"vllm": False},
-            "vllm": v}
+    return {
+        "extract": {"backend": "vllm", "storage_dtype": "bfloat16"},
+        "eval": {"vllm": False},
+        "vllm": v,
+    }

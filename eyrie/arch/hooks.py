@@ -28,10 +28,13 @@ def capture_hidden_states(model, layer_ids: list[int]) -> Iterator[dict[int, tor
     """Within the block, each forward of `model` fills the yielded dict {id: [B, T, H]}."""
     model_type = model.config.model_type
     arch = REGISTRY.get(model_type) or next(
-        (a for a in REGISTRY.values() if a.hf_model_type == model_type), None)
+        (a for a in REGISTRY.values() if a.hf_model_type == model_type), None
+    )
     if arch is None:  # a bare StopIteration here would surface as a RuntimeError from contextlib
-        raise TargetError(f"{type(model).__name__}: model_type {model_type!r} is not supported; "
-                          f"supported: {supported()}")
+        raise TargetError(
+            f"{type(model).__name__}: model_type {model_type!r} is not supported; "
+            f"supported: {supported()}"
+        )
     layers = get_submodule(model, arch.layers_path)
     norm = get_submodule(model, arch.final_norm_path)
     num_layers = len(layers)
@@ -41,6 +44,7 @@ def capture_hidden_states(model, layer_ids: list[int]) -> Iterator[dict[int, tor
     def make_hook(layer_id):
         def hook(module, args, kwargs):
             captured[layer_id] = _first_tensor(args, kwargs).detach()
+
         return hook
 
     try:
@@ -53,5 +57,3 @@ def capture_hidden_states(model, layer_ids: list[int]) -> Iterator[dict[int, tor
     finally:
         for h in handles:
             h.remove()
-
-

@@ -33,5 +33,3 @@ REGISTRY: dict[str, Architecture] = {
 
 def supported() -> str:
     return ", ".join(sorted(REGISTRY))
-
-

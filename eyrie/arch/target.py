@@ -51,7 +51,9 @@ def read_config(path: str | Path) -> dict:
     try:
         return json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
-        raise TargetError(f"{cfg_path}: not valid JSON ({exc}); re-save the model's config") from exc
+        raise TargetError(
+            f"{cfg_path}: not valid JSON ({exc}); re-save the model's config"
+        ) from exc
 
 
 def fingerprint(config: dict) -> str:
@@ -68,8 +70,10 @@ def tokenizer_hash(path: str | Path) -> str:
             found = True
             h.update(name.encode() + b"\0" + f.read_bytes())
     if not found:
-        raise TargetError(f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); "
-                          "save the tokenizer next to the model")
+        raise TargetError(
+            f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); "
+            "save the tokenizer next to the model"
+        )
     return h.hexdigest()[:16]
 
 
@@ -84,8 +88,11 @@ def inspect_target(path: str | Path) -> TargetInfo:
             f"{Path(path) / 'config.json'}: model_type {model_type!r} is not supported; "
             f"supported: {supported()}"
         )
-    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
-               if not isinstance(text.get(k), int)]
+    missing = [
+        k
+        for k in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
+        if not isinstance(text.get(k), int)
+    ]
     if missing:
         where = "text_config." if wrapper else ""
         raise TargetError(f"{Path(path) / 'config.json'}: missing integer {where}{missing[0]}")
@@ -124,14 +131,19 @@ def resolve_layer_ids(aux_ids: list[int] | None, num_layers: int) -> tuple[list[
     """
     key = "layers.aux_ids"
     ids = list(aux_ids) if aux_ids is not None else default_aux_ids(num_layers)
-    origin = f"{key}={ids}" if aux_ids is not None else (
-        f"{key}=null gives the default [2, N//2, N-3] = {ids} for N={num_layers}")
+    origin = (
+        f"{key}={ids}"
+        if aux_ids is not None
+        else (f"{key}=null gives the default [2, N//2, N-3] = {ids} for N={num_layers}")
+    )
     fix = f"set {key} to strictly increasing ids within 1..{num_layers - 1}"
     if len(set(ids)) != len(ids):
         raise TargetError(f"{origin}: duplicate ids; {fix}")
     bad = [i for i in ids if not 1 <= i <= num_layers - 1]
     if bad:
-        raise TargetError(f"{origin}: id {bad[0]} is out of range for a {num_layers}-layer target; {fix}")
+        raise TargetError(
+            f"{origin}: id {bad[0]} is out of range for a {num_layers}-layer target; {fix}"
+        )
     if any(b <= a for a, b in zip(ids, ids[1:])):
         raise TargetError(f"{origin}: ids are not increasing; {fix}")
     return ids, num_layers
@@ -142,5 +154,3 @@ def get_submodule(model, dotted: str):
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
-
-

@@ -33,14 +33,18 @@ from eyrie.errors import DataError, EyrieError
 # reason -> what the user can do about it
 REASONS = {
     "bad_json": "fix the JSON syntax of that record",
-    "unknown_format": ('use OpenAI form {"messages": [{"role": ..., "content": ...}]} or ShareGPT '
-                       'form {"conversations": [{"from": ..., "value": ...}]}'),
+    "unknown_format": (
+        'use OpenAI form {"messages": [{"role": ..., "content": ...}]} or ShareGPT '
+        'form {"conversations": [{"from": ..., "value": ...}]}'
+    ),
     "unknown_role": "use roles system/user/assistant (ShareGPT: system/human/gpt)",
     "no_assistant_turn": "add an assistant turn (only assistant tokens are trained on)",
     "empty_content": "give every turn non-empty text, or remove the empty turn",
     "non_text_content": "flatten the content to a plain string (multimodal/structured parts are not supported)",
-    "template_error": ("the target's chat template failed or is not prefix-stable for this "
-                       "conversation; fix the conversation or use a prefix-stable template"),
+    "template_error": (
+        "the target's chat template failed or is not prefix-stable for this "
+        "conversation; fix the conversation or use a prefix-stable template"
+    ),
     "no_assistant_tokens_after_truncation": "raise data.max_seq_len or shorten the conversation",
 }
 
@@ -104,11 +108,15 @@ def read_records(path: str | Path) -> Iterator[RawRecord]:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
-            raise DataError(f"{name}: not valid JSON ({exc}); a .json input must be one list of "
-                            "records (use .jsonl for one record per line)") from exc
+            raise DataError(
+                f"{name}: not valid JSON ({exc}); a .json input must be one list of "
+                "records (use .jsonl for one record per line)"
+            ) from exc
         if not isinstance(data, list):
-            raise DataError(f"{name}: top level is {type(data).__name__}, expected a list of records; "
-                            "wrap the records in [...] or use .jsonl")
+            raise DataError(
+                f"{name}: top level is {type(data).__name__}, expected a list of records; "
+                "wrap the records in [...] or use .jsonl"
+            )
         for index, obj in enumerate(data):
             yield RawRecord(name, index, obj)
     elif suffix == ".parquet":
@@ -120,7 +128,9 @@ def read_records(path: str | Path) -> Iterator[RawRecord]:
             # a column absent from this row's form reads back as null
             yield RawRecord(name, index, {k: v for k, v in row.items() if v is not None})
     else:
-        raise DataError(f"{name}: unsupported file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
+        raise DataError(
+            f"{name}: unsupported file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}"
+        )
 
 
 def to_messages(obj: object) -> list[dict]:
@@ -128,28 +138,40 @@ def to_messages(obj: object) -> list[dict]:
     if not isinstance(obj, dict):
         raise RecordError("unknown_format", f"record is a JSON {type(obj).__name__}, not an object")
     if "messages" in obj:
-        turns, role_key, text_key, roles = obj["messages"], "role", "content", {r: r for r in OPENAI_ROLES}
+        turns, role_key, text_key, roles = (
+            obj["messages"],
+            "role",
+            "content",
+            {r: r for r in OPENAI_ROLES},
+        )
     elif "conversations" in obj:
         turns, role_key, text_key, roles = obj["conversations"], "from", "value", SHAREGPT_ROLES
     else:
-        raise RecordError("unknown_format", f"no 'messages' or 'conversations' key (keys: {sorted(obj)[:8]})")
+        raise RecordError(
+            "unknown_format", f"no 'messages' or 'conversations' key (keys: {sorted(obj)[:8]})"
+        )
     form = "messages" if role_key == "role" else "conversations"
     if not isinstance(turns, list) or not turns:
         raise RecordError("unknown_format", f"'{form}' must be a non-empty list")
     messages = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-            raise RecordError("unknown_format", f"{form}[{i}] must be an object with '{role_key}' and '{text_key}'")
+            raise RecordError(
+                "unknown_format",
+                f"{form}[{i}] must be an object with '{role_key}' and '{text_key}'",
+            )
         role, content = turn[role_key], turn[text_key]
         if role not in roles:
-            raise RecordError("unknown_role", f"{form}[{i}].{role_key}={role!r}; allowed: {', '.join(roles)}")
+            raise RecordError(
+                "unknown_role", f"{form}[{i}].{role_key}={role!r}; allowed: {', '.join(roles)}"
+            )
         if content is None or (isinstance(content, str) and not content.strip()):
             raise RecordError("empty_content", f"{form}[{i}] ({roles[role]}) has no text")
         if not isinstance(content, str):
-            raise RecordError("non_text_content", f"{form}[{i}].{text_key} is a {type(content).__name__}")
+            raise RecordError(
+                "non_text_content", f"{form}[{i}].{text_key} is a {type(content).__name__}"
+            )
         messages.append({"role": roles[role], "content": content})
     if not any(m["role"] == "assistant" for m in messages):
         raise RecordError("no_assistant_turn", f"roles are {[m['role'] for m in messages]}")
     return messages
-
-

@@ -62,13 +62,26 @@ class DataSettings:
         if not isinstance(data, dict):
             raise DataError("settings: missing object 'data'; pass --settings '{\"data\": {...}}'")
         values = {}
-        for key, kind, low in (("max_seq_len", int, 1), ("num_shards", int, 1), ("num_eval", int, 0),
-                               ("seed", int, None), ("strict", bool, None)):
+        for key, kind, low in (
+            ("max_seq_len", int, 1),
+            ("num_shards", int, 1),
+            ("num_eval", int, 0),
+            ("seed", int, None),
+            ("strict", bool, None),
+        ):
             if key not in data:
-                raise DataError(f"settings: missing data.{key}; set it in the config's data section")
+                raise DataError(
+                    f"settings: missing data.{key}; set it in the config's data section"
+                )
             value = data[key]
             if type(value) is not kind or (low is not None and value < low):
-                want = "true or false" if kind is bool else f"an integer >= {low}" if low is not None else "an integer"
+                want = (
+                    "true or false"
+                    if kind is bool
+                    else f"an integer >= {low}"
+                    if low is not None
+                    else "an integer"
+                )
                 raise DataError(f"data.{key}={value!r}: must be {want}")
             values[key] = value
         return cls(**values)
@@ -105,18 +118,23 @@ def tokenize_record(tokenizer, raw: RawRecord, max_seq_len: int) -> tuple[Exampl
     truncated = len(ids) > max_seq_len
     ids, mask = ids[:max_seq_len], mask[:max_seq_len]
     if not any(mask):
-        raise RecordError("no_assistant_tokens_after_truncation",
-                          f"the first assistant token is beyond max_seq_len={max_seq_len}")
+        raise RecordError(
+            "no_assistant_tokens_after_truncation",
+            f"the first assistant token is beyond max_seq_len={max_seq_len}",
+        )
     return Example(raw.sample_id, ids, mask, messages), truncated
 
 
-def collect_examples(tokenizer, inputs: list[str | Path], max_seq_len: int,
-                     strict: bool) -> tuple[list[Example], Tally]:
+def collect_examples(
+    tokenizer, inputs: list[str | Path], max_seq_len: int, strict: bool
+) -> tuple[list[Example], Tally]:
     """Read and tokenize every record of `inputs`, in order; count (or, strict, raise on) unusable ones."""
     missing = [str(p) for p in inputs if not Path(p).is_file()]
     if missing:
-        raise DataError(f"{missing[0]}: input file not found"
-                        f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; fix data.conversations")
+        raise DataError(
+            f"{missing[0]}: input file not found"
+            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; fix data.conversations"
+        )
     examples, tally = [], Tally()
     for path in inputs:
         read_before, used_before = tally.records_read, len(examples)
@@ -126,25 +144,35 @@ def collect_examples(tokenizer, inputs: list[str | Path], max_seq_len: int,
                 example, truncated = tokenize_record(tokenizer, raw, max_seq_len)
             except RecordError as err:
                 if strict:
-                    raise DataError(f"{raw.sample_id}: {err.reason}: {err.detail}; {REASONS[err.reason]} "
-                                    "(or set data.strict: false to count and skip such records)") from err
-                tally.dropped.append({"file": raw.file, "line": raw.line, "reason": err.reason,
-                                      "detail": err.detail})
+                    raise DataError(
+                        f"{raw.sample_id}: {err.reason}: {err.detail}; {REASONS[err.reason]} "
+                        "(or set data.strict: false to count and skip such records)"
+                    ) from err
+                tally.dropped.append(
+                    {"file": raw.file, "line": raw.line, "reason": err.reason, "detail": err.detail}
+                )
                 continue
             examples.append(example)
             tally.truncated += truncated
             if tally.records_read % LOG_EVERY == 0:
                 log.info("%d records read, %d usable", tally.records_read, len(examples))
-        tally.per_file[str(path)] = {"records_read": tally.records_read - read_before,
-                                     "records_used": len(examples) - used_before,
-                                     "sha256": _sha256(path)}
-        log.info("%s: %d records, %d usable", path, tally.records_read - read_before,
-                 len(examples) - used_before)
+        tally.per_file[str(path)] = {
+            "records_read": tally.records_read - read_before,
+            "records_used": len(examples) - used_before,
+            "sha256": _sha256(path),
+        }
+        log.info(
+            "%s: %d records, %d usable",
+            path,
+            tally.records_read - read_before,
+            len(examples) - used_before,
+        )
     return examples, tally
 
 
-def split_examples(examples: list[Example], num_eval: int, num_shards: int,
-                   seed: int) -> tuple[list[Example], list[list[Example]]]:
+def split_examples(
+    examples: list[Example], num_eval: int, num_shards: int, seed: int
+) -> tuple[list[Example], list[list[Example]]]:
     """Shuffle with `seed`; the first num_eval are eval, the rest dealt into contiguous near-equal shards."""
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
@@ -154,7 +182,7 @@ def split_examples(examples: list[Example], num_eval: int, num_shards: int,
     shards, pos = [], 0
     for s in range(num_shards):
         size = base + (s < extra)
-        shards.append(rest[pos: pos + size])
+        shards.append(rest[pos : pos + size])
         pos += size
     return held_out, shards
 
@@ -171,8 +199,11 @@ def _table(examples: list[Example], with_prompt: list[list[int]] | None = None) 
 
 
 def _stats(examples: list[Example]) -> dict:
-    return {"records": len(examples), "tokens": sum(len(e.input_ids) for e in examples),
-            "assistant_tokens": sum(sum(e.loss_mask) for e in examples)}
+    return {
+        "records": len(examples),
+        "tokens": sum(len(e.input_ids) for e in examples),
+        "assistant_tokens": sum(sum(e.loss_mask) for e in examples),
+    }
 
 
 def _sha256(path: str | Path) -> str:
@@ -183,7 +214,9 @@ def _sha256(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def tokenize(target: str | Path, inputs: list[str | Path], out_dir: str | Path, settings: dict) -> dict:
+def tokenize(
+    target: str | Path, inputs: list[str | Path], out_dir: str | Path, settings: dict
+) -> dict:
     """The whole stage: write shards, eval.parquet and report.json into `out_dir`; return the report."""
     cfg = DataSettings.from_settings(settings)
     trust = settings.get("trust_remote_code", False)
@@ -192,22 +225,29 @@ def tokenize(target: str | Path, inputs: list[str | Path], out_dir: str | Path, 
     if not inputs:
         raise DataError("no input files; set data.conversations")
     tokenizer = load_chat_tokenizer(target, trust)
-    log.info("tokenizing %d file(s) with the chat template of %s (max_seq_len=%d)",
-             len(inputs), target, cfg.max_seq_len)
+    log.info(
+        "tokenizing %d file(s) with the chat template of %s (max_seq_len=%d)",
+        len(inputs),
+        target,
+        cfg.max_seq_len,
+    )
     examples, tally = collect_examples(tokenizer, inputs, cfg.max_seq_len, cfg.strict)
 
     need = cfg.num_eval + cfg.num_shards
     if len(examples) < need:
         dropped = {k: v for k, v in tally.by_reason().items() if v}
-        raise DataError(f"only {len(examples)} usable records of {tally.records_read} read (dropped: "
-                        f"{dropped or 'none'}); need at least data.num_eval + data.num_shards = "
-                        f"{cfg.num_eval} + {cfg.num_shards} = {need}: lower data.num_eval/data.num_shards "
-                        "or add conversations")
+        raise DataError(
+            f"only {len(examples)} usable records of {tally.records_read} read (dropped: "
+            f"{dropped or 'none'}); need at least data.num_eval + data.num_shards = "
+            f"{cfg.num_eval} + {cfg.num_shards} = {need}: lower data.num_eval/data.num_shards "
+            "or add conversations"
+        )
     held_out, shards = split_examples(examples, cfg.num_eval, cfg.num_shards, cfg.seed)
     prompts = [prompt_ids(tokenizer, e.messages) for e in held_out]
 
     from eyrie.arch.target import tokenizer_hash
     from eyrie.errors import TargetError
+
     try:
         tok_hash = tokenizer_hash(target)
     except TargetError:
@@ -224,7 +264,9 @@ def tokenize(target: str | Path, inputs: list[str | Path], out_dir: str | Path, 
         "truncated": tally.truncated,
         "max_seq_len": cfg.max_seq_len,
         "eval": {"file": "eval.parquet", **_stats(held_out)},
-        "shards": [{"file": f"shard_{s:03d}.parquet", **_stats(shard)} for s, shard in enumerate(shards)],
+        "shards": [
+            {"file": f"shard_{s:03d}.parquet", **_stats(shard)} for s, shard in enumerate(shards)
+        ],
         "provenance": provenance(settings),
     }
     with atomic_path(out_dir) as tmp:
@@ -235,27 +277,45 @@ def tokenize(target: str | Path, inputs: list[str | Path], out_dir: str | Path, 
         for entry in [*report["shards"], report["eval"]]:  # validate before the rename
             rows = pq.read_metadata(tmp / entry["file"]).num_rows
             assert rows == entry["records"], (entry["file"], rows, entry["records"])
-        (tmp / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
-    log.info("%d records read, %d used (%d eval, %d in %d shards), %d dropped %s, %d truncated -> %s",
-             tally.records_read, len(examples), len(held_out), len(examples) - len(held_out),
-             cfg.num_shards, len(tally.dropped), {k: v for k, v in tally.by_reason().items() if v},
-             tally.truncated, out_dir)
+        (tmp / "report.json").write_text(
+            json.dumps(report, indent=2, sort_keys=True, default=str) + "\n"
+        )
+    log.info(
+        "%d records read, %d used (%d eval, %d in %d shards), %d dropped %s, %d truncated -> %s",
+        tally.records_read,
+        len(examples),
+        len(held_out),
+        len(examples) - len(held_out),
+        cfg.num_shards,
+        len(tally.dropped),
+        {k: v for k, v in tally.by_reason().items() if v},
+        tally.truncated,
+        out_dir,
+    )
     return report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from eyrie.runtime import settings_arg
 
-    parser.add_argument("--target", required=True, help="Hugging Face model folder with the tokenizer")
-    parser.add_argument("--inputs", required=True, nargs="+", help="conversation files (.jsonl/.json/.parquet)")
-    parser.add_argument("--out-dir", required=True, help="folder for shard_NNN.parquet, eval.parquet, report.json")
-    parser.add_argument("--settings", required=True, type=settings_arg,
-                        help='JSON: {"data": {max_seq_len, num_shards, num_eval, seed, strict}, '
-                             '"trust_remote_code": bool}')
+    parser.add_argument(
+        "--target", required=True, help="Hugging Face model folder with the tokenizer"
+    )
+    parser.add_argument(
+        "--inputs", required=True, nargs="+", help="conversation files (.jsonl/.json/.parquet)"
+    )
+    parser.add_argument(
+        "--out-dir", required=True, help="folder for shard_NNN.parquet, eval.parquet, report.json"
+    )
+    parser.add_argument(
+        "--settings",
+        required=True,
+        type=settings_arg,
+        help='JSON: {"data": {max_seq_len, num_shards, num_eval, seed, strict}, '
+        '"trust_remote_code": bool}',
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     tokenize(args.target, args.inputs, args.out_dir, args.settings)
     return 0
-
-

@@ -35,11 +35,15 @@ log = logging.getLogger(__name__)
 def _flat(table: pa.Table, column: str) -> tuple[np.ndarray, np.ndarray]:
     """Flattened values and per-row lengths of a list column."""
     arr = table.column(column).combine_chunks()  # a ListArray
-    return (arr.flatten().to_numpy(zero_copy_only=False),
-            arr.value_lengths().fill_null(0).to_numpy(zero_copy_only=False))
+    return (
+        arr.flatten().to_numpy(zero_copy_only=False),
+        arr.value_lengths().fill_null(0).to_numpy(zero_copy_only=False),
+    )
 
 
-def count_assistant_tokens(shards: list[str | Path], vocab_size: int) -> tuple[np.ndarray, list[dict]]:
+def count_assistant_tokens(
+    shards: list[str | Path], vocab_size: int
+) -> tuple[np.ndarray, list[dict]]:
     """Frequency of every target id over loss-masked tokens of `shards`.
 
     Returns (counts int64 [vocab_size], per-shard stats). Refuses ids outside [0, vocab_size).
@@ -53,22 +57,34 @@ def count_assistant_tokens(shards: list[str | Path], vocab_size: int) -> tuple[n
         try:
             table = pq.read_table(path, columns=["sample_id", "input_ids", "loss_mask"])
         except (pa.ArrowInvalid, KeyError, OSError) as exc:
-            raise VocabError(f"{path}: not a tokenized shard ({' '.join(str(exc).split())}); "
-                             "re-run `eyrie tokenize`") from exc
-        ids, id_lens = _flat(table, "input_ids")    # ids: [T] int32
+            raise VocabError(
+                f"{path}: not a tokenized shard ({' '.join(str(exc).split())}); "
+                "re-run `eyrie tokenize`"
+            ) from exc
+        ids, id_lens = _flat(table, "input_ids")  # ids: [T] int32
         mask, mask_lens = _flat(table, "loss_mask")  # mask: [T] uint8
         if not np.array_equal(id_lens, mask_lens):
             row = int(np.flatnonzero(id_lens != mask_lens)[0])
-            raise VocabError(f"{path}: sample {table.column('sample_id')[row]}: input_ids has "
-                             f"{id_lens[row]} tokens but loss_mask {mask_lens[row]}; re-run `eyrie tokenize`")
+            raise VocabError(
+                f"{path}: sample {table.column('sample_id')[row]}: input_ids has "
+                f"{id_lens[row]} tokens but loss_mask {mask_lens[row]}; re-run `eyrie tokenize`"
+            )
         masked = ids[mask.astype(bool)].astype(np.int64)
         if masked.size and (masked.min() < 0 or masked.max() >= vocab_size):
             bad = int(masked.max() if masked.max() >= vocab_size else masked.min())
-            raise VocabError(f"{path}: token id {bad} is outside the target vocabulary (vocab_size "
-                             f"{vocab_size} in config.json); tokenize with this target's tokenizer")
+            raise VocabError(
+                f"{path}: token id {bad} is outside the target vocabulary (vocab_size "
+                f"{vocab_size} in config.json); tokenize with this target's tokenizer"
+            )
         counts += np.bincount(masked, minlength=vocab_size)
-        stats.append({"path": str(path), "records": table.num_rows, "tokens": int(ids.size),
-                      "assistant_tokens": int(masked.size)})
+        stats.append(
+            {
+                "path": str(path),
+                "records": table.num_rows,
+                "tokens": int(ids.size),
+                "assistant_tokens": int(masked.size),
+            }
+        )
         log.info("%s: %d records, %d assistant tokens", path, table.num_rows, masked.size)
     return counts, stats
 
@@ -81,8 +97,10 @@ def select_draft_ids(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
     """
     vocab_size = counts.shape[0]
     if draft_vocab_size > vocab_size:
-        raise VocabError(f"vocab.draft_vocab_size={draft_vocab_size} is larger than the target vocabulary "
-                         f"({vocab_size}); set vocab.draft_vocab_size <= {vocab_size}")
+        raise VocabError(
+            f"vocab.draft_vocab_size={draft_vocab_size} is larger than the target vocabulary "
+            f"({vocab_size}); set vocab.draft_vocab_size <= {vocab_size}"
+        )
     seen = np.flatnonzero(counts > 0)
     by_freq = seen[np.lexsort((seen, -counts[seen]))]  # primary key: -count, then id
     chosen = by_freq[:draft_vocab_size]
@@ -101,7 +119,9 @@ def vocab_mappings(draft_ids: np.ndarray, vocab_size: int) -> tuple[torch.Tensor
     return d2t, t2d
 
 
-def build_vocab(target: str | Path, shards: list[str | Path], out: str | Path, settings: dict) -> dict:
+def build_vocab(
+    target: str | Path, shards: list[str | Path], out: str | Path, settings: dict
+) -> dict:
     """The whole stage: write `out` (d2t, t2d) and vocab.json beside it; return the stats."""
     from eyrie.arch.target import inspect_target
 
@@ -113,12 +133,16 @@ def build_vocab(target: str | Path, shards: list[str | Path], out: str | Path, s
         raise VocabError("no tokenized shards given; pass --shards shard_000.parquet ...")
     vocab_size = inspect_target(target).vocab_size
     if size > vocab_size:
-        raise VocabError(f"vocab.draft_vocab_size={size} is larger than the target vocabulary "
-                         f"({vocab_size} in {Path(target) / 'config.json'}); set it <= {vocab_size}")
+        raise VocabError(
+            f"vocab.draft_vocab_size={size} is larger than the target vocabulary "
+            f"({vocab_size} in {Path(target) / 'config.json'}); set it <= {vocab_size}"
+        )
     counts, shard_stats = count_assistant_tokens(shards, vocab_size)
     total = int(counts.sum())
     if total == 0:
-        raise VocabError(f"{shards[0]}: no loss-masked tokens in the given shards; check the tokenize report")
+        raise VocabError(
+            f"{shards[0]}: no loss-masked tokens in the given shards; check the tokenize report"
+        )
     draft_ids = select_draft_ids(counts, size)
     d2t, t2d = vocab_mappings(draft_ids, vocab_size)
     distinct = int(np.count_nonzero(counts))
@@ -140,23 +164,38 @@ def build_vocab(target: str | Path, shards: list[str | Path], out: str | Path, s
         back = load_file(str(tmp))  # validate before the rename
         assert torch.equal(back["d2t"], d2t) and torch.equal(back["t2d"], t2d)
     write_json(out.with_suffix(".json"), stats)
-    log.info("draft vocab %d of %d ids covers %.4f of %d assistant tokens (%d distinct) -> %s",
-             size, vocab_size, stats["coverage"], total, distinct, out)
+    log.info(
+        "draft vocab %d of %d ids covers %.4f of %d assistant tokens (%d distinct) -> %s",
+        size,
+        vocab_size,
+        stats["coverage"],
+        total,
+        distinct,
+        out,
+    )
     return stats
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from eyrie.runtime import settings_arg
 
-    parser.add_argument("--target", required=True, help="Hugging Face model folder (config.json vocab_size)")
-    parser.add_argument("--shards", required=True, nargs="+", help="tokenized training shards (.parquet)")
-    parser.add_argument("--out", required=True, help="vocab.safetensors to write (vocab.json goes beside it)")
-    parser.add_argument("--settings", required=True, type=settings_arg,
-                        help='JSON: {"vocab": {"draft_vocab_size": int}}')
+    parser.add_argument(
+        "--target", required=True, help="Hugging Face model folder (config.json vocab_size)"
+    )
+    parser.add_argument(
+        "--shards", required=True, nargs="+", help="tokenized training shards (.parquet)"
+    )
+    parser.add_argument(
+        "--out", required=True, help="vocab.safetensors to write (vocab.json goes beside it)"
+    )
+    parser.add_argument(
+        "--settings",
+        required=True,
+        type=settings_arg,
+        help='JSON: {"vocab": {"draft_vocab_size": int}}',
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     build_vocab(args.target, args.shards, args.out, args.settings)
     return 0
-
-

@@ -29,16 +29,69 @@ log = logging.getLogger(__name__)
 
 # Pure-Python (or stable C-backed) standard-library modules, in a FIXED sorted order. Modules
 # that fail to import on this machine are skipped (and listed in the provenance file).
-MODULES = sorted([
-    "argparse", "base64", "bisect", "calendar", "collections", "contextlib", "copy", "csv",
-    "dataclasses", "datetime", "decimal", "difflib", "email.utils", "enum", "fnmatch",
-    "fractions", "ftplib", "functools", "getopt", "gettext", "glob", "gzip", "hashlib", "heapq",
-    "hmac", "html", "http.cookies", "inspect", "ipaddress", "itertools", "json", "logging",
-    "mimetypes", "netrc", "numbers", "operator", "os.path", "pathlib", "pprint", "queue",
-    "quopri", "random", "re", "secrets", "shlex", "shutil", "statistics", "string", "tarfile",
-    "tempfile", "textwrap", "threading", "tokenize", "typing", "urllib.parse", "uuid", "wave",
-    "weakref", "zipfile",
-])
+MODULES = sorted(
+    [
+        "argparse",
+        "base64",
+        "bisect",
+        "calendar",
+        "collections",
+        "contextlib",
+        "copy",
+        "csv",
+        "dataclasses",
+        "datetime",
+        "decimal",
+        "difflib",
+        "email.utils",
+        "enum",
+        "fnmatch",
+        "fractions",
+        "ftplib",
+        "functools",
+        "getopt",
+        "gettext",
+        "glob",
+        "gzip",
+        "hashlib",
+        "heapq",
+        "hmac",
+        "html",
+        "http.cookies",
+        "inspect",
+        "ipaddress",
+        "itertools",
+        "json",
+        "logging",
+        "mimetypes",
+        "netrc",
+        "numbers",
+        "operator",
+        "os.path",
+        "pathlib",
+        "pprint",
+        "queue",
+        "quopri",
+        "random",
+        "re",
+        "secrets",
+        "shlex",
+        "shutil",
+        "statistics",
+        "string",
+        "tarfile",
+        "tempfile",
+        "textwrap",
+        "threading",
+        "tokenize",
+        "typing",
+        "urllib.parse",
+        "uuid",
+        "wave",
+        "weakref",
+        "zipfile",
+    ]
+)
 
 ROLES = ("system", "user", "assistant")
 MAX_ANSWER_CHARS = 320
@@ -60,10 +113,22 @@ QUESTIONS = [
     "I found `{name}` in some code. What is it?",
     "Summarize the documentation of `{name}`.",
 ]
-MODULE_QUESTIONS = ["Which module is it in?", "Where is it defined?", "What module does it come from?"]
+MODULE_QUESTIONS = [
+    "Which module is it in?",
+    "Where is it defined?",
+    "What module does it come from?",
+]
 KIND_QUESTIONS = ["Is it a function or a class?", "What kind of object is it?"]
-SIGNATURE_QUESTIONS = ["What is its signature?", "How do I call it?", "What arguments does it take?"]
-SIBLING_QUESTIONS = ["And `{name}`?", "What about `{name}`?", "How about `{name}` from the same module?"]
+SIGNATURE_QUESTIONS = [
+    "What is its signature?",
+    "How do I call it?",
+    "What arguments does it take?",
+]
+SIBLING_QUESTIONS = [
+    "And `{name}`?",
+    "What about `{name}`?",
+    "How about `{name}` from the same module?",
+]
 
 
 class ConversationsError(EyrieError):
@@ -74,24 +139,29 @@ class ConversationsError(EyrieError):
 class DocEntry:
     """One documented stdlib object."""
 
-    name: str       # dotted display name, e.g. "json.dumps" or "pathlib.Path.read_text"
-    module: str     # import name, e.g. "os.path"
-    kind: str       # "function" | "class" | "method of `X`"
-    summary: str    # cleaned first docstring paragraph
+    name: str  # dotted display name, e.g. "json.dumps" or "pathlib.Path.read_text"
+    module: str  # import name, e.g. "os.path"
+    kind: str  # "function" | "class" | "method of `X`"
+    summary: str  # cleaned first docstring paragraph
     signature: str | None  # "(obj, *, skipkeys=False, ...)" when short enough, else None
 
 
 # ----------------------------------------------------------------------------- settings helpers
 
+
 def demo_settings(settings: dict, keys: tuple[str, ...]) -> dict:
     """Return settings["demo"], checking that every key in `keys` is present."""
     demo = settings.get("demo")
     if not isinstance(demo, dict):
-        raise EyrieError("--settings: missing object 'demo'; pass the `demo` section of config/config.yaml")
+        raise EyrieError(
+            "--settings: missing object 'demo'; pass the `demo` section of config/config.yaml"
+        )
     missing = [k for k in keys if k not in demo]
     if missing:
-        raise EyrieError(f"--settings: demo.{missing[0]} is missing; pass the full `demo` section "
-                         "of config/config.yaml (validated defaults included)")
+        raise EyrieError(
+            f"--settings: demo.{missing[0]} is missing; pass the full `demo` section "
+            "of config/config.yaml (validated defaults included)"
+        )
     return demo
 
 
@@ -120,7 +190,11 @@ def clean_summary(doc: str | None) -> str | None:
     if len(text) > MAX_ANSWER_CHARS:
         cut = text[:MAX_ANSWER_CHARS]
         end = cut.rfind(". ")
-        text = cut[: end + 1] if end >= MIN_ANSWER_CHARS else cut[: cut.rfind(" ")].rstrip(",;:") + " ..."
+        text = (
+            cut[: end + 1]
+            if end >= MIN_ANSWER_CHARS
+            else cut[: cut.rfind(" ")].rstrip(",;:") + " ..."
+        )
     if not text.endswith((".", "...", "?", "!", ")", ":")):
         text += "."
     return text
@@ -142,8 +216,11 @@ def _public_names(module) -> list[str]:
     if exported is not None:
         return sorted(n for n in exported if isinstance(n, str) and not n.startswith("_"))
     own = {module.__name__}
-    return sorted(n for n, v in vars(module).items()
-                  if not n.startswith("_") and getattr(v, "__module__", None) in own)
+    return sorted(
+        n
+        for n, v in vars(module).items()
+        if not n.startswith("_") and getattr(v, "__module__", None) in own
+    )
 
 
 def harvest(modules: list[str] = MODULES) -> tuple[list[DocEntry], list[str]]:
@@ -178,18 +255,22 @@ def harvest(modules: list[str] = MODULES) -> tuple[list[DocEntry], list[str]]:
                 summary = clean_summary(getattr(meth, "__doc__", None))
                 full = f"{name}.{meth_name}"
                 if summary and full not in entries:
-                    entries[full] = DocEntry(full, mod_name, f"method of `{name}`", summary,
-                                             _signature(meth))
+                    entries[full] = DocEntry(
+                        full, mod_name, f"method of `{name}`", summary, _signature(meth)
+                    )
     return [entries[k] for k in sorted(entries)], skipped
 
 
 # ----------------------------------------------------------------------------- conversations
 
+
 def _answer(entry: DocEntry) -> str:
     return f"`{entry.name}`: {entry.summary}"
 
 
-def _follow_up(entry: DocEntry, siblings: list[DocEntry], rng: random.Random) -> tuple[list[dict], DocEntry]:
+def _follow_up(
+    entry: DocEntry, siblings: list[DocEntry], rng: random.Random
+) -> tuple[list[dict], DocEntry]:
     """One follow-up (user, assistant) pair about `entry`, and the subject of the next one."""
     options = ["module", "kind", "sibling"]
     if entry.signature is not None:
@@ -218,7 +299,9 @@ def make_conversations(entries: list[DocEntry], num: int, seed: int) -> list[dic
     About 1/3 carry a system message; about 40% have one or two follow-up turns.
     """
     if not entries:
-        raise ConversationsError("no documented stdlib objects found; is the Python standard library complete?")
+        raise ConversationsError(
+            "no documented stdlib objects found; is the Python standard library complete?"
+        )
     rng = random.Random(seed)
     order = list(entries)
     by_module: dict[str, list[DocEntry]] = {}
@@ -245,10 +328,13 @@ def make_conversations(entries: list[DocEntry], num: int, seed: int) -> list[dic
 
 # ----------------------------------------------------------------------------- reading
 
+
 def check_messages(messages, where: str) -> None:
     """Raise ConversationsError naming `where` unless `messages` is a well-formed chat."""
     if not isinstance(messages, list) or not messages:
-        raise ConversationsError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise ConversationsError(
+            f"{where}: 'messages' must be a non-empty list of {{role, content}} objects"
+        )
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ConversationsError(f"{where}: messages[{j}] needs a role in {list(ROLES)}")
@@ -272,14 +358,18 @@ def read_conversations(path: str | Path) -> list[list[dict]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ConversationsError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                                         "fix or remove the line") from None
+                raise ConversationsError(
+                    f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); "
+                    "fix or remove the line"
+                ) from None
             if not isinstance(record, dict) or "messages" not in record:
                 raise ConversationsError(f"{where}: expected an object with key 'messages'")
             check_messages(record["messages"], where)
             out.append(record["messages"])
     if not out:
-        raise ConversationsError(f"{path}: no conversations; regenerate it with `eyrie demo-conversations`")
+        raise ConversationsError(
+            f"{path}: no conversations; regenerate it with `eyrie demo-conversations`"
+        )
     return out
 
 
@@ -305,12 +395,22 @@ def write_conversations(out: str | Path, settings: dict) -> dict:
         "num_modules": len({e.module for e in entries}),
         "skipped_modules": skipped,
         "with_system": sum(c["messages"][0]["role"] == "system" for c in conversations),
-        "multi_turn": sum(sum(m["role"] == "assistant" for m in c["messages"]) > 1 for c in conversations),
+        "multi_turn": sum(
+            sum(m["role"] == "assistant" for m in c["messages"]) > 1 for c in conversations
+        ),
     }
-    write_json(out.with_name(out.stem + ".provenance.json"), {**stats, "provenance": provenance(settings)})
-    log.info("wrote %d conversations about %d stdlib objects (%d multi-turn, %d with a system "
-             "message) to %s", stats["num_conversations"], stats["num_documented_objects"],
-             stats["multi_turn"], stats["with_system"], out)
+    write_json(
+        out.with_name(out.stem + ".provenance.json"), {**stats, "provenance": provenance(settings)}
+    )
+    log.info(
+        "wrote %d conversations about %d stdlib objects (%d multi-turn, %d with a system "
+        "message) to %s",
+        stats["num_conversations"],
+        stats["num_documented_objects"],
+        stats["multi_turn"],
+        stats["with_system"],
+        out,
+    )
     return stats
 
 
@@ -318,8 +418,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from eyrie.runtime import settings_arg
 
     parser.add_argument("--out", required=True, type=Path, help="conversations.jsonl to write")
-    parser.add_argument("--settings", required=True, type=settings_arg,
-                        help='JSON {"demo": {"seed": ..., "num_conversations": ...}}')
+    parser.add_argument(
+        "--settings",
+        required=True,
+        type=settings_arg,
+        help='JSON {"demo": {"seed": ..., "num_conversations": ...}}',
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,11 +32,21 @@ from eyrie.io import atomic_path, provenance, write_json
 
 log = logging.getLogger(__name__)
 
-SETTINGS_KEYS = ("seed", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "intermediate_size", "train_steps", "batch_size", "seq_len",
-                 "learning_rate")
-MAX_POSITION_EMBEDDINGS = 4096   # well above any demo sequence (data.max_seq_len, eval prompts)
-HELD_OUT_FRACTION = 0.02         # conversations kept out of training for the held-out loss
+SETTINGS_KEYS = (
+    "seed",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "train_steps",
+    "batch_size",
+    "seq_len",
+    "learning_rate",
+)
+MAX_POSITION_EMBEDDINGS = 4096  # well above any demo sequence (data.max_seq_len, eval prompts)
+HELD_OUT_FRACTION = 0.02  # conversations kept out of training for the held-out loss
 MAX_EVAL_WINDOWS = 16
 LOG_EVERY = 10
 SAMPLE_NEW_TOKENS = 64
@@ -50,14 +60,20 @@ def check_shapes(demo: dict) -> None:
     """Raise one error naming the demo.* key whose value cannot build a Llama."""
     heads, kv = demo["num_attention_heads"], demo["num_key_value_heads"]
     if demo["hidden_size"] % heads:
-        raise DemoTargetError(f"demo.hidden_size={demo['hidden_size']} is not divisible by "
-                              f"demo.num_attention_heads={heads}; change one of them")
+        raise DemoTargetError(
+            f"demo.hidden_size={demo['hidden_size']} is not divisible by "
+            f"demo.num_attention_heads={heads}; change one of them"
+        )
     if (demo["hidden_size"] // heads) % 2:
-        raise DemoTargetError(f"demo.hidden_size / demo.num_attention_heads = "
-                              f"{demo['hidden_size'] // heads} must be even (rotary embeddings)")
+        raise DemoTargetError(
+            f"demo.hidden_size / demo.num_attention_heads = "
+            f"{demo['hidden_size'] // heads} must be even (rotary embeddings)"
+        )
     if heads % kv:
-        raise DemoTargetError(f"demo.num_attention_heads={heads} is not divisible by "
-                              f"demo.num_key_value_heads={kv}; change one of them")
+        raise DemoTargetError(
+            f"demo.num_attention_heads={heads} is not divisible by "
+            f"demo.num_key_value_heads={kv}; change one of them"
+        )
 
 
 def num_threads() -> int:
@@ -114,7 +130,7 @@ def held_out_loss(model, token_lists: list[list[int]], seq_len: int) -> float | 
     total, count = 0.0, 0
     model.eval()
     for start in range(0, len(stream), seq_len):
-        chunk = stream[start: start + seq_len]
+        chunk = stream[start : start + seq_len]
         if len(chunk) < 2:
             break
         ids = torch.tensor([chunk])  # [1, T] int64
@@ -125,17 +141,25 @@ def held_out_loss(model, token_lists: list[list[int]], seq_len: int) -> float | 
 
 
 @torch.no_grad()
-def greedy_sample(model, tokenizer, messages: list[dict], max_new_tokens: int = SAMPLE_NEW_TOKENS) -> str:
+def greedy_sample(
+    model, tokenizer, messages: list[dict], max_new_tokens: int = SAMPLE_NEW_TOKENS
+) -> str:
     """Greedy answer to the first user turn of `messages` (with any system message before it)."""
     first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-    prompt = tokenizer.apply_chat_template(messages[: first_user + 1], tokenize=False,
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        messages[: first_user + 1], tokenize=False, add_generation_prompt=True
+    )
     ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])  # [1, T]
     model.eval()
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(
+        ids,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model.train()
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def train_target(conversations_path: str | Path, out_dir: str | Path, settings: dict) -> dict:
@@ -150,10 +174,14 @@ def train_target(conversations_path: str | Path, out_dir: str | Path, settings: 
     conversations = read_conversations(conversations_path)
     tokenizer = build_chat_tokenizer(
         (text for conv in conversations for m in conv for text in (m["role"], m["content"])),
-        demo["vocab_size"])
+        demo["vocab_size"],
+    )
     if len(tokenizer) < demo["vocab_size"]:
-        log.info("BPE stopped at %d tokens (< demo.vocab_size=%d): the texts have no more merges",
-                 len(tokenizer), demo["vocab_size"])
+        log.info(
+            "BPE stopped at %d tokens (< demo.vocab_size=%d): the texts have no more merges",
+            len(tokenizer),
+            demo["vocab_size"],
+        )
 
     order = list(range(len(conversations)))
     random.Random(seed).shuffle(order)
@@ -162,20 +190,31 @@ def train_target(conversations_path: str | Path, out_dir: str | Path, settings: 
     token_lists = tokenize_conversations(tokenizer, conversations)
     windows = pack([token_lists[i] for i in train_idx], seq_len)  # [W, seq_len] int64
     if len(windows) == 0:
-        raise DemoTargetError(f"{conversations_path}: fewer than demo.seq_len={seq_len} training "
-                              "tokens; raise demo.num_conversations or lower demo.seq_len")
+        raise DemoTargetError(
+            f"{conversations_path}: fewer than demo.seq_len={seq_len} training "
+            "tokens; raise demo.num_conversations or lower demo.seq_len"
+        )
     num_tokens = sum(len(token_lists[i]) for i in train_idx)
-    log.info("%d conversations (%d held out), %d training tokens -> %d windows of %d; vocab %d; "
-             "%d threads", len(conversations), n_held, num_tokens, len(windows), seq_len,
-             len(tokenizer), threads)
+    log.info(
+        "%d conversations (%d held out), %d training tokens -> %d windows of %d; vocab %d; "
+        "%d threads",
+        len(conversations),
+        n_held,
+        num_tokens,
+        len(windows),
+        seq_len,
+        len(tokenizer),
+        threads,
+    )
 
     torch.manual_seed(seed)
     config = build_config(demo, tokenizer)
     model = LlamaForCausalLM(config)
     model.train()
     num_params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=demo["learning_rate"], betas=(0.9, 0.95),
-                                  weight_decay=0.01)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=demo["learning_rate"], betas=(0.9, 0.95), weight_decay=0.01
+    )
     warmup = max(1, min(100, steps // 10))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup, steps))
 
@@ -186,12 +225,13 @@ def train_target(conversations_path: str | Path, out_dir: str | Path, settings: 
     for step in range(steps):
         if cursor + batch_size > len(perm):
             perm, cursor = torch.randperm(len(windows), generator=gen), 0
-        batch = windows[perm[cursor: cursor + batch_size]]  # [B, seq_len] int64
+        batch = windows[perm[cursor : cursor + batch_size]]  # [B, seq_len] int64
         cursor += batch_size
         loss = model(input_ids=batch, labels=batch).loss
         if not torch.isfinite(loss):
-            raise DemoTargetError(f"demo target loss became {loss.item()} at step {step}; "
-                                  "lower demo.learning_rate")
+            raise DemoTargetError(
+                f"demo target loss became {loss.item()} at step {step}; lower demo.learning_rate"
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -203,9 +243,17 @@ def train_target(conversations_path: str | Path, out_dir: str | Path, settings: 
             tps = tokens_since / max(now - t_log, 1e-9)
             t_log, tokens_since = now, 0
             lr = optimizer.param_groups[0]["lr"]
-            curve.append({"step": step + 1, "loss": round(loss.item(), 4), "lr": lr,
-                          "tokens_per_s": round(tps, 1)})
-            log.info("step %d/%d loss %.4f lr %.2e %.0f tok/s", step + 1, steps, loss.item(), lr, tps)
+            curve.append(
+                {
+                    "step": step + 1,
+                    "loss": round(loss.item(), 4),
+                    "lr": lr,
+                    "tokens_per_s": round(tps, 1),
+                }
+            )
+            log.info(
+                "step %d/%d loss %.4f lr %.2e %.0f tok/s", step + 1, steps, loss.item(), lr, tps
+            )
     train_wall = time.perf_counter() - t0
 
     held = [token_lists[i] for i in held_idx]
@@ -231,13 +279,17 @@ def train_target(conversations_path: str | Path, out_dir: str | Path, settings: 
         "train_wall_s": round(train_wall, 2),
         "provenance": provenance(settings),
     }
-    log.info("trained in %.1f s: final loss %s, held-out loss %s (ln vocab = %.3f)", train_wall,
-             summary["final_loss"], None if eval_loss is None else round(eval_loss, 4),
-             summary["ln_vocab"])
+    log.info(
+        "trained in %.1f s: final loss %s, held-out loss %s (ln vocab = %.3f)",
+        train_wall,
+        summary["final_loss"],
+        None if eval_loss is None else round(eval_loss, 4),
+        summary["ln_vocab"],
+    )
 
     with atomic_path(out_dir) as tmp:
-        model.save_pretrained(tmp)          # config.json, generation_config.json, model.safetensors
-        tokenizer.save_pretrained(tmp)      # tokenizer.json, tokenizer_config.json, chat template
+        model.save_pretrained(tmp)  # config.json, generation_config.json, model.safetensors
+        tokenizer.save_pretrained(tmp)  # tokenizer.json, tokenizer_config.json, chat template
         write_json(tmp / "demo_training.json", summary)
         _validate_folder(tmp, model)
     log.info("saved the demo target to %s", out_dir)
@@ -257,11 +309,19 @@ def _validate_folder(path: Path, model) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from eyrie.runtime import settings_arg
 
-    parser.add_argument("--conversations", required=True, type=Path,
-                        help="conversations.jsonl written by `eyrie demo-conversations`")
+    parser.add_argument(
+        "--conversations",
+        required=True,
+        type=Path,
+        help="conversations.jsonl written by `eyrie demo-conversations`",
+    )
     parser.add_argument("--out-dir", required=True, type=Path, help="model folder to write")
-    parser.add_argument("--settings", required=True, type=settings_arg,
-                        help='JSON {"demo": {seed, vocab_size, hidden_size, ..., learning_rate}}')
+    parser.add_argument(
+        "--settings",
+        required=True,
+        type=settings_arg,
+        help='JSON {"demo": {seed, vocab_size, hidden_size, ..., learning_rate}}',
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,7 +37,10 @@ def build_chat_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTok
     )
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=END, pad_token=PAD,
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=END,
+        pad_token=PAD,
         model_max_length=1 << 20,
     )
     fast.chat_template = CHAT_TEMPLATE

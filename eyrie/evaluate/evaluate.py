@@ -47,8 +47,9 @@ def parse_settings(settings: dict) -> EvalSettings:
     """Check the eval settings (every problem at once, each naming its key); resolve device."""
     ev = settings.get("eval")
     if not isinstance(ev, dict):
-        raise EvaluateError("--settings: key 'eval' missing or not an object; pass the config's "
-                            "eval section")
+        raise EvaluateError(
+            "--settings: key 'eval' missing or not an object; pass the config's eval section"
+        )
     problems = []
     for key in ("num_speculative_tokens", "max_new_tokens", "num_prompts"):
         value = ev.get(key)
@@ -62,9 +63,12 @@ def parse_settings(settings: dict) -> EvalSettings:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
-        raise EvaluateError("eval.device=cuda but no CUDA device is visible; set eval.device to "
-                            "auto or cpu")
-    return EvalSettings(ev["num_speculative_tokens"], ev["max_new_tokens"], ev["num_prompts"], device)
+        raise EvaluateError(
+            "eval.device=cuda but no CUDA device is visible; set eval.device to auto or cpu"
+        )
+    return EvalSettings(
+        ev["num_speculative_tokens"], ev["max_new_tokens"], ev["num_prompts"], device
+    )
 
 
 def read_preflight(path: str | Path, fingerprint: str, num_layers: int) -> list[int]:
@@ -73,14 +77,19 @@ def read_preflight(path: str | Path, fingerprint: str, num_layers: int) -> list[
     report = read_report(path, fingerprint)
     aux = report.get("aux_layer_ids")
     if not (isinstance(aux, list) and aux and all(isinstance(i, int) for i in aux)):
-        raise EvaluateError(f"{path}: aux_layer_ids must be a non-empty list of integers; "
-                            "rerun `eyrie preflight`")
+        raise EvaluateError(
+            f"{path}: aux_layer_ids must be a non-empty list of integers; rerun `eyrie preflight`"
+        )
     if any(not 0 <= i < num_layers for i in aux):
-        raise EvaluateError(f"{path}: aux_layer_ids {aux} must lie within 0..{num_layers - 1} for "
-                            f"a target with {num_layers} layers; rerun `eyrie preflight`")
+        raise EvaluateError(
+            f"{path}: aux_layer_ids {aux} must lie within 0..{num_layers - 1} for "
+            f"a target with {num_layers} layers; rerun `eyrie preflight`"
+        )
     if report.get("final_layer_id") != num_layers:
-        raise EvaluateError(f"{path}: final_layer_id {report.get('final_layer_id')!r} but the target "
-                            f"has {num_layers} layers; rerun `eyrie preflight`")
+        raise EvaluateError(
+            f"{path}: final_layer_id {report.get('final_layer_id')!r} but the target "
+            f"has {num_layers} layers; rerun `eyrie preflight`"
+        )
     return aux
 
 
@@ -100,35 +109,49 @@ def load_draft(path: str | Path):
             draft = load_exported(path)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise EvaluateError(f"{path}: speculators cannot load the draft ({first}); re-export it "
-                            "(its verifier.name_or_path must point at the target folder)") from exc
+        raise EvaluateError(
+            f"{path}: speculators cannot load the draft ({first}); re-export it "
+            "(its verifier.name_or_path must point at the target folder)"
+        ) from exc
     for name, tensor in draft.state_dict().items():
         if name.startswith("verifier_"):
             continue  # training-only weights, unused at inference
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise EvaluateError(f"{path}: draft tensor {name!r} has non-finite values; re-export "
-                                "the draft from a finished training run")
+            raise EvaluateError(
+                f"{path}: draft tensor {name!r} has non-finite values; re-export "
+                "the draft from a finished training run"
+            )
     return draft
 
 
-def check_draft(draft, path, aux_ids: list[int], hidden_size: int, d2t: torch.Tensor,
-                t2d: torch.Tensor) -> None:
+def check_draft(
+    draft, path, aux_ids: list[int], hidden_size: int, d2t: torch.Tensor, t2d: torch.Tensor
+) -> None:
     """The draft must read the aux layers the preflight chose and use this vocabulary map."""
     draft_aux = list(draft.config.eagle_aux_hidden_state_layer_ids)
     if draft_aux != list(aux_ids):
-        raise EvaluateError(f"{path}: draft eagle_aux_hidden_state_layer_ids {draft_aux} differ "
-                            f"from the preflight's aux_layer_ids {list(aux_ids)}; retrain/export "
-                            "the draft with the preflight's layers (or rerun preflight)")
+        raise EvaluateError(
+            f"{path}: draft eagle_aux_hidden_state_layer_ids {draft_aux} differ "
+            f"from the preflight's aux_layer_ids {list(aux_ids)}; retrain/export "
+            "the draft with the preflight's layers (or rerun preflight)"
+        )
     if draft.hidden_size != hidden_size:
-        raise EvaluateError(f"{path}: draft hidden size {draft.hidden_size} but the target's is "
-                            f"{hidden_size}; train the draft for this target")
+        raise EvaluateError(
+            f"{path}: draft hidden size {draft.hidden_size} but the target's is "
+            f"{hidden_size}; train the draft for this target"
+        )
     if draft.draft_vocab_size != len(d2t):
-        raise EvaluateError(f"{path}: draft_vocab_size {draft.draft_vocab_size} but the vocabulary "
-                            f"map has {len(d2t)} entries; use the draft trained with this map")
-    if draft.d2t is not None and not (torch.equal(draft.d2t.cpu(), d2t)
-                                      and torch.equal(draft.t2d.cpu(), t2d)):
-        raise EvaluateError(f"{path}: the draft's d2t/t2d differ from the vocabulary map's; use "
-                            "the draft trained with this map")
+        raise EvaluateError(
+            f"{path}: draft_vocab_size {draft.draft_vocab_size} but the vocabulary "
+            f"map has {len(d2t)} entries; use the draft trained with this map"
+        )
+    if draft.d2t is not None and not (
+        torch.equal(draft.d2t.cpu(), d2t) and torch.equal(draft.t2d.cpu(), t2d)
+    ):
+        raise EvaluateError(
+            f"{path}: the draft's d2t/t2d differ from the vocabulary map's; use "
+            "the draft trained with this map"
+        )
 
 
 def plot(path: str | Path, K: int, trained: dict, untrained: dict) -> None:
@@ -143,7 +166,9 @@ def plot(path: str | Path, K: int, trained: dict, untrained: dict) -> None:
     positions = torch.arange(1, K + 1).tolist()
     width = 0.4
     fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * K + 2), 3.5))
-    for offset, (label, m) in zip((-width / 2, width / 2), (("trained", trained), ("untrained", untrained))):
+    for offset, (label, m) in zip(
+        (-width / 2, width / 2), (("trained", trained), ("untrained", untrained))
+    ):
         values = m["per_position_acceptance"] or [0.0] * K
         ax.bar([p + offset for p in positions], values, width, label=f"{label} (AL {fmt(m)})")
     ax.set_xticks(positions)
@@ -160,8 +185,16 @@ def plot(path: str | Path, K: int, trained: dict, untrained: dict) -> None:
     plt.close(fig)
 
 
-def evaluate(target: str | Path, draft_dir: str | Path, vocab: str | Path, eval_set: str | Path,
-             preflight: str | Path, out: str | Path, plot_path: str | Path, settings: dict) -> dict:
+def evaluate(
+    target: str | Path,
+    draft_dir: str | Path,
+    vocab: str | Path,
+    eval_set: str | Path,
+    preflight: str | Path,
+    out: str | Path,
+    plot_path: str | Path,
+    settings: dict,
+) -> dict:
     """Run the evaluation and write eval.json and eval.png; returns the report."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -186,9 +219,11 @@ def evaluate(target: str | Path, draft_dir: str | Path, vocab: str | Path, eval_
     max_pos = info.text_config.get("max_position_embeddings")
     longest = max(len(p) for _, p in prompts) + cfg.max_new_tokens + cfg.K
     if isinstance(max_pos, int) and longest > max_pos:
-        raise EvaluateError(f"{eval_set}: longest prompt + eval.max_new_tokens + K = {longest} "
-                            f"exceeds the target's max_position_embeddings {max_pos}; lower "
-                            "eval.max_new_tokens")
+        raise EvaluateError(
+            f"{eval_set}: longest prompt + eval.max_new_tokens + K = {longest} "
+            f"exceeds the target's max_position_embeddings {max_pos}; lower "
+            "eval.max_new_tokens"
+        )
 
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     eos_id = tokenizer.eos_token_id
@@ -198,33 +233,65 @@ def evaluate(target: str | Path, draft_dir: str | Path, vocab: str | Path, eval_
     model = model.to(cfg.device).eval()
 
     tl = draft.config.transformer_layer_config
-    untrained = build_draft(target, aux_ids, d2t, t2d, num_layers=tl.num_hidden_layers,
-                            draft_arch=tl.model_type,
-                            norm_before_residual=draft.config.norm_before_residual,
-                            seed=UNTRAINED_SEED)
-    proposers = {"trained": Eagle3Proposer(draft.to(cfg.device)),
-                 "untrained": Eagle3Proposer(untrained.to(cfg.device))}
+    untrained = build_draft(
+        target,
+        aux_ids,
+        d2t,
+        t2d,
+        num_layers=tl.num_hidden_layers,
+        draft_arch=tl.model_type,
+        norm_before_residual=draft.config.norm_before_residual,
+        seed=UNTRAINED_SEED,
+    )
+    proposers = {
+        "trained": Eagle3Proposer(draft.to(cfg.device)),
+        "untrained": Eagle3Proposer(untrained.to(cfg.device)),
+    }
     stats = {name: SpecStats(cfg.K) for name in proposers}
 
-    log.info("evaluating %s on %d prompts: K=%d, max_new_tokens=%d, aux ids %s, device %s",
-             draft_dir, len(prompts), cfg.K, cfg.max_new_tokens, aux_ids, cfg.device)
+    log.info(
+        "evaluating %s on %d prompts: K=%d, max_new_tokens=%d, aux ids %s, device %s",
+        draft_dir,
+        len(prompts),
+        cfg.K,
+        cfg.max_new_tokens,
+        aux_ids,
+        cfg.device,
+    )
     output_tokens = 0
     for n, (sample_id, prompt_ids) in enumerate(prompts, 1):
         reference = greedy_generate(model, prompt_ids, cfg.max_new_tokens, eos_id)
         output_tokens += len(reference)
         for name, propose in proposers.items():
-            got = speculative_generate(model, prompt_ids, propose, cfg.K, cfg.max_new_tokens, eos_id,
-                                       aux_ids=aux_ids, stats=stats[name])
+            got = speculative_generate(
+                model,
+                prompt_ids,
+                propose,
+                cfg.K,
+                cfg.max_new_tokens,
+                eos_id,
+                aux_ids=aux_ids,
+                stats=stats[name],
+            )
             if got != reference:
-                at = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b),
-                          min(len(got), len(reference)))
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(got, reference)) if a != b),
+                    min(len(got), len(reference)),
+                )
                 raise EvaluateError(
                     f"{eval_set}: prompt {sample_id}: speculative output with the {name} draft "
                     f"differs from the target's greedy output at new token {at} ({len(got)} vs "
-                    f"{len(reference)} tokens); speculative decoding must not change greedy outputs")
-        log.info("prompt %d/%d (%s): %d prompt + %d new tokens; AL so far trained %.3f, "
-                 "untrained %.3f", n, len(prompts), sample_id, len(prompt_ids), len(reference),
-                 *(stats[k].metrics()["acceptance_length"] or 1.0 for k in ("trained", "untrained")))
+                    f"{len(reference)} tokens); speculative decoding must not change greedy outputs"
+                )
+        log.info(
+            "prompt %d/%d (%s): %d prompt + %d new tokens; AL so far trained %.3f, untrained %.3f",
+            n,
+            len(prompts),
+            sample_id,
+            len(prompt_ids),
+            len(reference),
+            *(stats[k].metrics()["acceptance_length"] or 1.0 for k in ("trained", "untrained")),
+        )
 
     report = {
         "K": cfg.K,
@@ -244,8 +311,12 @@ def evaluate(target: str | Path, draft_dir: str | Path, vocab: str | Path, eval_
     }
     plot(plot_path, cfg.K, report["trained"], report["untrained"])
     write_json(out, report)
-    log.info("acceptance length: trained %s, untrained %s -> %s",
-             report["trained"]["acceptance_length"], report["untrained"]["acceptance_length"], out)
+    log.info(
+        "acceptance length: trained %s, untrained %s -> %s",
+        report["trained"]["acceptance_length"],
+        report["untrained"]["acceptance_length"],
+        out,
+    )
     return report
 
 
@@ -259,13 +330,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--preflight", required=True, help="preflight.json")
     parser.add_argument("--out", required=True, help="eval.json to write")
     parser.add_argument("--plot", required=True, help="eval.png to write")
-    parser.add_argument("--settings", required=True, type=settings_arg,
-                        help="JSON object with the eval settings")
+    parser.add_argument(
+        "--settings", required=True, type=settings_arg, help="JSON object with the eval settings"
+    )
 
 
 def run(args) -> int:
-    evaluate(args.target, args.draft, args.vocab, args.eval_set, args.preflight, args.out,
-             args.plot, args.settings)
+    evaluate(
+        args.target,
+        args.draft,
+        args.vocab,
+        args.eval_set,
+        args.preflight,
+        args.out,
+        args.plot,
+        args.settings,
+    )
     return 0
-
-

@@ -27,6 +27,7 @@ Proposer = Callable[[torch.Tensor, torch.Tensor, int], list[int]]
 @dataclass
 class SpecStats:
     """vLLM's speculative-decoding counters (vllm:spec_decode_*)."""
+
     K: int
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -79,7 +80,9 @@ def _cut(out: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
 
 
 @torch.no_grad()
-def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
+def greedy_generate(
+    target, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None
+) -> list[int]:
     """Plain greedy decoding (full recompute each token): the reference output."""
     device = next(target.parameters()).device
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)  # [L]
@@ -92,32 +95,40 @@ def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_id: 
 
 
 @torch.no_grad()
-def speculative_generate(target, prompt_ids: list[int], propose: Proposer, K: int,
-                         max_new_tokens: int, eos_id: int | None, *, aux_ids: list[int],
-                         stats: SpecStats | None = None) -> list[int]:
+def speculative_generate(
+    target,
+    prompt_ids: list[int],
+    propose: Proposer,
+    K: int,
+    max_new_tokens: int,
+    eos_id: int | None,
+    *,
+    aux_ids: list[int],
+    stats: SpecStats | None = None,
+) -> list[int]:
     """Greedy speculative decoding; returns the new tokens (cut at EOS / max_new_tokens)."""
     device = next(target.parameters()).device
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)  # [P]
-    greedy, aux = target_step(target, ids, aux_ids)                  # [P], [P, A*H]
-    out = [int(greedy[-1])]                                          # prefill gives token 1
-    ids = torch.cat([ids, greedy[-1:]])                              # [L]; aux covers ids[:-1]
+    greedy, aux = target_step(target, ids, aux_ids)  # [P], [P, A*H]
+    out = [int(greedy[-1])]  # prefill gives token 1
+    ids = torch.cat([ids, greedy[-1:]])  # [L]; aux covers ids[:-1]
     while not _finished(out, max_new_tokens, eos_id):
         L = len(ids)
         draft = [int(t) for t in propose(ids, aux, K)]
         if len(draft) != K:
             raise EvaluateError(f"proposer returned {len(draft)} tokens, expected K={K}")
-        seq = torch.cat([ids, ids.new_tensor(draft)])                # [L + K]
-        greedy, aux_all = target_step(target, seq, aux_ids)          # [L + K], [L + K, A*H]
-        verify = greedy[L - 1:].tolist()                             # [K + 1]: target after ids[-1], d_1..d_K
+        seq = torch.cat([ids, ids.new_tensor(draft)])  # [L + K]
+        greedy, aux_all = target_step(target, seq, aux_ids)  # [L + K], [L + K, A*H]
+        verify = greedy[L - 1 :].tolist()  # [K + 1]: target after ids[-1], d_1..d_K
         n = 0
         while n < K and draft[n] == verify[n]:
             n += 1
         if stats is not None:
             stats.observe(K, n)
-        new = draft[:n] + [verify[n]]                                # accepted prefix + bonus token
+        new = draft[:n] + [verify[n]]  # accepted prefix + bonus token
         out += new
-        ids = torch.cat([ids, ids.new_tensor(new)])                  # [L + n + 1]
-        aux = aux_all[: L + n]                                       # states of ids[:-1], verified
+        ids = torch.cat([ids, ids.new_tensor(new)])  # [L + n + 1]
+        aux = aux_all[: L + n]  # states of ids[:-1], verified
     return _cut(out, max_new_tokens, eos_id)
 
 
@@ -134,8 +145,10 @@ class Eagle3Proposer:
     def __init__(self, draft):
         impl = draft.config.transformer_layer_config._attn_implementation
         if impl not in ("sdpa", "eager"):
-            raise ValueError(f"draft attention {impl!r}: the proposer passes dense causal masks; "
-                             "load the draft with eyrie.evaluate.evaluate.load_draft (sdpa)")
+            raise ValueError(
+                f"draft attention {impl!r}: the proposer passes dense causal masks; "
+                "load the draft with eyrie.evaluate.evaluate.load_draft (sdpa)"
+            )
         self.draft = draft.eval()
 
     def fuse(self, aux_states: torch.Tensor) -> torch.Tensor:
@@ -149,19 +162,20 @@ class Eagle3Proposer:
             x = torch.cat([norm(c) for norm, c in zip(d.fc_norm, chunks, strict=True)], dim=-1)
         return d.fc(x)
 
-    def decode(self, token_ids: torch.Tensor, hidden: torch.Tensor,
-               position_ids: torch.Tensor) -> torch.Tensor:
+    def decode(
+        self, token_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         """token_ids [S] int64 (target ids), hidden [S, H], position_ids [S] -> out [S, H]."""
         d = self.draft
         S = len(token_ids)
         x = torch.cat([d.embed_tokens(token_ids), hidden], dim=-1)[None]  # [1, S, 2H]
-        pos = position_ids[None]                                          # [1, S]
+        pos = position_ids[None]  # [1, S]
         mask = torch.full((S, S), float("-inf"), dtype=x.dtype, device=x.device).triu(1)
-        mask = mask[None, None]                                           # [1, 1, S, S] causal
+        mask = mask[None, None]  # [1, 1, S, S] causal
         rope = d.rotary_emb(x, pos)
         for layer in d.layers:
             x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rope)
-        return x[0]                                                       # [S, H] pre-norm
+        return x[0]  # [S, H] pre-norm
 
     def head(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """out [..., H] -> (logits [..., draft_vocab], state carried to the next step [..., H])."""
@@ -180,17 +194,15 @@ class Eagle3Proposer:
     def __call__(self, token_ids: torch.Tensor, aux_states: torch.Tensor, k: int) -> list[int]:
         # token_ids: [T+1] int64; aux_states: [T, A*H]
         T = aux_states.shape[0]
-        ids = token_ids[1:]                               # [T]: x_{t+1} pairs with g_t
+        ids = token_ids[1:]  # [T]: x_{t+1} pairs with g_t
         hidden = self.fuse(aux_states.to(self.draft.fc.weight.dtype))  # [T, H]
-        pos = torch.arange(1, T + 1, device=ids.device)   # [T]
+        pos = torch.arange(1, T + 1, device=ids.device)  # [T]
         drafted = []
         for _ in range(k):
             logits, carried = self.head(self.decode(ids, hidden, pos)[-1])  # [Vd], [H]
-            token = self.to_target(logits.argmax())       # [] int64 target id
+            token = self.to_target(logits.argmax())  # [] int64 target id
             drafted.append(int(token))
             ids = torch.cat([ids, token[None]])
             hidden = torch.cat([hidden, carried[None]])
             pos = torch.cat([pos, pos[-1:] + 1])
         return drafted
-
-

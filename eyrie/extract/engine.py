@@ -142,8 +142,14 @@ class Engine:
                 idle = time.monotonic() - idle_since
                 if idle >= self.idle_exit_s:
                     self._drain(handle)
-                    log.info("engine: idle for %.0f s (--idle-exit-s %g): exiting after %d "
-                             "requests (%d failed)", idle, self.idle_exit_s, self.served, self.failed)
+                    log.info(
+                        "engine: idle for %.0f s (--idle-exit-s %g): exiting after %d "
+                        "requests (%d failed)",
+                        idle,
+                        self.idle_exit_s,
+                        self.served,
+                        self.failed,
+                    )
                     return
                 continue
             with conn:
@@ -165,16 +171,24 @@ class Engine:
             reply = handle(request)
         except Exception as exc:  # every failure goes to the client (and the log)
             _raise_if_stopping(exc)
-            log.error("engine: request failed: %s: %s\n%s", type(exc).__name__, exc,
-                      traceback.format_exc())
+            log.error(
+                "engine: request failed: %s: %s\n%s",
+                type(exc).__name__,
+                exc,
+                traceback.format_exc(),
+            )
             reply = error_reply(exc)
         self.served += 1
         self.failed += not reply.get("ok")
         try:
             _send(conn, reply)
         except OSError as exc:
-            log.error("engine: could not reply (the client is gone): %s: %s\n%s",
-                      type(exc).__name__, exc, traceback.format_exc())
+            log.error(
+                "engine: could not reply (the client is gone): %s: %s\n%s",
+                type(exc).__name__,
+                exc,
+                traceback.format_exc(),
+            )
         self.busy = False
 
 
@@ -182,21 +196,32 @@ def _extract_handler(extractor, settings: dict) -> Callable[[dict], dict]:
     def handle(request: dict) -> dict:
         missing = [k for k in ("shard", "out") if not isinstance(request.get(k), str)]
         if missing:
-            raise EngineError(f"request without a string {missing[0]!r}: send "
-                              '{"shard": <tokenized .parquet>, "out": <.h5>}')
+            raise EngineError(
+                f"request without a string {missing[0]!r}: send "
+                '{"shard": <tokenized .parquet>, "out": <.h5>}'
+            )
         if "settings" in request and request["settings"] != settings:
-            raise EngineError("the client's --settings differ from the engine's: its shard would "
-                              "not match its rule's params; restart the engine with the same settings")
+            raise EngineError(
+                "the client's --settings differ from the engine's: its shard would "
+                "not match its rule's params; restart the engine with the same settings"
+            )
         t0 = time.monotonic()
         log.info("engine: request %s -> %s", request["shard"], request["out"])
         out = extractor.extract(request["shard"], request["out"])
         return {"ok": True, "out": str(out), "seconds": round(time.monotonic() - t0, 3)}
+
     return handle
 
 
-def serve(socket_path: str | Path, target: str | Path, preflight: str | Path, settings: dict,
-          idle_exit_s: float = DEFAULT_IDLE_EXIT_S, torch_threads: int | None = None,
-          gpu_memory_utilization: float | None = None) -> int:
+def serve(
+    socket_path: str | Path,
+    target: str | Path,
+    preflight: str | Path,
+    settings: dict,
+    idle_exit_s: float = DEFAULT_IDLE_EXIT_S,
+    torch_threads: int | None = None,
+    gpu_memory_utilization: float | None = None,
+) -> int:
     """Bind, load the target once, serve until idle or signalled. Returns the exit status.
 
     `gpu_memory_utilization` (vLLM backend) changes no shard, so it is not part of `settings`
@@ -206,8 +231,11 @@ def serve(socket_path: str | Path, target: str | Path, preflight: str | Path, se
     watchdog: list[threading.Timer] = []
 
     def force_exit(signum: int) -> None:
-        log.error("engine: still running %g s after %s: forcing the exit", STOP_GRACE_S,
-                  signal.Signals(signum).name)
+        log.error(
+            "engine: still running %g s after %s: forcing the exit",
+            STOP_GRACE_S,
+            signal.Signals(signum).name,
+        )
         if engine is not None:
             engine.close()
         logging.shutdown()
@@ -240,21 +268,33 @@ def serve(socket_path: str | Path, target: str | Path, preflight: str | Path, se
 
             load_settings = settings
             if gpu_memory_utilization is not None:
-                load_settings = {**settings, "vllm": {**(settings.get("vllm") or {}),
-                                                      "gpu_memory_utilization": gpu_memory_utilization}}
+                load_settings = {
+                    **settings,
+                    "vllm": {
+                        **(settings.get("vllm") or {}),
+                        "gpu_memory_utilization": gpu_memory_utilization,
+                    },
+                }
             extractor = Extractor(target, preflight, load_settings)
         except Exception as exc:
             _raise_if_stopping(exc)
-            log.error("engine: loading the target failed: %s: %s\n%s", type(exc).__name__, exc,
-                      traceback.format_exc())
+            log.error(
+                "engine: loading the target failed: %s: %s\n%s",
+                type(exc).__name__,
+                exc,
+                traceback.format_exc(),
+            )
             failure = error_reply(exc)
             engine.busy = False
             # Snakemake does not look at a service's exit status: the clients must hear it.
             engine.serve(lambda request: failure)
             return 1
         engine.busy = False
-        log.info("engine: loaded target %s in %.1f s (load 1 of this engine)", target,
-                 time.monotonic() - t0)
+        log.info(
+            "engine: loaded target %s in %.1f s (load 1 of this engine)",
+            target,
+            time.monotonic() - t0,
+        )
         try:
             engine.serve(_extract_handler(extractor, settings))
         finally:
@@ -262,8 +302,11 @@ def serve(socket_path: str | Path, target: str | Path, preflight: str | Path, se
         return 0
     except _Stop as stop:
         busy = engine is not None and engine.busy
-        log.info("engine: %s received%s: exiting", stop, " while busy (the work in progress is "
-                 "abandoned)" if busy else "")
+        log.info(
+            "engine: %s received%s: exiting",
+            stop,
+            " while busy (the work in progress is abandoned)" if busy else "",
+        )
         return 128 + stop.signum if busy else 0
     finally:
         if engine is not None:
@@ -275,26 +318,48 @@ def serve(socket_path: str | Path, target: str | Path, preflight: str | Path, se
 def add_arguments(parser) -> None:
     from eyrie.runtime import settings_arg
 
-    parser.add_argument("--socket", required=True,
-                        help="unix socket to serve (whatever is there is replaced)")
+    parser.add_argument(
+        "--socket", required=True, help="unix socket to serve (whatever is there is replaced)"
+    )
     parser.add_argument("--target", required=True, help="Hugging Face model folder of the target")
-    parser.add_argument("--preflight", required=True, help="preflight.json that passed for this target")
-    parser.add_argument("--settings", required=True, type=settings_arg,
-                        help="JSON object with the extract, layers and trust_remote_code settings")
-    parser.add_argument("--idle-exit-s", type=float, default=DEFAULT_IDLE_EXIT_S,
-                        help="exit after this many seconds without a connection, once loaded "
-                             "(default %(default)g)")
-    parser.add_argument("--torch-threads", type=int, default=None,
-                        help="torch CPU threads, set after the socket is bound (the global "
-                             "--threads would import torch before binding)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="vLLM backend: fraction of GPU memory the engine may use (kept out "
-                             "of --settings: it changes no shard)")
+    parser.add_argument(
+        "--preflight", required=True, help="preflight.json that passed for this target"
+    )
+    parser.add_argument(
+        "--settings",
+        required=True,
+        type=settings_arg,
+        help="JSON object with the extract, layers and trust_remote_code settings",
+    )
+    parser.add_argument(
+        "--idle-exit-s",
+        type=float,
+        default=DEFAULT_IDLE_EXIT_S,
+        help="exit after this many seconds without a connection, once loaded (default %(default)g)",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads, set after the socket is bound (the global "
+        "--threads would import torch before binding)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="vLLM backend: fraction of GPU memory the engine may use (kept out "
+        "of --settings: it changes no shard)",
+    )
 
 
 def run(args) -> int:
-    return serve(args.socket, args.target, args.preflight, args.settings,
-                 idle_exit_s=args.idle_exit_s, torch_threads=args.torch_threads,
-                 gpu_memory_utilization=args.gpu_memory_utilization)
-
-
+    return serve(
+        args.socket,
+        args.target,
+        args.preflight,
+        args.settings,
+        idle_exit_s=args.idle_exit_s,
+        torch_threads=args.torch_threads,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )

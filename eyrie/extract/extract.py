@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 from eyrie.extract.extractor import extract_shard
 
 if TYPE_CHECKING:
-
     pass
 log = logging.getLogger(__name__)
 
@@ -19,28 +18,47 @@ def add_arguments(parser) -> None:
 
     parser.add_argument("--target", required=True, help="Hugging Face model folder of the target")
     parser.add_argument("--shard", required=True, help="tokenized shard (.parquet)")
-    parser.add_argument("--preflight", required=True, help="preflight.json that passed for this target")
+    parser.add_argument(
+        "--preflight", required=True, help="preflight.json that passed for this target"
+    )
     parser.add_argument("--out", required=True, help="hidden-state shard to write (.h5)")
-    parser.add_argument("--settings", required=True, type=settings_arg,
-                        help="JSON object with the extract, layers and trust_remote_code settings")
-    parser.add_argument("--engine", default=None, metavar="SOCKET",
-                        help="send the shard to the `eyrie extract-engine` at this unix socket "
-                             "instead of loading the target here")
-    parser.add_argument("--engine-wait-s", type=float, default=DEFAULT_WAIT_S,
-                        help="with --engine: how long to wait for the engine's socket to accept "
-                             "(extract.engine_wait_s; default %(default)g)")
-    parser.add_argument("--engine-log", default=None,
-                        help="with --engine: the engine's log, named in errors")
+    parser.add_argument(
+        "--settings",
+        required=True,
+        type=settings_arg,
+        help="JSON object with the extract, layers and trust_remote_code settings",
+    )
+    parser.add_argument(
+        "--engine",
+        default=None,
+        metavar="SOCKET",
+        help="send the shard to the `eyrie extract-engine` at this unix socket "
+        "instead of loading the target here",
+    )
+    parser.add_argument(
+        "--engine-wait-s",
+        type=float,
+        default=DEFAULT_WAIT_S,
+        help="with --engine: how long to wait for the engine's socket to accept "
+        "(extract.engine_wait_s; default %(default)g)",
+    )
+    parser.add_argument(
+        "--engine-log", default=None, help="with --engine: the engine's log, named in errors"
+    )
 
 
 def run(args) -> int:
     if args.engine:
         from eyrie.extract.protocol import request
 
-        request(args.engine, args.shard, args.out, settings=args.settings,
-                wait_s=args.engine_wait_s, engine_log=args.engine_log)
+        request(
+            args.engine,
+            args.shard,
+            args.out,
+            settings=args.settings,
+            wait_s=args.engine_wait_s,
+            engine_log=args.engine_log,
+        )
     else:
         extract_shard(args.target, args.shard, args.preflight, args.out, args.settings)
     return 0
-
-

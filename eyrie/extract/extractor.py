@@ -79,6 +79,7 @@ class StagedBatch:
     """A batch in its stored representation, copied (or still being copied) from the GPU into a
     pinned host buffer. `rows[j]`: {dataset name: numpy [T_i, ...]} of sample batch[j] (views into
     the buffer); `bad`: [N] host flags of non-finite rows, valid after `wait()`."""
+
     batch: list[int]
     lengths: list[int]
     rows: list[dict[str, np.ndarray]]
@@ -92,8 +93,10 @@ class StagedBatch:
         if self.bad.any():
             row = int(np.argmax(self.bad))
             j = int(np.searchsorted(np.cumsum(self.lengths), row, side="right"))
-            raise ExtractError(f"{out}: sample {self.batch[j]}: non-finite hidden states (compute "
-                               "dtype or storage_dtype overflows; use bfloat16 or float32)")
+            raise ExtractError(
+                f"{out}: sample {self.batch[j]}: non-finite hidden states (compute "
+                "dtype or storage_dtype overflows; use bfloat16 or float32)"
+            )
 
 
 class PinnedStaging:
@@ -109,8 +112,13 @@ class PinnedStaging:
             self.free.put(None)  # allocated at first use, at the size the batches need
         self.wait_s = 0.0
 
-    def stage(self, batch: list[int], lengths: list[int], stored: dict[str, torch.Tensor],
-              bad: torch.Tensor) -> StagedBatch:
+    def stage(
+        self,
+        batch: list[int],
+        lengths: list[int],
+        stored: dict[str, torch.Tensor],
+        bad: torch.Tensor,
+    ) -> StagedBatch:
         """stored: {name: device tensor [N, ...]} (N = sum(lengths), samples in batch order)."""
         import torch
 
@@ -124,7 +132,7 @@ class PinnedStaging:
             buf = torch.empty(int(sum(sizes) * 1.25), dtype=torch.uint8, pin_memory=True)
         host, at = {}, 0
         for (name, x), size in zip(parts, sizes):
-            view = buf[at:at + x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+            view = buf[at : at + x.numel() * x.element_size()].view(x.dtype).view(x.shape)
             view.copy_(x, non_blocking=True)
             host[name] = view.numpy()
             at += size
@@ -132,8 +140,9 @@ class PinnedStaging:
         done.record()
         bounds = np.concatenate([[0], np.cumsum(lengths)])
         rows = [{name: host[name][a:b] for name in stored} for a, b in zip(bounds[:-1], bounds[1:])]
-        return StagedBatch(batch, list(lengths), rows, host["bad"].view(bool), done,
-                           lambda: self.free.put(buf))
+        return StagedBatch(
+            batch, list(lengths), rows, host["bad"].view(bool), done, lambda: self.free.put(buf)
+        )
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,9 @@ class ExtractSettings:
     max_tokens_per_batch: int
     aux_ids: list[int] | None
     trust_remote_code: bool
-    vllm: dict = field(default_factory=dict)  # the vllm section, untouched (the vllm backend checks it)
+    vllm: dict = field(
+        default_factory=dict
+    )  # the vllm section, untouched (the vllm backend checks it)
 
 
 class Backend(Protocol):
@@ -171,10 +182,13 @@ def parse_settings(settings: dict) -> ExtractSettings:
     problems = []
     ext = settings.get("extract")
     if not isinstance(ext, dict):
-        raise ExtractError("--settings: key 'extract' missing or not an object; pass the config's "
-                           "extract section")
+        raise ExtractError(
+            "--settings: key 'extract' missing or not an object; pass the config's extract section"
+        )
     allowed = {
-        "backend": tuple(BACKENDS), "device": DEVICES, "dtype": DTYPES,
+        "backend": tuple(BACKENDS),
+        "device": DEVICES,
+        "dtype": DTYPES,
         "storage_dtype": tuple(STORAGE_DTYPES),
     }
     for key, choices in allowed.items():
@@ -188,8 +202,10 @@ def parse_settings(settings: dict) -> ExtractSettings:
     if not isinstance(vllm, dict):
         problems.append(f"vllm={vllm!r}: use the config's vllm section (a mapping)")
     elif ext.get("backend") == "vllm" and not vllm:
-        problems.append("extract.backend=vllm but --settings has no vllm section; pass the "
-                        "config's vllm section")
+        problems.append(
+            "extract.backend=vllm but --settings has no vllm section; pass the "
+            "config's vllm section"
+        )
     layers = settings.get("layers")
     aux = layers.get("aux_ids") if isinstance(layers, dict) else "missing"
     if not (aux is None or (isinstance(aux, list) and all(isinstance(i, int) for i in aux))):
@@ -204,15 +220,22 @@ def parse_settings(settings: dict) -> ExtractSettings:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
-        raise ExtractError("extract.device=cuda but no CUDA device is visible; run on a GPU node "
-                           "or set extract.device to auto/cpu")
+        raise ExtractError(
+            "extract.device=cuda but no CUDA device is visible; run on a GPU node "
+            "or set extract.device to auto/cpu"
+        )
     dtype = ext["dtype"]
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
     return ExtractSettings(
-        backend=ext["backend"], device=device, dtype=getattr(torch, dtype),
-        storage_dtype=ext["storage_dtype"], max_tokens_per_batch=mtpb, aux_ids=aux,
-        trust_remote_code=trc, vllm=vllm,
+        backend=ext["backend"],
+        device=device,
+        dtype=getattr(torch, dtype),
+        storage_dtype=ext["storage_dtype"],
+        max_tokens_per_batch=mtpb,
+        aux_ids=aux,
+        trust_remote_code=trc,
+        vllm=vllm,
     )
 
 
@@ -224,8 +247,10 @@ def backend_class(name: str) -> type:
     try:
         return getattr(importlib.import_module(module), cls)
     except ImportError as exc:
-        raise ExtractError(f"extract.backend={name!r}: cannot import {BACKENDS[name]} ({exc}); "
-                           "install what it needs in this environment or use extract.backend hf") from exc
+        raise ExtractError(
+            f"extract.backend={name!r}: cannot import {BACKENDS[name]} ({exc}); "
+            "install what it needs in this environment or use extract.backend hf"
+        ) from exc
 
 
 def plan_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -257,14 +282,22 @@ class Extractor:
         from eyrie.formats.report import read_report
 
         read_report(preflight, self.info.fingerprint)
-        self.aux_ids, self.final_id = resolve_layer_ids(self.cfg.aux_ids, self.info.num_hidden_layers)
+        self.aux_ids, self.final_id = resolve_layer_ids(
+            self.cfg.aux_ids, self.info.num_hidden_layers
+        )
         self.tokenizer_hash = tokenizer_hash(target)
         cls = backend_class(self.cfg.backend)
         t0 = time.monotonic()
         self.backend: Backend = cls(self.target, self.info, self.cfg, self.aux_ids, self.final_id)
         self.load_s = time.monotonic() - t0
-        log.info("loaded target %s (%s backend) in %.1f s: aux ids %s, final id %d", target,
-                 self.cfg.backend, self.load_s, self.aux_ids, self.final_id)
+        log.info(
+            "loaded target %s (%s backend) in %.1f s: aux ids %s, final id %d",
+            target,
+            self.cfg.backend,
+            self.load_s,
+            self.aux_ids,
+            self.final_id,
+        )
 
     def __enter__(self) -> Extractor:
         return self
@@ -275,7 +308,9 @@ class Extractor:
     def close(self) -> None:
         self.backend.close()
 
-    def extract(self, shard: str | Path, out: str | Path, tokenized: Tokenized | None = None) -> Path:
+    def extract(
+        self, shard: str | Path, out: str | Path, tokenized: Tokenized | None = None
+    ) -> Path:
         """Extract the hidden states of every sample of `shard` into the HDF5 shard `out`
         (`tokenized`: the shard already read by read_tokenized, to skip reading it again)."""
         import torch
@@ -294,15 +329,26 @@ class Extractor:
             producer={"settings": self.settings, "provenance": provenance(self.settings)},
         )
         lengths = [len(x) for x in input_ids]
-        log.info("extract %s: %d samples, %d tokens, aux ids %s, final id %d -> %s %s", shard,
-                 len(lengths), sum(lengths), self.aux_ids, self.final_id, out, self.cfg.storage_dtype)
+        log.info(
+            "extract %s: %d samples, %d tokens, aux ids %s, final id %d -> %s %s",
+            shard,
+            len(lengths),
+            sum(lengths),
+            self.aux_ids,
+            self.final_id,
+            out,
+            self.cfg.storage_dtype,
+        )
         # float8_e4m3: states arrive in the compute dtype and ShardWriter.put quantizes them
         storage = transfer_dtype(self.cfg.storage_dtype, self.cfg.dtype)
         start = last_log = time.monotonic()
         write_wait_s = 0.0
         done_samples = done_tokens = 0
-        with ShardWriter(out, meta, sample_ids, input_ids, loss_masks) as writer, \
-                ThreadPoolExecutor(max_workers=WRITERS) as pool, torch.inference_mode():
+        with (
+            ShardWriter(out, meta, sample_ids, input_ids, loss_masks) as writer,
+            ThreadPoolExecutor(max_workers=WRITERS) as pool,
+            torch.inference_mode(),
+        ):
             pending: list[Future] = []
             for item in self.backend.states(input_ids, storage):
                 if isinstance(item, StagedBatch):
@@ -327,17 +373,30 @@ class Extractor:
                 done_tokens += sum(lengths[i] for i in batch)
                 now = time.monotonic()
                 if now - last_log >= PROGRESS_EVERY_S:
-                    log.info("%d/%d samples, %d tokens, %.0f tokens/s", done_samples, len(lengths),
-                             done_tokens, done_tokens / (now - start))
+                    log.info(
+                        "%d/%d samples, %d tokens, %.0f tokens/s",
+                        done_samples,
+                        len(lengths),
+                        done_tokens,
+                        done_tokens / (now - start),
+                    )
                     last_log = now
             t = time.monotonic()
             for job in pending:
                 job.result()
             write_wait_s += time.monotonic() - t
         elapsed = time.monotonic() - start
-        log.info("wrote %s: %d samples, %d tokens in %.1f s (%.0f tokens/s; waiting for writes "
-                 "%.1f s; target loaded once in %.1f s)", out, len(lengths), sum(lengths), elapsed,
-                 sum(lengths) / max(elapsed, 1e-9), write_wait_s, self.load_s)
+        log.info(
+            "wrote %s: %d samples, %d tokens in %.1f s (%.0f tokens/s; waiting for writes "
+            "%.1f s; target loaded once in %.1f s)",
+            out,
+            len(lengths),
+            sum(lengths),
+            elapsed,
+            sum(lengths) / max(elapsed, 1e-9),
+            write_wait_s,
+            self.load_s,
+        )
         return Path(out)
 
     def _check_staged(self, staged: StagedBatch, lengths: list[int]) -> None:
@@ -345,25 +404,38 @@ class Extractor:
         for i, rows in zip(staged.batch, staged.rows):
             a, f = rows["aux_hidden"], rows["final_hidden"]
             if a.shape != (lengths[i], n_aux * H) or f.shape != (lengths[i], H):
-                raise ExtractError(f"{self.target}: sample {i}: captured aux {a.shape} final "
-                                   f"{f.shape}, expected ({lengths[i]}, {n_aux * H}) and "
-                                   f"({lengths[i]}, {H}) (config.json hidden_size={H})")
+                raise ExtractError(
+                    f"{self.target}: sample {i}: captured aux {a.shape} final "
+                    f"{f.shape}, expected ({lengths[i]}, {n_aux * H}) and "
+                    f"({lengths[i]}, {H}) (config.json hidden_size={H})"
+                )
 
-    def _check(self, batch: list[int], aux: list[torch.Tensor], final: list[torch.Tensor],
-               lengths: list[int]) -> None:
+    def _check(
+        self,
+        batch: list[int],
+        aux: list[torch.Tensor],
+        final: list[torch.Tensor],
+        lengths: list[int],
+    ) -> None:
         """A backend's batch: per sample aux [T_i, n_aux*H] and final [T_i, H]."""
         H, n_aux = self.info.hidden_size, len(self.aux_ids)
         if not len(batch) == len(aux) == len(final):
-            raise ExtractError(f"backend {self.cfg.backend}: a batch of {len(batch)} samples came "
-                               f"with {len(aux)} aux and {len(final)} final tensors")
+            raise ExtractError(
+                f"backend {self.cfg.backend}: a batch of {len(batch)} samples came "
+                f"with {len(aux)} aux and {len(final)} final tensors"
+            )
         for i, a, f in zip(batch, aux, final):
             if f.shape[-1] != H or a.shape[-1] != n_aux * H:
-                raise ExtractError(f"{self.target}: captured hidden size {f.shape[-1]} (aux "
-                                   f"{a.shape[-1]}) but config.json says hidden_size={H} "
-                                   f"({n_aux} aux layers: {n_aux * H})")
+                raise ExtractError(
+                    f"{self.target}: captured hidden size {f.shape[-1]} (aux "
+                    f"{a.shape[-1]}) but config.json says hidden_size={H} "
+                    f"({n_aux} aux layers: {n_aux * H})"
+                )
             if f.shape[0] != lengths[i] or a.shape[0] != lengths[i]:
-                raise ExtractError(f"backend {self.cfg.backend}: sample {i} has {lengths[i]} tokens "
-                                   f"but {f.shape[0]} final / {a.shape[0]} aux rows")
+                raise ExtractError(
+                    f"backend {self.cfg.backend}: sample {i} has {lengths[i]} tokens "
+                    f"but {f.shape[0]} final / {a.shape[0]} aux rows"
+                )
 
 
 def _write_staged(writer: ShardWriter, staged: StagedBatch, out: Path) -> None:
@@ -376,15 +448,17 @@ def _write_staged(writer: ShardWriter, staged: StagedBatch, out: Path) -> None:
         staged.release()
 
 
-def _write_batch(writer: ShardWriter, batch: list[int], aux: list[torch.Tensor],
-                 final: list[torch.Tensor]) -> None:
+def _write_batch(
+    writer: ShardWriter, batch: list[int], aux: list[torch.Tensor], final: list[torch.Tensor]
+) -> None:
     """aux[j]: [T_i, n_aux*H]; final[j]: [T_i, H] of sample i = batch[j] (CPU, storage dtype)."""
     for i, a, f in zip(batch, aux, final):
         writer.put(i, a, f)
 
 
-def extract_shard(target: str | Path, shard: str | Path, preflight: str | Path, out: str | Path,
-                  settings: dict) -> Path:
+def extract_shard(
+    target: str | Path, shard: str | Path, preflight: str | Path, out: str | Path, settings: dict
+) -> Path:
     """Extract `shard` into `out` with a model load of its own (standalone `eyrie extract`).
 
     The settings and the shard are checked before the load, so a bad shard fails in seconds."""
@@ -392,5 +466,3 @@ def extract_shard(target: str | Path, shard: str | Path, preflight: str | Path, 
     tokenized = read_tokenized(shard, inspect_target(target).vocab_size)
     with Extractor(target, preflight, settings) as extractor:
         return extractor.extract(shard, out, tokenized=tokenized)
-
-

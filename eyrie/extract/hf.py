@@ -25,16 +25,20 @@ def load_target(path: str | Path, device: str, dtype: torch.dtype, trust_remote_
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
-                                                     trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError, SafetensorError) as exc:
-        raise ExtractError(f"{path}: cannot load the target with transformers ({exc}); check the "
-                           "model folder (and trust_remote_code if it ships its own code)") from exc
+        raise ExtractError(
+            f"{path}: cannot load the target with transformers ({exc}); check the "
+            "model folder (and trust_remote_code if it ships its own code)"
+        ) from exc
     return model.to(device).eval()
 
 
-def _forward_device(model, batch: list[np.ndarray], aux_ids: list[int], final_id: int,
-                    device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_device(
+    model, batch: list[np.ndarray], aux_ids: list[int], final_id: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One right-padded batch through the target's base model: (aux [B, T_max, n_aux*H],
     final [B, T_max, H]) on the device in the compute dtype; rows past T_b are padding."""
     import torch
@@ -53,13 +57,21 @@ def _forward_device(model, batch: list[np.ndarray], aux_ids: list[int], final_id
         model.base_model(input_ids=ids, attention_mask=mask, use_cache=False)
     missing = [k for k in aux_ids + [final_id] if k not in captured]
     if missing:
-        raise ExtractError(f"layer id {missing[0]} was not captured by the forward pass of "
-                           f"{type(model).__name__}; its architecture entry in eyrie.arch.target is wrong")
+        raise ExtractError(
+            f"layer id {missing[0]} was not captured by the forward pass of "
+            f"{type(model).__name__}; its architecture entry in eyrie.arch.target is wrong"
+        )
     return torch.cat([captured[k] for k in aux_ids], dim=-1), captured[final_id]
 
 
-def forward_batch(model, batch: list[np.ndarray], aux_ids: list[int], final_id: int,
-                  device: str, storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_batch(
+    model,
+    batch: list[np.ndarray],
+    aux_ids: list[int],
+    final_id: int,
+    device: str,
+    storage: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run one right-padded batch through the target's base model.
 
     batch: B arrays of token ids [T_b]. Returns (aux [B, T_max, n_aux*H], final [B, T_max, H]) on
@@ -79,8 +91,14 @@ class HFBackend:
 
     staging: PinnedStaging | None = None  # on a GPU: made at the first shard, kept for the others
 
-    def __init__(self, target: Path, info: TargetInfo, cfg: ExtractSettings, aux_ids: list[int],
-                 final_id: int):
+    def __init__(
+        self,
+        target: Path,
+        info: TargetInfo,
+        cfg: ExtractSettings,
+        aux_ids: list[int],
+        final_id: int,
+    ):
         self.cfg, self.aux_ids, self.final_id = cfg, list(aux_ids), final_id
         self.model = load_target(target, cfg.device, cfg.dtype, cfg.trust_remote_code)
 
@@ -94,10 +112,18 @@ class HFBackend:
         batches = plan_batches(lengths, cfg.max_tokens_per_batch)
         too_long = sum(1 for b in batches if lengths[b[0]] > cfg.max_tokens_per_batch)
         if too_long:
-            log.warning("%d samples are longer than extract.max_tokens_per_batch=%d; each runs alone",
-                        too_long, cfg.max_tokens_per_batch)
-        log.info("hf: %d batches (<= %d padded tokens), %s on %s", len(batches),
-                 cfg.max_tokens_per_batch, cfg.dtype, cfg.device)
+            log.warning(
+                "%d samples are longer than extract.max_tokens_per_batch=%d; each runs alone",
+                too_long,
+                cfg.max_tokens_per_batch,
+            )
+        log.info(
+            "hf: %d batches (<= %d padded tokens), %s on %s",
+            len(batches),
+            cfg.max_tokens_per_batch,
+            cfg.dtype,
+            cfg.device,
+        )
         if cfg.device == "cuda" and self.staging is None:  # one set of pinned buffers per load
             self.staging = PinnedStaging()
         waited = self.staging.wait_s if self.staging is not None else 0.0
@@ -105,26 +131,35 @@ class HFBackend:
             ids = [input_ids[i] for i in batch]
             with torch.inference_mode():  # not held across the yield (it is thread-global state)
                 if self.staging is None:
-                    aux, final = forward_batch(self.model, ids, self.aux_ids, self.final_id,
-                                               cfg.device, storage)
+                    aux, final = forward_batch(
+                        self.model, ids, self.aux_ids, self.final_id, cfg.device, storage
+                    )
                     # drop the padding rows: aux [T_i, n_aux*H], final [T_i, H] per sample (views)
-                    item = (batch, [aux[b, : lengths[i]] for b, i in enumerate(batch)],
-                            [final[b, : lengths[i]] for b, i in enumerate(batch)])
+                    item = (
+                        batch,
+                        [aux[b, : lengths[i]] for b, i in enumerate(batch)],
+                        [final[b, : lengths[i]] for b, i in enumerate(batch)],
+                    )
                 else:
-                    aux, final = _forward_device(self.model, ids, self.aux_ids, self.final_id,
-                                                 cfg.device)
+                    aux, final = _forward_device(
+                        self.model, ids, self.aux_ids, self.final_id, cfg.device
+                    )
                     lens = [lengths[i] for i in batch]
                     idx = torch.from_numpy(real_rows(lens, aux.shape[1])).to(cfg.device)
-                    stored, bad = stored_tensors(aux.flatten(0, 1).index_select(0, idx),
-                                                 final.flatten(0, 1).index_select(0, idx),
-                                                 cfg.storage_dtype)
+                    stored, bad = stored_tensors(
+                        aux.flatten(0, 1).index_select(0, idx),
+                        final.flatten(0, 1).index_select(0, idx),
+                        cfg.storage_dtype,
+                    )
                     item = self.staging.stage(batch, lens, stored, bad)
                     del stored, bad  # the copies are queued: the device memory can go
                 del aux, final
             yield item
         if self.staging is not None and self.staging.wait_s - waited > 1.0:
-            log.info("hf: waited %.1f s for the writer to free a pinned buffer",
-                     self.staging.wait_s - waited)
+            log.info(
+                "hf: waited %.1f s for the writer to free a pinned buffer",
+                self.staging.wait_s - waited,
+            )
 
     def close(self) -> None:
         import torch
@@ -132,5 +167,3 @@ class HFBackend:
         self.model = self.staging = None
         if self.cfg.device == "cuda":
             torch.cuda.empty_cache()
-
-

@@ -50,8 +50,11 @@ def _sun_path(path: Path) -> Iterator[str]:
 
 
 def error_reply(exc: BaseException) -> dict:
-    return {"ok": False, "error": f"{type(exc).__name__}: {exc}",
-            "traceback": "".join(traceback.format_exception(exc))}
+    return {
+        "ok": False,
+        "error": f"{type(exc).__name__}: {exc}",
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
 
 
 def _read_line(conn: socket.socket) -> bytes:
@@ -99,12 +102,19 @@ def _connect(path: Path, wait_s: float, engine_log: str | None) -> socket.socket
                 f"no engine answered at {path} within {wait_s:g} s ({state}); start one with "
                 f"`eyrie extract-engine --socket {path} ...` (in the workflow: the extract_engine "
                 "job of this shard's group), or raise extract.engine_wait_s"
-                + (f"; engine log: {engine_log}" if engine_log else ""))
+                + (f"; engine log: {engine_log}" if engine_log else "")
+            )
         time.sleep(max(0.0, min(RETRY_S, deadline - time.monotonic())))
 
 
-def request(socket_path: str | Path, shard: str | Path, out: str | Path, settings: dict | None = None,
-            wait_s: float = DEFAULT_WAIT_S, engine_log: str | None = None) -> dict:
+def request(
+    socket_path: str | Path,
+    shard: str | Path,
+    out: str | Path,
+    settings: dict | None = None,
+    wait_s: float = DEFAULT_WAIT_S,
+    engine_log: str | None = None,
+) -> dict:
     """Have the engine at `socket_path` extract `shard` into `out`; returns its reply.
 
     Waits up to `wait_s` for the engine to accept, then for the reply as long as the connection
@@ -122,21 +132,30 @@ def request(socket_path: str | Path, shard: str | Path, out: str | Path, setting
             _send(sock, message)
             line = _read_line(sock)
         except OSError as exc:  # e.g. ECONNRESET: the engine closed while we were queued
-            raise EngineError(f"the engine at {path} dropped the connection for {shard} "
-                              f"({type(exc).__name__}: {exc}): it died; see {see_log}") from exc
+            raise EngineError(
+                f"the engine at {path} dropped the connection for {shard} "
+                f"({type(exc).__name__}: {exc}): it died; see {see_log}"
+            ) from exc
     if not line:
-        raise EngineError(f"the engine at {path} closed the connection without a reply for "
-                          f"{shard}: it died or was stopped; see {see_log}")
+        raise EngineError(
+            f"the engine at {path} closed the connection without a reply for "
+            f"{shard}: it died or was stopped; see {see_log}"
+        )
     try:
         reply = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise EngineError(f"the engine at {path} sent a reply that is not JSON ({exc}): "
-                          f"{line[:200]!r}; see {see_log}") from exc
+        raise EngineError(
+            f"the engine at {path} sent a reply that is not JSON ({exc}): "
+            f"{line[:200]!r}; see {see_log}"
+        ) from exc
     if not reply.get("ok"):
-        raise EngineError(f"the engine at {path} failed on {shard}: {reply.get('error')} "
-                          f"(traceback: {see_log})")
-    log.info("engine wrote %s in %.1f s (%.1f s since this client started)", reply.get("out"),
-             reply.get("seconds", 0.0), time.monotonic() - t0)
+        raise EngineError(
+            f"the engine at {path} failed on {shard}: {reply.get('error')} (traceback: {see_log})"
+        )
+    log.info(
+        "engine wrote %s in %.1f s (%.1f s since this client started)",
+        reply.get("out"),
+        reply.get("seconds", 0.0),
+        time.monotonic() - t0,
+    )
     return reply
-
-

@@ -13,7 +13,6 @@ HIDDEN = ("aux_hidden", "final_hidden")
 SCALES = {"aux_hidden": "aux_scale", "final_hidden": "final_scale"}
 
 
-
 log = logging.getLogger(__name__)
 
 
@@ -23,7 +22,7 @@ E4M3_MAX = 448.0  # largest finite float8 e4m3fn value
 E4M3_INV = 1.0 / E4M3_MAX  # scales are amax times this: a multiply rounds alike on every device
 
 
-SCALE_MIN = 2.0 ** -126  # smallest normal float32: the scale of an all-zero (or tiny) row
+SCALE_MIN = 2.0**-126  # smallest normal float32: the scale of an all-zero (or tiny) row
 
 
 STEP_BYTES = 256 << 10  # check / dequantize this much at a time (stays in cache; measured best)
@@ -35,6 +34,7 @@ QUANTIZE_STEP_BYTES = 1 << 20  # quantize on the CPU ~1 MiB of float32 at a time
 @dataclass(frozen=True)
 class Storage:
     """How one storage_dtype is stored and checked."""
+
     h5: type  # numpy dtype of the hidden datasets
     bits: type  # unsigned view for the finite check
     abs_mask: int  # clears the sign bit
@@ -70,7 +70,15 @@ def transfer_dtype(storage_dtype: str, compute: torch.dtype) -> torch.dtype:
 def to_storage(x: torch.Tensor, storage_dtype: str) -> np.ndarray:
     """Tensor -> numpy array in an unscaled stored representation (bf16 as its 16-bit pattern)."""
     if storage_dtype == "bfloat16":
-        return x.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+        return (
+            x.detach()
+            .to(torch.bfloat16)
+            .cpu()
+            .contiguous()
+            .view(torch.int16)
+            .numpy()
+            .view(np.uint16)
+        )
     return x.detach().to(getattr(torch, storage_dtype)).cpu().contiguous().numpy()
 
 
@@ -84,12 +92,14 @@ def quantize_e4m3_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(T, dtype=torch.float32, device=x.device)
     step = T if x.is_cuda else max(1, QUANTIZE_STEP_BYTES // (4 * W))
     for a in range(0, T, step):
-        xs = x[a:a + step].detach().to(torch.float32)  # [rows, W]
+        xs = x[a : a + step].detach().to(torch.float32)  # [rows, W]
         s = (torch.linalg.vector_norm(xs, ord=float("inf"), dim=1) * E4M3_INV).clamp_(min=SCALE_MIN)
         # times the reciprocal, not divided: both are correctly rounded on a CPU and a GPU alike, so
         # codes are the same bytes wherever they are made (division kernels differ: measured)
-        codes[a:a + step] = (xs * s.reciprocal()[:, None]).clamp_(-E4M3_MAX, E4M3_MAX)  # the cast rounds
-        scale[a:a + step] = s
+        codes[a : a + step] = (xs * s.reciprocal()[:, None]).clamp_(
+            -E4M3_MAX, E4M3_MAX
+        )  # the cast rounds
+        scale[a : a + step] = s
     return codes.view(torch.uint8), scale
 
 
@@ -99,8 +109,9 @@ def quantize_e4m3(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     return codes.cpu().numpy(), scale.cpu().numpy()
 
 
-def stored_tensors(aux: torch.Tensor, final: torch.Tensor, storage_dtype: str
-                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def stored_tensors(
+    aux: torch.Tensor, final: torch.Tensor, storage_dtype: str
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The stored representation of rows, computed where they are (on the GPU, before the copy
     to the host): aux [N, n_aux*H] and final [N, H] -> ({dataset name: tensor [N, ...]} in the
     on-disk dtype (bfloat16 as int16 bit patterns, float8 as uint8 codes plus float32 scales),
@@ -114,13 +125,16 @@ def stored_tensors(aux: torch.Tensor, final: torch.Tensor, storage_dtype: str
             bad |= ~(torch.isfinite(s) & (s > 0))  # amax finite <=> row finite
         else:
             y = x.detach().to(getattr(torch, storage_dtype))
-            bad |= ~torch.isfinite(y).all(dim=1)  # after the cast: float16 overflows where bf16 did not
+            bad |= ~torch.isfinite(y).all(
+                dim=1
+            )  # after the cast: float16 overflows where bf16 did not
             stored[name] = y.view(torch.int16) if storage_dtype == "bfloat16" else y
     return stored, bad
 
 
-E4M3_VALUES = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn) \
-    .float().numpy()  # [256] float32: the value of each code (torch's own cast; NaN at 0x7F, 0xFF)
+E4M3_VALUES = (
+    torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+)  # [256] float32: the value of each code (torch's own cast; NaN at 0x7F, 0xFF)
 
 
 def decode_e4m3(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -145,11 +159,11 @@ def dequantize_e4m3(codes: np.ndarray, scale: np.ndarray, out: torch.Tensor) -> 
     u = np.empty((min(step, T), W), np.uint32)
     for a in range(0, T, step):
         b = min(T, a + step)
-        o = o32[a:b] if bits is None else o32[:b - a]
+        o = o32[a:b] if bits is None else o32[: b - a]
         np.take(E4M3_VALUES, codes[a:b], out=o)
         np.multiply(o, scale[a:b, None], out=o)
         if bits is not None:  # float32 -> bfloat16, round to nearest even: the upper 16 bits of
-            v, t = o.view(np.uint32), u[:b - a]  # bits + 0x7FFF + (bit 16)
+            v, t = o.view(np.uint32), u[: b - a]  # bits + 0x7FFF + (bit 16)
             np.right_shift(v, 16, out=t)
             np.bitwise_and(t, 1, out=t)
             t += v
@@ -169,8 +183,8 @@ def first_bad_row(a: np.ndarray, storage_dtype: str) -> int | None:
     n = max(1, STEP_BYTES // flat.itemsize)
     scratch = np.empty(min(n, flat.size), s.bits)
     for k in range(0, flat.size, n):
-        part = scratch[:min(n, flat.size - k)]
-        np.bitwise_and(flat[k:k + n], s.abs_mask, out=part)
+        part = scratch[: min(n, flat.size - k)]
+        np.bitwise_and(flat[k : k + n], s.abs_mask, out=part)
         if part.max() >= s.non_finite:
             return (k + int(np.argmax(part >= s.non_finite))) // (a.size // len(a))
     return None
@@ -184,5 +198,3 @@ def all_finite(a: np.ndarray, storage_dtype: str) -> bool:
 def _bad_scale_row(scale: np.ndarray) -> int | None:
     bad = ~(np.isfinite(scale) & (scale > 0))
     return int(np.argmax(bad)) if bad.any() else None
-
-

@@ -16,9 +16,18 @@ log = logging.getLogger(__name__)
 # Every field written to config.json; vLLM falls back to its own defaults for missing ones,
 # which differ from speculators' (norm_before_residual: vLLM True, speculators False).
 CONFIG_FIELDS = (
-    "speculators_model_type", "architectures", "transformer_layer_config", "draft_vocab_size",
-    "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual",
-    "norm_before_fc", "fc_norm", "norm_output", "embed_requires_grad", "speculators_config",
+    "speculators_model_type",
+    "architectures",
+    "transformer_layer_config",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "eagle_aux_hidden_state_layer_ids",
+    "norm_before_residual",
+    "norm_before_fc",
+    "fc_norm",
+    "norm_output",
+    "embed_requires_grad",
+    "speculators_config",
 )
 
 
@@ -28,13 +37,14 @@ DRAFT_ARCHS = ("llama", "qwen3")  # transformer_layer_config.model_type vLLM ser
 # Flags that change the network but that vLLM 0.22 does not read: it would serve another model.
 UNSERVABLE_FLAGS = {
     "norm_output": "vLLM 0.22 does not read norm_output and would feed un-normed hidden states "
-                   "back across draft steps",
+    "back across draft steps",
     "fc_norm": "vLLM 0.22 does not read fc_norm and would skip the per-layer norms before fc",
 }
 
 
-def load_draft(path: str | Path, *, verifier: str | Path | None = None,
-               attn_implementation: str = "sdpa"):
+def load_draft(
+    path: str | Path, *, verifier: str | Path | None = None, attn_implementation: str = "sdpa"
+):
     """Load a draft folder with speculators' Eagle3DraftModel.from_pretrained.
 
     The default attention (flex) cannot run TTT steps > 1 on CPU for short batches, so this
@@ -53,7 +63,9 @@ def load_draft(path: str | Path, *, verifier: str | Path | None = None,
 def expected_tensors(model) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape the export must hold: the draft's state without verifier_* tensors
     (those are the target's own norm/lm_head, loaded from the verifier by every client)."""
-    return {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.startswith("verifier_")}
+    return {
+        k: tuple(v.shape) for k, v in model.state_dict().items() if not k.startswith("verifier_")
+    }
 
 
 def random_packed_batch(model, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -70,8 +82,9 @@ def random_packed_batch(model, seed: int = 0) -> dict[str, torch.Tensor]:
         "verifier_last_hidden_states": torch.randn(1, T, H, generator=g),
         "input_ids": torch.randint(0, model.verifier_vocab_size, (1, T), generator=g),
         "document_ids": torch.tensor([[0] * lengths[0] + [1] * lengths[1] + [-1] * pad]),
-        "position_ids": torch.tensor([list(range(1, lengths[0] + 1)) + list(range(1, lengths[1] + 1))
-                                      + [0] * pad]),
+        "position_ids": torch.tensor(
+            [list(range(1, lengths[0] + 1)) + list(range(1, lengths[1] + 1)) + [0] * pad]
+        ),
         "loss_mask": torch.tensor([[True] * lengths[0] + [True] * lengths[1] + [False] * pad]),
     }
 
@@ -90,8 +103,9 @@ def draft_outputs(model, batch: dict, ttt_steps: int) -> dict[str, torch.Tensor]
         # speculators compiles forward whenever CUDA is present, even for a CPU model; the
         # comparison runs eagerly on CPU (deterministic, and no C++ toolchain needed).
         with torch.compiler.set_stance("force_eager"):
-            tokens, loss, _ = model(**batch, ttt_steps=ttt_steps,
-                                    loss_config=resolve_loss_config("kl_div", "eager"))
+            tokens, loss, _ = model(
+                **batch, ttt_steps=ttt_steps, loss_config=resolve_loss_config("kl_div", "eager")
+            )
     finally:
         handle.remove()
         model.train(was_training)
@@ -125,14 +139,16 @@ def validate_export(folder: Path, reference, ttt_steps: int, expect_config: dict
     if have != want:
         extra, lost = sorted(set(have) - set(want)), sorted(set(want) - set(have))
         shapes = sorted(k for k in set(have) & set(want) if have[k] != want[k])
-        raise ExportError(f"{folder}/model.safetensors: tensors differ from the trained draft "
-                          f"(unexpected {extra}, missing {lost}, shape mismatch {shapes})")
+        raise ExportError(
+            f"{folder}/model.safetensors: tensors differ from the trained draft "
+            f"(unexpected {extra}, missing {lost}, shape mismatch {shapes})"
+        )
     loaded = load_draft(folder)
     batch = random_packed_batch(reference)
     a, b = draft_outputs(reference, batch, ttt_steps), draft_outputs(loaded, batch, ttt_steps)
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     if differ or a.keys() != b.keys():
-        raise ExportError(f"{folder}: the draft loaded by speculators gives different {differ} "
-                          "than the trained draft; the export is not written")
-
-
+        raise ExportError(
+            f"{folder}: the draft loaded by speculators gives different {differ} "
+            "than the trained draft; the export is not written"
+        )

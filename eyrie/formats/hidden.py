@@ -63,8 +63,13 @@ SCHEMA_VERSION = 1
 
 
 # Fields a reader compares against what the training run expects.
-CHECKED_FIELDS = ("target_fingerprint", "tokenizer_hash", "aux_layer_ids", "final_layer_id",
-                  "hidden_size")
+CHECKED_FIELDS = (
+    "target_fingerprint",
+    "tokenizer_hash",
+    "aux_layer_ids",
+    "final_layer_id",
+    "hidden_size",
+)
 
 
 SCAN_BYTES = 64 << 20  # validate_shard reads ~64 MiB at a time
@@ -93,8 +98,14 @@ class ShardWriter:
     on an exception (or a sample never written) nothing appears at `path`.
     """
 
-    def __init__(self, path, meta: ShardMeta, sample_ids: list[str],
-                 input_ids: list[list[int]], loss_masks: list[list[int]]):
+    def __init__(
+        self,
+        path,
+        meta: ShardMeta,
+        sample_ids: list[str],
+        input_ids: list[list[int]],
+        loss_masks: list[list[int]],
+    ):
         if not (len(sample_ids) == len(input_ids) == len(loss_masks)):
             raise ShardError(f"{path}: sample_ids/input_ids/loss_masks lengths differ")
         self.path = Path(path)
@@ -102,10 +113,15 @@ class ShardWriter:
         self.lengths = np.array([len(x) for x in input_ids], dtype=np.int64)
         for sid, ids, mask in zip(sample_ids, input_ids, loss_masks):
             if len(ids) != len(mask):
-                raise ShardError(f"{path}: sample {sid}: {len(ids)} ids but {len(mask)} mask values")
+                raise ShardError(
+                    f"{path}: sample {sid}: {len(ids)} ids but {len(mask)} mask values"
+                )
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
-        self.expected_ids = np.concatenate([np.asarray(x, dtype=np.int32) for x in input_ids]) \
-            if input_ids else np.zeros(0, np.int32)
+        self.expected_ids = (
+            np.concatenate([np.asarray(x, dtype=np.int32) for x in input_ids])
+            if input_ids
+            else np.zeros(0, np.int32)
+        )
         self.written = np.zeros(len(sample_ids), dtype=bool)
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,12 +139,16 @@ class ShardWriter:
         n_tok, H, n_aux = int(self.offsets[-1]), meta.hidden_size, len(meta.aux_layer_ids)
         storage = STORAGE[meta.storage_dtype]
         f.create_dataset("input_ids", data=self.expected_ids)
-        masks = np.concatenate([np.asarray(m, dtype=np.uint8) for m in loss_masks]) \
-            if loss_masks else np.zeros(0, np.uint8)
+        masks = (
+            np.concatenate([np.asarray(m, dtype=np.uint8) for m in loss_masks])
+            if loss_masks
+            else np.zeros(0, np.uint8)
+        )
         f.create_dataset("loss_mask", data=masks)
         f.create_dataset("offsets", data=self.offsets)
-        f.create_dataset("sample_ids", data=np.array(sample_ids, dtype=object),
-                         dtype=h5py.string_dtype())
+        f.create_dataset(
+            "sample_ids", data=np.array(sample_ids, dtype=object), dtype=h5py.string_dtype()
+        )
         # Contiguous, allocated now, never pre-filled (every row is written by put): the layout
         # the reader reads by file offset.
         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
@@ -141,12 +161,17 @@ class ShardWriter:
         }
         if storage.scaled:
             for name in HIDDEN:
-                self.data[SCALES[name]] = f.create_dataset(SCALES[name], (n_tok,), np.float32,
-                                                           dcpl=dcpl)
+                self.data[SCALES[name]] = f.create_dataset(
+                    SCALES[name], (n_tok,), np.float32, dcpl=dcpl
+                )
         attrs = asdict(meta)
         attrs["producer"] = json.dumps(meta.producer, sort_keys=True, default=str)
-        attrs.update(format=FORMAT, schema_version=SCHEMA_VERSION,
-                     num_samples=len(sample_ids), num_tokens=n_tok)
+        attrs.update(
+            format=FORMAT,
+            schema_version=SCHEMA_VERSION,
+            num_samples=len(sample_ids),
+            num_tokens=n_tok,
+        )
         for k, v in attrs.items():
             f.attrs[k] = np.asarray(v, dtype=np.int64) if k == "aux_layer_ids" else v
         # Hidden rows go straight to their datasets' file offsets (contiguous, allocated early,
@@ -160,8 +185,10 @@ class ShardWriter:
         T = int(self.lengths[i])
         H, n_aux = self.meta.hidden_size, len(self.meta.aux_layer_ids)
         if tuple(aux.shape) != (T, n_aux * H) or tuple(final.shape) != (T, H):
-            raise ShardError(f"{self.path}: sample {i}: got aux {tuple(aux.shape)} final "
-                             f"{tuple(final.shape)}, expected ({T}, {n_aux * H}) and ({T}, {H})")
+            raise ShardError(
+                f"{self.path}: sample {i}: got aux {tuple(aux.shape)} final "
+                f"{tuple(final.shape)}, expected ({T}, {n_aux * H}) and ({T}, {H})"
+            )
         d = self.meta.storage_dtype
         stored: dict[str, np.ndarray] = {}
         for name, x in (("aux_hidden", aux), ("final_hidden", final)):
@@ -173,8 +200,10 @@ class ShardWriter:
                 # checked after the cast: float16 storage overflows where the compute dtype did not
                 ok = all_finite(stored[name], d)
             if not ok:
-                raise ShardError(f"{self.path}: sample {i}: non-finite {name} values (compute dtype "
-                                 f"or storage_dtype={d} overflows; use bfloat16 or float32)")
+                raise ShardError(
+                    f"{self.path}: sample {i}: non-finite {name} values (compute dtype "
+                    f"or storage_dtype={d} overflows; use bfloat16 or float32)"
+                )
         self.put_stored(i, stored)
 
     def put_stored(self, i: int, stored: dict[str, np.ndarray]) -> None:
@@ -184,13 +213,17 @@ class ShardWriter:
         T = int(self.lengths[i])
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         if set(stored) != set(self.data):
-            raise ShardError(f"{self.path}: sample {i}: got datasets {sorted(stored)}, expected "
-                             f"{sorted(self.data)}")
+            raise ShardError(
+                f"{self.path}: sample {i}: got datasets {sorted(stored)}, expected "
+                f"{sorted(self.data)}"
+            )
         for name, x in stored.items():
             ds = self.data[name]
             if x.shape != (T, *ds.shape[1:]) or x.dtype.itemsize != ds.dtype.itemsize:
-                raise ShardError(f"{self.path}: sample {i}: {name} {x.shape} {x.dtype}, expected "
-                                 f"{(T, *ds.shape[1:])} {ds.dtype}")
+                raise ShardError(
+                    f"{self.path}: sample {i}: {name} {x.shape} {x.dtype}, expected "
+                    f"{(T, *ds.shape[1:])} {ds.dtype}"
+                )
             at = self.raw.get(name)
             if at is None:
                 ds[a:b] = x.view(ds.dtype)
@@ -212,8 +245,10 @@ class ShardWriter:
             if exc_type is None:
                 missing = np.flatnonzero(~self.written)
                 if len(missing):
-                    raise ShardError(f"{self.path}: {len(missing)} samples never written "
-                                     f"(first: index {missing[0]})")
+                    raise ShardError(
+                        f"{self.path}: {len(missing)} samples never written "
+                        f"(first: index {missing[0]})"
+                    )
                 # put() checked every stored value; re-scanning them here would re-read the
                 # whole file (measured: a quarter of the extraction time of a 1B target on a GPU)
                 validate_shard(self.tmp, expected_ids=self.expected_ids, check_values=False)
@@ -231,18 +266,32 @@ def _open(path) -> h5py.File:
     try:
         return h5py.File(path, "r")
     except OSError as exc:  # missing, truncated or corrupted file
-        raise ShardError(f"{path}: unreadable HDF5 ({exc}); delete it and rebuild this shard") from exc
+        raise ShardError(
+            f"{path}: unreadable HDF5 ({exc}); delete it and rebuild this shard"
+        ) from exc
 
 
 def _read_meta(f: h5py.File, path) -> ShardMeta:
     a = f.attrs
     if a.get("format") != FORMAT:
-        raise ShardError(f"{path}: not an eyrie hidden-state shard (attr format={a.get('format')!r})")
+        raise ShardError(
+            f"{path}: not an eyrie hidden-state shard (attr format={a.get('format')!r})"
+        )
     if int(a.get("schema_version", -1)) != SCHEMA_VERSION:
-        raise ShardError(f"{path}: schema_version {a.get('schema_version')} but this eyrie reads "
-                         f"{SCHEMA_VERSION}; re-extract the shard")
-    fields = ("target_fingerprint", "tokenizer_hash", "aux_layer_ids", "final_layer_id",
-              "hidden_size", "storage_dtype", "producer", "num_tokens")
+        raise ShardError(
+            f"{path}: schema_version {a.get('schema_version')} but this eyrie reads "
+            f"{SCHEMA_VERSION}; re-extract the shard"
+        )
+    fields = (
+        "target_fingerprint",
+        "tokenizer_hash",
+        "aux_layer_ids",
+        "final_layer_id",
+        "hidden_size",
+        "storage_dtype",
+        "producer",
+        "num_tokens",
+    )
     missing = [k for k in fields if k not in a]
     if missing:
         raise ShardError(f"{path}: attr {missing[0]!r} missing; rebuild this shard")
@@ -270,22 +319,34 @@ def _check_structure(f: h5py.File, path, meta: ShardMeta) -> np.ndarray:
     try:
         offsets = f["offsets"][:]
     except OSError as exc:
-        raise ShardError(f"{path}: offsets unreadable ({exc}); delete it and rebuild this shard") from exc
+        raise ShardError(
+            f"{path}: offsets unreadable ({exc}); delete it and rebuild this shard"
+        ) from exc
     n_aux, H = len(meta.aux_layer_ids), meta.hidden_size
     store = np.dtype(STORAGE[meta.storage_dtype].h5)
     checks = [
         (f["loss_mask"].shape == (T,), "loss_mask length"),
-        (offsets.ndim == 1 and len(offsets) == len(f["sample_ids"]) + 1, "offsets/sample_ids count"),
-        (len(offsets) > 0 and offsets[0] == 0 and offsets[-1] == T
-         and bool(np.all(np.diff(offsets) >= 0)), "offsets"),
+        (
+            offsets.ndim == 1 and len(offsets) == len(f["sample_ids"]) + 1,
+            "offsets/sample_ids count",
+        ),
+        (
+            len(offsets) > 0
+            and offsets[0] == 0
+            and offsets[-1] == T
+            and bool(np.all(np.diff(offsets) >= 0)),
+            "offsets",
+        ),
         (f["aux_hidden"].shape == (T, n_aux * H), "aux_hidden shape"),
         (f["final_hidden"].shape == (T, H), "final_hidden shape"),
         (f["aux_hidden"].dtype == store and f["final_hidden"].dtype == store, "hidden dtype"),
         (f.attrs["num_tokens"] == T, "num_tokens attr"),
     ]
     if scaled:
-        checks += [(f[s].shape == (T,) and f[s].dtype == np.float32, f"{s} shape/dtype")
-                   for s in SCALES.values()]
+        checks += [
+            (f[s].shape == (T,) and f[s].dtype == np.float32, f"{s} shape/dtype")
+            for s in SCALES.values()
+        ]
     for ok, what in checks:
         if not ok:
             raise ShardError(f"{path}: {what} inconsistent; delete it and rebuild this shard")
@@ -297,8 +358,11 @@ def _file_offset(ds: h5py.Dataset, file_size: int) -> int | None:
     if ds.chunks is not None or ds.is_virtual or ds.external:
         return None
     off = ds.id.get_offset()
-    if off is None or ds.id.get_storage_size() != ds.size * ds.dtype.itemsize \
-            or off + ds.id.get_storage_size() > file_size:
+    if (
+        off is None
+        or ds.id.get_storage_size() != ds.size * ds.dtype.itemsize
+        or off + ds.id.get_storage_size() > file_size
+    ):
         return None
     return int(off)
 
@@ -324,13 +388,17 @@ class ShardReader:
             self.meta = _read_meta(self.f, path)
             for key, want in (expect or {}).items():
                 if key not in CHECKED_FIELDS:
-                    raise ShardError(f"expect: unknown field {key!r}; use one of {list(CHECKED_FIELDS)}")
+                    raise ShardError(
+                        f"expect: unknown field {key!r}; use one of {list(CHECKED_FIELDS)}"
+                    )
                 have = getattr(self.meta, key)
                 if key == "aux_layer_ids":
                     have, want = list(have), [int(i) for i in want]
                 if have != want:
-                    raise ShardError(f"{path}: {key} is {have!r} but the run expects {want!r}; "
-                                     "re-extract this shard for the current target and layers")
+                    raise ShardError(
+                        f"{path}: {key} is {have!r} but the run expects {want!r}; "
+                        "re-extract this shard for the current target and layers"
+                    )
             self.offsets = _check_structure(self.f, path, self.meta)
             self.storage = STORAGE[self.meta.storage_dtype]
             self._setup_access()
@@ -341,27 +409,45 @@ class ShardReader:
 
     def _setup_access(self) -> None:
         """File offsets of the row datasets (None: read through h5py)."""
-        names = ("input_ids", "loss_mask") + HIDDEN + (tuple(SCALES.values()) if self.storage.scaled else ())
+        names = (
+            ("input_ids", "loss_mask")
+            + HIDDEN
+            + (tuple(SCALES.values()) if self.storage.scaled else ())
+        )
         self._ds = {n: self.f[n] for n in names}
         # (dtype, row shape, row bytes) per dataset: h5py's properties cost ~10 us per access
-        self._rowfmt = {n: (ds.dtype, ds.shape[1:], ds.dtype.itemsize * int(np.prod(ds.shape[1:])))
-                        for n, ds in self._ds.items()}
+        self._rowfmt = {
+            n: (ds.dtype, ds.shape[1:], ds.dtype.itemsize * int(np.prod(ds.shape[1:])))
+            for n, ds in self._ds.items()
+        }
         self._fd = os.open(self.path, os.O_RDONLY)
         size = os.fstat(self._fd).st_size
         self._off = {n: _file_offset(ds, size) for n, ds in self._ds.items()}
         T = len(self._ds["input_ids"])
         for n, ds in self._ds.items():  # the first and last rows agree with h5py's
-            if self._off[n] is not None and T and not all(
-                    np.array_equal(self._rows(n, r, r + 1), ds[r:r + 1]) for r in (0, T - 1)):
-                log.warning("%s: %s at file offset %d differs from h5py's read; reading it "
-                            "through h5py", self.path, n, self._off[n])
+            if (
+                self._off[n] is not None
+                and T
+                and not all(
+                    np.array_equal(self._rows(n, r, r + 1), ds[r : r + 1]) for r in (0, T - 1)
+                )
+            ):
+                log.warning(
+                    "%s: %s at file offset %d differs from h5py's read; reading it through h5py",
+                    self.path,
+                    n,
+                    self._off[n],
+                )
                 self._off[n] = None
         # "mmap": reads of MAP_MIN_BYTES and more are mapped, smaller ones copied by pread
-        self.access = {n: "h5py" if o is None else "mmap" if n in HIDDEN and _LIBC is not None
-                       else "pread" for n, o in self._off.items()}
+        self.access = {
+            n: "h5py" if o is None else "mmap" if n in HIDDEN and _LIBC is not None else "pread"
+            for n, o in self._off.items()
+        }
 
-    def _rows(self, name: str, a: int, b: int, mapped: bool = False,
-              buf: np.ndarray | None = None) -> np.ndarray:
+    def _rows(
+        self, name: str, a: int, b: int, mapped: bool = False, buf: np.ndarray | None = None
+    ) -> np.ndarray:
         """Rows a:b of a dataset: over a private map of their own pages when `mapped` (and
         mmap is usable), else read by pread (into `buf` when given); by h5py for a dataset
         without a file offset. OSError on failure."""
@@ -385,7 +471,9 @@ class ShardReader:
         try:
             raw = self.f["sample_ids"][:]
         except OSError as exc:
-            raise ShardError(f"{self.path}: sample_ids unreadable ({exc}); rebuild this shard") from exc
+            raise ShardError(
+                f"{self.path}: sample_ids unreadable ({exc}); rebuild this shard"
+            ) from exc
         return [s.decode() if isinstance(s, bytes) else s for s in raw]
 
     def read(self, i: int, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -400,20 +488,29 @@ class ShardReader:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         d = self.meta.storage_dtype
         try:
-            out = {"input_ids": torch.from_numpy(self._rows("input_ids", a, b).astype(np.int64)),
-                   "loss_mask": torch.from_numpy(self._rows("loss_mask", a, b).astype(bool))}
+            out = {
+                "input_ids": torch.from_numpy(self._rows("input_ids", a, b).astype(np.int64)),
+                "loss_mask": torch.from_numpy(self._rows("loss_mask", a, b).astype(bool)),
+            }
             raw = {name: self._rows(name, a, b, mapped=True) for name in HIDDEN}
-            scales = {name: self._rows(SCALES[name], a, b) for name in HIDDEN} \
-                if self.storage.scaled else {}
+            scales = (
+                {name: self._rows(SCALES[name], a, b) for name in HIDDEN}
+                if self.storage.scaled
+                else {}
+            )
         except OSError as exc:  # truncated file: the header opened but the data is gone
-            raise ShardError(f"{self.path}: sample {i} unreadable ({exc}); delete it and rebuild "
-                             "this shard") from exc
+            raise ShardError(
+                f"{self.path}: sample {i} unreadable ({exc}); delete it and rebuild this shard"
+            ) from exc
         for name in HIDDEN:
             x = raw[name]
-            if self.check_values and (first_bad_row(x, d) is not None or (
-                    self.storage.scaled and _bad_scale_row(scales[name]) is not None)):
-                raise ShardError(f"{self.path}: sample {i}: non-finite values in {name}; rebuild "
-                                 "this shard")
+            if self.check_values and (
+                first_bad_row(x, d) is not None
+                or (self.storage.scaled and _bad_scale_row(scales[name]) is not None)
+            ):
+                raise ShardError(
+                    f"{self.path}: sample {i}: non-finite values in {name}; rebuild this shard"
+                )
             if self.storage.scaled and dtype == torch.uint8:
                 t = torch.from_numpy(x)
                 out[SCALES[name]] = torch.from_numpy(np.ascontiguousarray(scales[name], np.float32))
@@ -440,16 +537,19 @@ class ShardReader:
             for a in range(0, T, step):
                 b = min(T, a + step)
                 try:  # mapped: ~1.5x the cold speed of pread on the CPU machine (read_path.py)
-                    x = self._rows(name, a, b, mapped=True,
-                                   buf=buf if step * row <= SCAN_BYTES else None)
+                    x = self._rows(
+                        name, a, b, mapped=True, buf=buf if step * row <= SCAN_BYTES else None
+                    )
                 except OSError as exc:
-                    raise ShardError(f"{self.path}: unreadable data ({exc}); delete it and "
-                                     "rebuild this shard") from exc
+                    raise ShardError(
+                        f"{self.path}: unreadable data ({exc}); delete it and rebuild this shard"
+                    ) from exc
                 bad = _bad_scale_row(x) if name in SCALES.values() else first_bad_row(x, d)
                 if bad is not None:
                     what = "non-finite or non-positive" if name in SCALES.values() else "non-finite"
-                    raise ShardError(f"{self.path}: {what} values in {name} row {a + bad}; "
-                                     "rebuild this shard")
+                    raise ShardError(
+                        f"{self.path}: {what} values in {name} row {a + bad}; rebuild this shard"
+                    )
 
     def close(self):
         """Tensors handed out stay valid: each keeps its own map of the file."""
@@ -465,16 +565,20 @@ class ShardReader:
         self.close()
 
 
-def validate_shard(path, expected_ids: np.ndarray | None = None, check_values: bool = True) -> ShardMeta:
+def validate_shard(
+    path, expected_ids: np.ndarray | None = None, check_values: bool = True
+) -> ShardMeta:
     """Structural checks (lengths agree, ids match, values finite); raises ShardError naming the problem."""
     with ShardReader(path, check_values=False) as r:
         try:
             if expected_ids is not None and not np.array_equal(r.f["input_ids"][:], expected_ids):
-                raise ShardError(f"{path}: input_ids differ from the tokenized shard; rebuild this shard")
+                raise ShardError(
+                    f"{path}: input_ids differ from the tokenized shard; rebuild this shard"
+                )
         except OSError as exc:
-            raise ShardError(f"{path}: unreadable data ({exc}); delete it and rebuild this shard") from exc
+            raise ShardError(
+                f"{path}: unreadable data ({exc}); delete it and rebuild this shard"
+            ) from exc
         if check_values:
             r.scan_values()
         return r.meta
-
-

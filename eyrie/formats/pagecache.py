@@ -27,8 +27,14 @@ def _libc_mmap():
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         if hasattr(libc, "mincore"):
             libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
@@ -45,8 +51,12 @@ class _Map:
 
     def __init__(self, addr: int, size: int):
         self.addr, self.size, self.munmap = addr, size, _LIBC.munmap
-        self.__array_interface__ = {"data": (addr, False), "shape": (size,), "typestr": "|u1",
-                                    "version": 3}
+        self.__array_interface__ = {
+            "data": (addr, False),
+            "shape": (size,),
+            "typestr": "|u1",
+            "version": 3,
+        }
 
     def __del__(self):
         self.munmap(self.addr, self.size)
@@ -93,8 +103,14 @@ def map_private(fd: int, start: int, length: int) -> np.ndarray:
     except OSError:  # no /proc: the shared open file
         own = os.dup(fd)
     try:
-        addr = _LIBC.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE,
-                          mmap.MAP_PRIVATE | MAP_NORESERVE, own, base)
+        addr = _LIBC.mmap(
+            None,
+            size,
+            mmap.PROT_READ | mmap.PROT_WRITE,
+            mmap.MAP_PRIVATE | MAP_NORESERVE,
+            own,
+            base,
+        )
         if addr is None or addr == ctypes.c_void_p(-1).value:
             err = ctypes.get_errno()
             raise OSError(err, f"mmap of {size} bytes at {base}: {os.strerror(err)}")
@@ -105,6 +121,4 @@ def map_private(fd: int, start: int, length: int) -> np.ndarray:
                 pass
     finally:
         os.close(own)  # the map holds the file open
-    return np.asarray(_Map(addr, size))[start - base:]
-
-
+    return np.asarray(_Map(addr, size))[start - base :]

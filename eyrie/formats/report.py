@@ -20,16 +20,22 @@ def read_report(path: str | Path, fingerprint: str | None = None) -> dict:
     try:
         report = json.loads(path.read_text())
     except FileNotFoundError:
-        raise PreflightError(f"{path}: preflight report not found; run `eyrie preflight` first") from None
+        raise PreflightError(
+            f"{path}: preflight report not found; run `eyrie preflight` first"
+        ) from None
     except (OSError, json.JSONDecodeError) as exc:
-        raise PreflightError(f"{path}: unreadable preflight report ({exc}); rerun `eyrie preflight`") from exc
+        raise PreflightError(
+            f"{path}: unreadable preflight report ({exc}); rerun `eyrie preflight`"
+        ) from exc
     if not isinstance(report, dict) or report.get("ok") is not True:
-        raise PreflightError(f"{path}: preflight did not pass (ok is not true); fix what it reports "
-                             "and rerun `eyrie preflight`")
+        raise PreflightError(
+            f"{path}: preflight did not pass (ok is not true); fix what it reports "
+            "and rerun `eyrie preflight`"
+        )
     have = (report.get("target") or {}).get("fingerprint")
     if fingerprint is not None and have != fingerprint:
-        raise PreflightError(f"{path}: preflight is stale (target.fingerprint {have!r}, but the "
-                             f"target's config.json now gives {fingerprint!r}); rerun it")
+        raise PreflightError(
+            f"{path}: preflight is stale (target.fingerprint {have!r}, but the "
+            f"target's config.json now gives {fingerprint!r}); rerun it"
+        )
     return report
-
-

@@ -13,7 +13,6 @@ import pyarrow.parquet as pq
 from eyrie.errors import EvaluateError, ExtractError
 
 if TYPE_CHECKING:
-
     pass
 log = logging.getLogger(__name__)
 
@@ -22,20 +21,25 @@ log = logging.getLogger(__name__)
 Tokenized = tuple[list[str], list[np.ndarray], list[np.ndarray]]
 
 
-def _list_column(table, name: str, path: Path, sample_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _list_column(
+    table, name: str, path: Path, sample_ids: list[str]
+) -> tuple[np.ndarray, np.ndarray]:
     """A list<int> column as (flat values int64 [sum T_i], offsets int64 [S + 1])."""
     import pyarrow as pa
 
     col = table.column(name).combine_chunks()
-    if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)) \
-            or not pa.types.is_integer(col.type.value_type):
-        raise ExtractError(f"{path}: column {name!r} has type {col.type}, expected list<int>; "
-                           "rerun `eyrie tokenize`")
+    if not (
+        pa.types.is_list(col.type) or pa.types.is_large_list(col.type)
+    ) or not pa.types.is_integer(col.type.value_type):
+        raise ExtractError(
+            f"{path}: column {name!r} has type {col.type}, expected list<int>; "
+            "rerun `eyrie tokenize`"
+        )
     if col.null_count:
         bad = sample_ids[col.is_null().to_numpy(zero_copy_only=False).argmax()]
         raise ExtractError(f"{path}: sample {bad}: {name} is null; rerun `eyrie tokenize`")
     offsets = col.offsets.to_numpy().astype(np.int64)
-    values = col.values.to_numpy().astype(np.int64)[offsets[0]:offsets[-1]]
+    values = col.values.to_numpy().astype(np.int64)[offsets[0] : offsets[-1]]
     return values, offsets - offsets[0]
 
 
@@ -55,15 +59,20 @@ def read_tokenized(path: str | Path, vocab_size: int) -> Tokenized:
     mask, mask_off = _list_column(table, "loss_mask", path, sample_ids)
     lengths, mask_lengths = np.diff(id_off), np.diff(mask_off)
     for i in np.flatnonzero((lengths == 0) | (lengths != mask_lengths))[:1]:
-        problem = "no tokens" if lengths[i] == 0 else \
-            f"{lengths[i]} input_ids but {mask_lengths[i]} loss_mask values"
+        problem = (
+            "no tokens"
+            if lengths[i] == 0
+            else f"{lengths[i]} input_ids but {mask_lengths[i]} loss_mask values"
+        )
         raise ExtractError(f"{path}: sample {sample_ids[i]}: {problem}; rerun `eyrie tokenize`")
     outside = np.flatnonzero((ids < 0) | (ids >= vocab_size))
     if len(outside):
         i = int(np.searchsorted(id_off, outside[0], side="right")) - 1
-        raise ExtractError(f"{path}: sample {sample_ids[i]}: token id {int(ids[outside[0]])} outside "
-                           f"the target's vocabulary 0..{vocab_size - 1}; tokenize with the "
-                           "target's tokenizer")
+        raise ExtractError(
+            f"{path}: sample {sample_ids[i]}: token id {int(ids[outside[0]])} outside "
+            f"the target's vocabulary 0..{vocab_size - 1}; tokenize with the "
+            "target's tokenizer"
+        )
     if np.any((mask != 0) & (mask != 1)):
         raise ExtractError(f"{path}: loss_mask holds values other than 0/1; rerun `eyrie tokenize`")
     ids32, mask8 = ids.astype(np.int32), mask.astype(np.uint8)
@@ -72,17 +81,21 @@ def read_tokenized(path: str | Path, vocab_size: int) -> Tokenized:
     return sample_ids, input_ids, loss_masks
 
 
-SHARD_SCHEMA = pa.schema([
-    ("sample_id", pa.string()),
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.uint8())),
-])
+SHARD_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+    ]
+)
 
 
 EVAL_SCHEMA = SHARD_SCHEMA.append(pa.field("prompt_ids", pa.list_(pa.int32())))
 
 
-def read_prompts(path: str | Path, num_prompts: int, vocab_size: int) -> list[tuple[str, list[int]]]:
+def read_prompts(
+    path: str | Path, num_prompts: int, vocab_size: int
+) -> list[tuple[str, list[int]]]:
     """(sample_id, prompt_ids) of the first `num_prompts` rows of eval.parquet."""
 
     path = Path(path)
@@ -94,20 +107,28 @@ def read_prompts(path: str | Path, num_prompts: int, vocab_size: int) -> list[tu
         if col not in table.column_names:
             raise EvaluateError(f"{path}: column {col!r} missing; rerun `eyrie tokenize`")
     if table.num_rows < num_prompts:
-        log.warning("%s has %d prompts, fewer than eval.num_prompts=%d; using all of them",
-                    path, table.num_rows, num_prompts)
+        log.warning(
+            "%s has %d prompts, fewer than eval.num_prompts=%d; using all of them",
+            path,
+            table.num_rows,
+            num_prompts,
+        )
     rows = table.slice(0, num_prompts)
     prompts = []
-    for sid, ids in zip(rows.column("sample_id").to_pylist(), rows.column("prompt_ids").to_pylist()):
+    for sid, ids in zip(
+        rows.column("sample_id").to_pylist(), rows.column("prompt_ids").to_pylist()
+    ):
         ids = [int(i) for i in ids or []]
         if not ids:
             raise EvaluateError(f"{path}: sample {sid}: empty prompt_ids; rerun `eyrie tokenize`")
         if min(ids) < 0 or max(ids) >= vocab_size:
-            raise EvaluateError(f"{path}: sample {sid}: token id outside the target's vocabulary "
-                                f"0..{vocab_size - 1}; tokenize with the target's tokenizer")
+            raise EvaluateError(
+                f"{path}: sample {sid}: token id outside the target's vocabulary "
+                f"0..{vocab_size - 1}; tokenize with the target's tokenizer"
+            )
         prompts.append((str(sid), ids))
     if not prompts:
-        raise EvaluateError(f"{path}: no prompts; set data.num_eval >= 1 and rerun `eyrie tokenize`")
+        raise EvaluateError(
+            f"{path}: no prompts; set data.num_eval >= 1 and rerun `eyrie tokenize`"
+        )
     return prompts
-
-

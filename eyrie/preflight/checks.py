@@ -46,11 +46,15 @@ def check_weights(path: Path, check: Check) -> None:
     if list(path.glob("*.safetensors")):
         return
     if list(path.glob("*.bin")) or list(path.glob("*.pt")):
-        check.problem(f"{path}: weights are only in pickle files (.bin/.pt), which eyrie does not "
-                      "load; convert them to safetensors (save_pretrained(..., safe_serialization=True))")
+        check.problem(
+            f"{path}: weights are only in pickle files (.bin/.pt), which eyrie does not "
+            "load; convert them to safetensors (save_pretrained(..., safe_serialization=True))"
+        )
     else:
-        check.problem(f"{path}: no *.safetensors weights found; point target.path at a complete "
-                      "Hugging Face model folder")
+        check.problem(
+            f"{path}: no *.safetensors weights found; point target.path at a complete "
+            "Hugging Face model folder"
+        )
 
 
 def check_tokenizer(path: Path, trust_remote_code: bool, check: Check) -> str | None:
@@ -61,12 +65,15 @@ def check_tokenizer(path: Path, trust_remote_code: bool, check: Check) -> str | 
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - any loader failure is reported with its type
-        check.problem(f"{path}: tokenizer does not load ({type(exc).__name__}: {exc}); "
-                      "check the tokenizer files or set target.trust_remote_code if it ships code")
+        check.problem(
+            f"{path}: tokenizer does not load ({type(exc).__name__}: {exc}); "
+            "check the tokenizer files or set target.trust_remote_code if it ships code"
+        )
         return None
     if not getattr(tok, "chat_template", None):
-        check.problem(f"{path}: tokenizer has no chat template; add chat_template.jinja to the "
-                      "target folder")
+        check.problem(
+            f"{path}: tokenizer has no chat template; add chat_template.jinja to the target folder"
+        )
         return None
     for i, messages in enumerate(SAMPLE_CONVERSATIONS):
         try:
@@ -75,14 +82,17 @@ def check_tokenizer(path: Path, trust_remote_code: bool, check: Check) -> str | 
             check.problem(f"{path}: chat template fails on sample conversation {i}: {exc}")
             continue
         if sum(mask) == 0:
-            check.problem(f"{path}: chat template yields an all-zero assistant loss mask on sample "
-                          f"conversation {i}; the template must render assistant turns so their "
-                          "text can be located (see docs/tokenization)")
+            check.problem(
+                f"{path}: chat template yields an all-zero assistant loss mask on sample "
+                f"conversation {i}; the template must render assistant turns so their "
+                "text can be located (see docs/tokenization)"
+            )
     return tokenizer_hash(path)
 
 
-def check_storage(tokens: int, n_states: int, hidden: int, storage_dtype: str, where: Path,
-                  check: Check) -> dict:
+def check_storage(
+    tokens: int, n_states: int, hidden: int, storage_dtype: str, where: Path, check: Check
+) -> dict:
     # hidden states (+ float8_e4m3's two float32 scales) per token; input_ids and loss_mask add
     # 5 B more, not counted (<= 1% from hidden size 128 up)
     per_token = bytes_per_token(storage_dtype, n_states, hidden)
@@ -92,10 +102,15 @@ def check_storage(tokens: int, n_states: int, hidden: int, storage_dtype: str, w
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if need * DISK_HEADROOM > free:
-        check.problem(f"{probe}: hidden states need ~{need / 1e9:.2f} GB ({tokens} tokens x "
-                      f"{per_token} B/token) but only {free / 1e9:.2f} GB are free; free disk, "
-                      "use fewer conversations or a smaller extract.storage_dtype")
-    return {"bytes_per_token": per_token, "tokens": tokens, "estimated_bytes": need,
-            "free_bytes": free, "path": str(probe)}
-
-
+        check.problem(
+            f"{probe}: hidden states need ~{need / 1e9:.2f} GB ({tokens} tokens x "
+            f"{per_token} B/token) but only {free / 1e9:.2f} GB are free; free disk, "
+            "use fewer conversations or a smaller extract.storage_dtype"
+        )
+    return {
+        "bytes_per_token": per_token,
+        "tokens": tokens,
+        "estimated_bytes": need,
+        "free_bytes": free,
+        "path": str(probe),
+    }

@@ -32,8 +32,10 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
     except TargetError as exc:
         raise PreflightError(str(exc)) from exc
     if info.needs_remote_code and not trust:
-        check.problem(f"{target}: the config or tokenizer ships its own code (auto_map); set "
-                      "target.trust_remote_code: true if you trust this model folder")
+        check.problem(
+            f"{target}: the config or tokenizer ships its own code (auto_map); set "
+            "target.trust_remote_code: true if you trust this model folder"
+        )
     aux_ids: list[int] = []
     final_id = info.num_hidden_layers
     ids_ok = False
@@ -46,7 +48,9 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
     vllm_report = None
     if vllm_preflight.uses(settings):
         # no path is chosen for layer ids that did not resolve (that problem is reported above)
-        got = vllm_preflight.vllm_checks(target, info, aux_ids if ids_ok else [], final_id, settings)
+        got = vllm_preflight.vllm_checks(
+            target, info, aux_ids if ids_ok else [], final_id, settings
+        )
         check.problems += got["problems"]
         check.warnings += got["warnings"]
         vllm_report = got["report"]
@@ -58,18 +62,22 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
         report = json.loads(Path(tokenize_report).read_text())
         tokens = sum(int(s["tokens"]) for s in report["shards"])
         if sum(int(s["assistant_tokens"]) for s in report["shards"]) == 0:
-            check.problem(f"{tokenize_report}: no assistant tokens in the training shards, so "
-                          "nothing can be learnt; check the data and the chat template")
+            check.problem(
+                f"{tokenize_report}: no assistant tokens in the training shards, so "
+                "nothing can be learnt; check the data and the chat template"
+            )
         dtype = extract.get("storage_dtype", "bfloat16")
         if dtype not in STORAGE_DTYPES:
             check.problem(f"extract.storage_dtype {dtype!r}: use one of {sorted(STORAGE_DTYPES)}")
         else:
-            storage = check_storage(tokens, len(aux_ids) + 1, info.hidden_size, dtype, out_dir,
-                                    check)
+            storage = check_storage(
+                tokens, len(aux_ids) + 1, info.hidden_size, dtype, out_dir, check
+            )
     if check.problems:
         raise PreflightError(
             f"preflight found {len(check.problems)} problem(s) for {target}:\n  "
-            + "\n  ".join(check.problems))
+            + "\n  ".join(check.problems)
+        )
     return {
         "ok": True,
         "target": {
@@ -98,11 +106,19 @@ def add_arguments(p) -> None:
     p.add_argument("--target", type=Path, required=True, help="target model folder")
     p.add_argument("--tokenize-report", type=Path, help="report.json of the tokenize stage")
     p.add_argument("--out", type=Path, required=True, help="preflight report (JSON)")
-    p.add_argument("--settings", type=settings_arg, default={},
-                   help="JSON: the settings the workflow compares (layers, extract, trust_remote_code, vllm)")
-    p.add_argument("--runtime", type=settings_arg, default={},
-                   help="JSON merged into --settings: what preflight reads but the workflow does not "
-                        "compare (eval.vllm, vllm.python, GPU memory)")
+    p.add_argument(
+        "--settings",
+        type=settings_arg,
+        default={},
+        help="JSON: the settings the workflow compares (layers, extract, trust_remote_code, vllm)",
+    )
+    p.add_argument(
+        "--runtime",
+        type=settings_arg,
+        default={},
+        help="JSON merged into --settings: what preflight reads but the workflow does not "
+        "compare (eval.vllm, vllm.python, GPU memory)",
+    )
 
 
 def run(args) -> int:
@@ -110,13 +126,17 @@ def run(args) -> int:
     report = preflight(args.target, args.tokenize_report, args.out.parent, settings)
     write_json(args.out, report)
     t = report["target"]
-    log.info("preflight ok: %s (%s, %d layers, hidden %d), aux ids %s + final %d",
-             t["path"], t["model_type"], t["num_hidden_layers"], t["hidden_size"],
-             report["aux_layer_ids"], report["final_layer_id"])
+    log.info(
+        "preflight ok: %s (%s, %d layers, hidden %d), aux ids %s + final %d",
+        t["path"],
+        t["model_type"],
+        t["num_hidden_layers"],
+        t["hidden_size"],
+        report["aux_layer_ids"],
+        report["final_layer_id"],
+    )
     for warning in report["warnings"]:
         log.warning("%s", warning)
     if report["vllm"] is not None:
         log.info("preflight ok: %s", vllm_preflight.verdict(report["vllm"]))
     return 0
-
-

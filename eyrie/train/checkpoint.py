@@ -25,9 +25,17 @@ def _rng_state() -> dict:
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "python": {"version": version, "state": torch.tensor(state, dtype=torch.int64), "gauss": gauss},
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "python": {
+            "version": version,
+            "state": torch.tensor(state, dtype=torch.int64),
+            "gauss": gauss,
+        },
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
     }
 
 
@@ -38,19 +46,30 @@ def _set_rng_state(s: dict) -> None:
     p = s["python"]
     random.setstate((p["version"], tuple(p["state"].tolist()), p["gauss"]))
     n = s["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    np.random.set_state(
+        ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"])
+    )
 
 
 def save_checkpoint(run_dir: Path, model, optimizer, scheduler, position: dict) -> Path:
     """Atomically write run_dir/step_<N>/ and keep the newest KEEP_CHECKPOINTS."""
     from safetensors.torch import save_file
+
     final = run_dir / f"step_{position['step']:08d}"
     with atomic_path(final) as tmp:
         tmp.mkdir()
-        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
-                  str(tmp / "model.safetensors"))
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": _rng_state()}, tmp / "state.pt")
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+            str(tmp / "model.safetensors"),
+        )
+        torch.save(
+            {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "rng": _rng_state(),
+            },
+            tmp / "state.pt",
+        )
         (tmp / "position.json").write_text(json.dumps(position, indent=2, sort_keys=True))
     for old in sorted(run_dir.glob("step_*"))[:-KEEP_CHECKPOINTS]:
         shutil.rmtree(old)
@@ -65,8 +84,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
     from safetensors.torch import load_file
+
     device = next(model.parameters()).device
-    model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)), strict=True)
+    model.load_state_dict(
+        load_file(str(path / "model.safetensors"), device=str(device)), strict=True
+    )
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -85,5 +107,3 @@ def _metric_records(path: Path, up_to_step: int) -> list[str]:
         if step <= up_to_step:
             lines.append(ln)
     return lines
-
-

@@ -52,22 +52,37 @@ class TrainSettings:
         """Typed `train` section of --settings; every problem reported at once, each by key."""
         section = settings.get("train")
         if not isinstance(section, dict):
-            raise EyrieError('--settings: missing object "train" (pass {"train": {...}} from config.yaml)')
+            raise EyrieError(
+                '--settings: missing object "train" (pass {"train": {...}} from config.yaml)'
+            )
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        problems = [f"train.{k}: unknown key (allowed: {', '.join(fields)})"
-                    for k in section if k not in fields]
+        problems = [
+            f"train.{k}: unknown key (allowed: {', '.join(fields)})"
+            for k in section
+            if k not in fields
+        ]
         for name, value in section.items():
             if name not in fields:
                 continue
             kind = type(fields[name].default)
-            ok = isinstance(value, bool) if kind is bool else (
-                isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
-                else isinstance(value, kind) and not isinstance(value, bool))
+            ok = (
+                isinstance(value, bool)
+                if kind is bool
+                else (
+                    isinstance(value, (int, float)) and not isinstance(value, bool)
+                    if kind is float
+                    else isinstance(value, kind) and not isinstance(value, bool)
+                )
+            )
             if not ok:
                 problems.append(f"train.{name}: {value!r} must be {KIND_NAMES[kind]}")
         if not problems:
-            cfg = cls(**{k: (float(v) if type(fields[k].default) is float else v)
-                         for k, v in section.items()})
+            cfg = cls(
+                **{
+                    k: (float(v) if type(fields[k].default) is float else v)
+                    for k, v in section.items()
+                }
+            )
             rules = [
                 (cfg.device in ("auto", "cpu", "cuda"), "device: use auto, cpu or cuda"),
                 (cfg.draft_arch in ("llama", "qwen3"), "draft_arch: use llama or qwen3"),
@@ -80,11 +95,19 @@ class TrainSettings:
                 (cfg.learning_rate > 0, "learning_rate: must be > 0"),
                 (cfg.max_grad_norm > 0, "max_grad_norm: must be > 0"),
                 (cfg.ttt_step_loss_decay > 0, "ttt_step_loss_decay: must be > 0"),
-                (cfg.warmup_steps >= 0 and cfg.weight_decay >= 0, "warmup_steps/weight_decay: must be >= 0"),
-                (cfg.checkpoint_every >= 1 and cfg.log_every >= 1, "checkpoint_every/log_every: must be >= 1"),
-                (cfg.max_tokens_per_batch >= 8 * cfg.ttt_steps,
-                 f"max_tokens_per_batch: {cfg.max_tokens_per_batch} is too small for ttt_steps="
-                 f"{cfg.ttt_steps} (use at least {8 * cfg.ttt_steps})"),
+                (
+                    cfg.warmup_steps >= 0 and cfg.weight_decay >= 0,
+                    "warmup_steps/weight_decay: must be >= 0",
+                ),
+                (
+                    cfg.checkpoint_every >= 1 and cfg.log_every >= 1,
+                    "checkpoint_every/log_every: must be >= 1",
+                ),
+                (
+                    cfg.max_tokens_per_batch >= 8 * cfg.ttt_steps,
+                    f"max_tokens_per_batch: {cfg.max_tokens_per_batch} is too small for ttt_steps="
+                    f"{cfg.ttt_steps} (use at least {8 * cfg.ttt_steps})",
+                ),
             ]
             problems += [f"train.{msg}" for ok, msg in rules if not ok]
         if problems:
@@ -96,9 +119,9 @@ def check_world(packs_per_step: int, world: int) -> None:
     """Every rank takes the same number of each step's packs: W must divide packs_per_step."""
     if packs_per_step % world:
         up = world * math.ceil(packs_per_step / world)
-        raise EyrieError(f"train.packs_per_step is {packs_per_step} but the run has {world} processes "
-                         f"(WORLD_SIZE): each step's packs are split evenly over the processes; set "
-                         f"train.packs_per_step to a multiple of {world} (e.g. {up}) or start a number "
-                         f"of processes that divides {packs_per_step}")
-
-
+        raise EyrieError(
+            f"train.packs_per_step is {packs_per_step} but the run has {world} processes "
+            f"(WORLD_SIZE): each step's packs are split evenly over the processes; set "
+            f"train.packs_per_step to a multiple of {world} (e.g. {up}) or start a number "
+            f"of processes that divides {packs_per_step}"
+        )

@@ -28,8 +28,14 @@ from eyrie.train.config import TrainSettings
 log = logging.getLogger(__name__)
 
 
-def export(target: str | Path, train_dir: str | Path, out_dir: str | Path, settings: dict, *,
-           num_speculative_tokens: int | None = None) -> dict:
+def export(
+    target: str | Path,
+    train_dir: str | Path,
+    out_dir: str | Path,
+    settings: dict,
+    *,
+    num_speculative_tokens: int | None = None,
+) -> dict:
     """Write `out_dir` (config.json, config.py, model.safetensors, provenance.json)."""
     from speculators.config import VerifierConfig
 
@@ -45,26 +51,33 @@ def export(target: str | Path, train_dir: str | Path, out_dir: str | Path, setti
     trained = json.loads((draft_dir / "config.json").read_text())
     for flag, reason in UNSERVABLE_FLAGS.items():
         if trained.get(flag):
-            raise ExportError(f"{draft_dir / 'config.json'}: {flag} is true, but {reason}; "
-                              f"retrain with {flag} off")
+            raise ExportError(
+                f"{draft_dir / 'config.json'}: {flag} is true, but {reason}; "
+                f"retrain with {flag} off"
+            )
     arch = (trained.get("transformer_layer_config") or {}).get("model_type")
     if arch not in DRAFT_ARCHS:
-        raise ExportError(f"{draft_dir / 'config.json'}: transformer_layer_config.model_type {arch!r}; "
-                          f"vLLM serves EAGLE-3 drafts of type {', '.join(DRAFT_ARCHS)}")
+        raise ExportError(
+            f"{draft_dir / 'config.json'}: transformer_layer_config.model_type {arch!r}; "
+            f"vLLM serves EAGLE-3 drafts of type {', '.join(DRAFT_ARCHS)}"
+        )
     summary = json.loads(summary_path.read_text())
     target_config = read_config(target)
     have_fp, trained_fp = fingerprint(target_config), summary.get("target", {}).get("fingerprint")
     if have_fp != trained_fp:
-        raise ExportError(f"{summary_path}: the draft was trained for target fingerprint {trained_fp} "
-                          f"but {target} has {have_fp}; export against the target it was trained for")
+        raise ExportError(
+            f"{summary_path}: the draft was trained for target fingerprint {trained_fp} "
+            f"but {target} has {have_fp}; export against the target it was trained for"
+        )
 
     reference = load_draft(draft_dir, verifier=target)
     verifier = VerifierConfig.from_pretrained(str(target))
     hidden = reference.hidden_size
     c = reference.config
     c.target_hidden_size = hidden
-    c.speculators_config.verifier = VerifierConfig(name_or_path=str(target),
-                                                   architectures=verifier.architectures)
+    c.speculators_config.verifier = VerifierConfig(
+        name_or_path=str(target), architectures=verifier.architectures
+    )
     proposal = c.speculators_config.proposal_methods[0]
     proposal.speculative_tokens = K
     expect_config = {
@@ -73,7 +86,8 @@ def export(target: str | Path, train_dir: str | Path, out_dir: str | Path, setti
         "target_hidden_size": hidden,
         "draft_vocab_size": reference.draft_vocab_size,
         "eagle_aux_hidden_state_layer_ids": list(summary["aux_layer_ids"]),
-        "norm_output": False, "fc_norm": False,
+        "norm_output": False,
+        "fc_norm": False,
         "speculators_config.algorithm": "eagle3",
         "speculators_config.default_proposal_method": "greedy",
         "speculators_config.proposal_methods.0.proposal_type": "greedy",
@@ -84,31 +98,53 @@ def export(target: str | Path, train_dir: str | Path, out_dir: str | Path, setti
     with atomic_path(out_dir) as tmp:
         reference.save_pretrained(tmp)
         validate_export(tmp, reference, K, expect_config)
-        write_json(tmp / "provenance.json", {
-            "trained_in": str(train_dir.resolve()), "train_run_id": summary.get("run_id"),
-            "target": {"path": str(target), "fingerprint": have_fp},
-            "num_speculative_tokens": K, "tensors": expected_tensors(reference),
-            **provenance(settings),
-        })
-    log.info("exported %s (K=%d, %d tensors, verifier %s); loads in speculators with identical "
-             "outputs", out_dir, K, len(expected_tensors(reference)), target)
+        write_json(
+            tmp / "provenance.json",
+            {
+                "trained_in": str(train_dir.resolve()),
+                "train_run_id": summary.get("run_id"),
+                "target": {"path": str(target), "fingerprint": have_fp},
+                "num_speculative_tokens": K,
+                "tensors": expected_tensors(reference),
+                **provenance(settings),
+            },
+        )
+    log.info(
+        "exported %s (K=%d, %d tensors, verifier %s); loads in speculators with identical outputs",
+        out_dir,
+        K,
+        len(expected_tensors(reference)),
+        target,
+    )
     return {"out_dir": str(out_dir), "num_speculative_tokens": K}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from eyrie.runtime import settings_arg
-    parser.add_argument("--target", required=True, type=Path,
-                        help="target model folder (written as the verifier path, absolute)")
+
+    parser.add_argument(
+        "--target",
+        required=True,
+        type=Path,
+        help="target model folder (written as the verifier path, absolute)",
+    )
     parser.add_argument("--train-dir", required=True, type=Path, help="results/<name>/train")
     parser.add_argument("--out-dir", required=True, type=Path, help="results/<name>/draft")
     parser.add_argument("--settings", required=True, type=settings_arg, help='{"train": {...}}')
-    parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help="K written in the config (default: train.ttt_steps)")
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="K written in the config (default: train.ttt_steps)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    export(args.target, args.train_dir, args.out_dir, args.settings,
-           num_speculative_tokens=args.num_speculative_tokens)
+    export(
+        args.target,
+        args.train_dir,
+        args.out_dir,
+        args.settings,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
     return 0
-
-

@@ -48,8 +48,14 @@ def rdzv_port(env: Mapping[str, str]) -> int:
     return DEFAULT_RDZV_PORT + int(env.get("SLURM_JOB_ID", "0")) % 1000
 
 
-def launch_command(worker_args: list[str], nproc: int, nnodes: int, env: Mapping[str, str],
-                   python: str, first_host: str | None = None) -> list[str]:
+def launch_command(
+    worker_args: list[str],
+    nproc: int,
+    nnodes: int,
+    env: Mapping[str, str],
+    python: str,
+    first_host: str | None = None,
+) -> list[str]:
     """The argv that runs `python -m eyrie <worker_args>` as nproc*nnodes torchrun workers.
 
     One node: `python -m torch.distributed.run --standalone --nproc-per-node N --module eyrie ...`.
@@ -59,39 +65,71 @@ def launch_command(worker_args: list[str], nproc: int, nnodes: int, env: Mapping
     host (`first_slurm_host`).
     """
     if nproc < 1 or nnodes < 1:
-        raise EyrieError(f"--nproc-per-node {nproc} --nnodes {nnodes}: both must be >= 1 "
-                         "(processes per node = GPUs per node; 1 for a CPU run)")
+        raise EyrieError(
+            f"--nproc-per-node {nproc} --nnodes {nnodes}: both must be >= 1 "
+            "(processes per node = GPUs per node; 1 for a CPU run)"
+        )
     torchrun = [python, "-m", "torch.distributed.run"]
     tail = ["--module", "eyrie", *worker_args]
     if nnodes == 1:
         return [*torchrun, "--standalone", "--nproc-per-node", str(nproc), *tail]
     job = env.get("SLURM_JOB_ID")
     if not job or not env.get("SLURM_JOB_NODELIST"):
-        raise EyrieError(f"--nnodes {nnodes} needs a SLURM allocation (SLURM_JOB_ID and "
-                         "SLURM_JOB_NODELIST are not set); run inside sbatch/salloc with "
-                         f"--nodes {nnodes}, or start torchrun on each node yourself")
+        raise EyrieError(
+            f"--nnodes {nnodes} needs a SLURM allocation (SLURM_JOB_ID and "
+            "SLURM_JOB_NODELIST are not set); run inside sbatch/salloc with "
+            f"--nodes {nnodes}, or start torchrun on each node yourself"
+        )
     have = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or nnodes)
     if have < nnodes:
-        raise EyrieError(f"--nnodes {nnodes} but SLURM job {job} has {have} node(s) "
-                         f"(SLURM_JOB_NUM_NODES); ask the scheduler for {nnodes} nodes")
+        raise EyrieError(
+            f"--nnodes {nnodes} but SLURM job {job} has {have} node(s) "
+            f"(SLURM_JOB_NUM_NODES); ask the scheduler for {nnodes} nodes"
+        )
     if not first_host:
-        raise EyrieError(f"--nnodes {nnodes}: no first host for SLURM_JOB_NODELIST="
-                         f"{env['SLURM_JOB_NODELIST']} (scontrol show hostnames gave nothing)")
+        raise EyrieError(
+            f"--nnodes {nnodes}: no first host for SLURM_JOB_NODELIST="
+            f"{env['SLURM_JOB_NODELIST']} (scontrol show hostnames gave nothing)"
+        )
     # --kill-on-bad-exit: a node whose torchrun fails ends the step instead of leaving the
     # others waiting at the rendezvous until the time limit.
-    return ["srun", "--nodes", str(nnodes), "--ntasks-per-node", "1", "--kill-on-bad-exit=1", *torchrun,
-            "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-            "--rdzv-id", job, "--rdzv-endpoint", f"{first_host}:{rdzv_port(env)}", *tail]
+    return [
+        "srun",
+        "--nodes",
+        str(nnodes),
+        "--ntasks-per-node",
+        "1",
+        "--kill-on-bad-exit=1",
+        *torchrun,
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-id",
+        job,
+        "--rdzv-endpoint",
+        f"{first_host}:{rdzv_port(env)}",
+        *tail,
+    ]
 
 
 def first_slurm_host(nodelist: str) -> str | None:
     """First host of a SLURM node list (`scontrol show hostnames`, which expands `n[01-04]`)."""
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                             text=True, timeout=60, check=True).stdout.split()
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError) as exc:
-        raise EyrieError(f"scontrol show hostnames {nodelist} failed ({exc}); multi-node "
-                         "training needs SLURM's scontrol on PATH") from exc
+        raise EyrieError(
+            f"scontrol show hostnames {nodelist} failed ({exc}); multi-node "
+            "training needs SLURM's scontrol on PATH"
+        ) from exc
     return out[0] if out else None
 
 
@@ -102,11 +140,19 @@ def relaunch(worker_args: list[str], nproc: int, nnodes: int) -> int:
     stderr, so the rule's log holds them all.
     """
     env = os.environ
-    host = first_slurm_host(env["SLURM_JOB_NODELIST"]) \
-        if nnodes > 1 and env.get("SLURM_JOB_NODELIST") else None
+    host = (
+        first_slurm_host(env["SLURM_JOB_NODELIST"])
+        if nnodes > 1 and env.get("SLURM_JOB_NODELIST")
+        else None
+    )
     cmd = launch_command(worker_args, nproc, nnodes, env, sys.executable, host)
-    log.info("starting %d processes (%d per node on %d node(s)): %s", nproc * nnodes, nproc,
-             nnodes, shlex.join(cmd))
+    log.info(
+        "starting %d processes (%d per node on %d node(s)): %s",
+        nproc * nnodes,
+        nproc,
+        nnodes,
+        shlex.join(cmd),
+    )
     sys.stdout.flush()
     sys.stderr.flush()
     proc = subprocess.Popen(cmd)
@@ -122,8 +168,11 @@ def relaunch(worker_args: list[str], nproc: int, nnodes: int) -> int:
             signal.signal(s, handler)
     status = rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
     if status != 0:
-        log.error("torchrun exited with status %d; each failing rank wrote its error above "
-                  "(one line 'rank R/W: ...', or a traceback)", status)
+        log.error(
+            "torchrun exited with status %d; each failing rank wrote its error above "
+            "(one line 'rank R/W: ...', or a traceback)",
+            status,
+        )
     return status
 
 
@@ -143,8 +192,12 @@ class Dist:
         world = int(env.get("WORLD_SIZE", "1"))
         if world <= 1:
             return cls()
-        return cls(rank=int(env["RANK"]), world=world, local_rank=int(env.get("LOCAL_RANK", "0")),
-                   local_world=int(env.get("LOCAL_WORLD_SIZE", "1")))
+        return cls(
+            rank=int(env["RANK"]),
+            world=world,
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            local_world=int(env.get("LOCAL_WORLD_SIZE", "1")),
+        )
 
     @property
     def main(self) -> bool:
@@ -208,5 +261,3 @@ def stop(created: bool) -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-
-

@@ -62,14 +62,21 @@ def shift_sample(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         "loss_mask": torch.cat([mask[2:], mask.new_zeros(min(1, T - 1))]),
         "position_ids": torch.arange(1, T, dtype=torch.long),
         # float8 codes read as stored (ShardReader.read(i, torch.uint8)): their per-token scales
-        **({"hidden_states_scale": sample["aux_scale"][:-1],
-            "verifier_last_hidden_states_scale": sample["final_scale"][1:]}
-           if "aux_scale" in sample else {}),
+        **(
+            {
+                "hidden_states_scale": sample["aux_scale"][:-1],
+                "verifier_last_hidden_states_scale": sample["final_scale"][1:],
+            }
+            if "aux_scale" in sample
+            else {}
+        ),
     }
 
 
-CODE_SCALES = {"hidden_states": "hidden_states_scale",
-               "verifier_last_hidden_states": "verifier_last_hidden_states_scale"}
+CODE_SCALES = {
+    "hidden_states": "hidden_states_scale",
+    "verifier_last_hidden_states": "verifier_last_hidden_states_scale",
+}
 
 
 def decode_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -113,12 +120,19 @@ class PackedShards:
     sample is checked as it is read (a shard is never handed out with inf/NaN unnoticed).
     """
 
-    def __init__(self, paths: list[Path], expect: dict, max_tokens: int, gap: int,
-                 values_checked: bool = False):
+    def __init__(
+        self,
+        paths: list[Path],
+        expect: dict,
+        max_tokens: int,
+        gap: int,
+        values_checked: bool = False,
+    ):
         self.max_tokens, self.gap = max_tokens, gap
         # Opening every reader first: a mismatching shard fails before any training.
-        self.readers = [ShardReader(p, expect=expect, check_values=not values_checked)
-                        for p in paths]
+        self.readers = [
+            ShardReader(p, expect=expect, check_values=not values_checked) for p in paths
+        ]
         self.refs: list[tuple[int, int]] = []  # (reader, sample) of each usable sample
         self.lengths: list[int] = []  # shifted length (T - 1)
         self.loss_tokens: list[int] = []  # loss-masked positions once shifted and truncated
@@ -127,7 +141,7 @@ class PackedShards:
             mask = reader.f["loss_mask"][:]
             csum = np.concatenate([[0], np.cumsum(mask != 0)])
             for s_i, (a, b) in enumerate(zip(reader.offsets[:-1], reader.offsets[1:])):
-                if b - a < 3 or not mask[a + 2:b].any():
+                if b - a < 3 or not mask[a + 2 : b].any():
                     self.skipped += 1  # no token to predict under the (shifted) loss mask
                     continue
                 self.refs.append((r_i, s_i))
@@ -136,8 +150,10 @@ class PackedShards:
                 n = min(int(b - a - 1), max_tokens - gap)
                 self.loss_tokens.append(int(csum[a + 2 + min(n, b - a - 2)] - csum[a + 2]))
         if not self.refs:
-            raise EyrieError(f"{paths[0]}...: no sample has a loss-masked token to predict; "
-                             "check the tokenized shards' loss_mask (assistant turns)")
+            raise EyrieError(
+                f"{paths[0]}...: no sample has a loss-masked token to predict; "
+                "check the tokenized shards' loss_mask (assistant turns)"
+            )
         self.truncated = sum(n > max_tokens - gap for n in self.lengths)
         self.hidden_size = int(expect["hidden_size"])
         self.n_aux = len(expect["aux_layer_ids"])
@@ -147,8 +163,9 @@ class PackedShards:
         stored = sorted({r.meta.storage_dtype for r in self.readers})
         exact = len(stored) == 1 and stored[0] in ("bfloat16", "float16", "float32")
         codes = stored == ["float8_e4m3"]
-        self.transfer_dtype = getattr(torch, stored[0]) if exact else (
-            torch.uint8 if codes else torch.float32)
+        self.transfer_dtype = (
+            getattr(torch, stored[0]) if exact else (torch.uint8 if codes else torch.float32)
+        )
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -156,11 +173,18 @@ class PackedShards:
     def tokens(self, indices: list[int]) -> tuple[int, int]:
         """(positions that belong to a sample, loss-masked positions) of the pack `indices`:
         what (document_ids >= 0).sum() and loss_mask.sum() of `batch(indices)` count."""
-        return (sum(min(self.lengths[i], self.max_tokens - self.gap) for i in indices),
-                sum(self.loss_tokens[i] for i in indices))
+        return (
+            sum(min(self.lengths[i], self.max_tokens - self.gap) for i in indices),
+            sum(self.loss_tokens[i] for i in indices),
+        )
 
-    def batch(self, indices: list[int], dtype: torch.dtype = torch.float32,
-              pin: bool = False, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    def batch(
+        self,
+        indices: list[int],
+        dtype: torch.dtype = torch.float32,
+        pin: bool = False,
+        pad_to: int | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Packed batch, each value [1, L, ...]: hidden_states `dtype` [1, L, n_aux*H],
         verifier_last_hidden_states `dtype` [1, L, H], input_ids/position_ids/document_ids
         int64 [1, L], loss_mask bool [1, L]. After each sample come `gap` = ttt_steps - 1
@@ -182,29 +206,38 @@ class PackedShards:
         L_all = max(L, pad_to or 0)
         codes = dtype == torch.uint8  # float8 shards: codes as stored + per-token scales
         if codes and self.transfer_dtype != torch.uint8:
-            raise EyrieError("PackedShards.batch: uint8 (float8 codes) needs every shard stored "
-                             "as float8_e4m3")
-        out = {"hidden_states": torch.empty(L_all, n_aux * H, dtype=dtype, pin_memory=pin),
-               "verifier_last_hidden_states": torch.empty(L_all, H, dtype=dtype, pin_memory=pin),
-               "input_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin),
-               "loss_mask": torch.empty(L_all, dtype=torch.bool, pin_memory=pin),
-               "position_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin),
-               "document_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin)}
+            raise EyrieError(
+                "PackedShards.batch: uint8 (float8 codes) needs every shard stored as float8_e4m3"
+            )
+        out = {
+            "hidden_states": torch.empty(L_all, n_aux * H, dtype=dtype, pin_memory=pin),
+            "verifier_last_hidden_states": torch.empty(L_all, H, dtype=dtype, pin_memory=pin),
+            "input_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin),
+            "loss_mask": torch.empty(L_all, dtype=torch.bool, pin_memory=pin),
+            "position_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin),
+            "document_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin),
+        }
         if codes:
             for scale in CODE_SCALES.values():
                 out[scale] = torch.empty(L_all, dtype=torch.float32, pin_memory=pin)
-        keys = ["input_ids", "loss_mask", "position_ids", "hidden_states",
-                "verifier_last_hidden_states", *(CODE_SCALES.values() if codes else ())]
+        keys = [
+            "input_ids",
+            "loss_mask",
+            "position_ids",
+            "hidden_states",
+            "verifier_last_hidden_states",
+            *(CODE_SCALES.values() if codes else ()),
+        ]
         pos = 0
         for doc, (i, n) in enumerate(zip(indices, sizes)):
             r_i, s_i = self.refs[i]
             # as stored (views of the file's pages); float8 dequantized to float32, or as codes
             s = shift_sample(self.readers[r_i].read(s_i, torch.uint8 if codes else None))
             for k in keys:
-                out[k][pos:pos + n].copy_(s[k][:n])
-                out[k][pos + n:pos + n + gap].zero_()
-            out["document_ids"][pos:pos + n].fill_(doc)
-            out["document_ids"][pos + n:pos + n + gap].fill_(-1)
+                out[k][pos : pos + n].copy_(s[k][:n])
+                out[k][pos + n : pos + n + gap].zero_()
+            out["document_ids"][pos : pos + n].fill_(doc)
+            out["document_ids"][pos + n : pos + n + gap].fill_(-1)
             pos += n + gap
         for k, v in out.items():  # the tail up to pad_to
             v[L:].fill_(-1 if k == "document_ids" else 0)
@@ -225,14 +258,22 @@ class Prefetcher:
     so a process that ends without close() (a signal's exit) does not wait for it.
     """
 
-    def __init__(self, data: PackedShards, steps: Iterable[list[list[int]]], *,
-                 dtype: torch.dtype = torch.float32, pin: bool = False, depth: int = 2,
-                 pad_to: int | None = None):
+    def __init__(
+        self,
+        data: PackedShards,
+        steps: Iterable[list[list[int]]],
+        *,
+        dtype: torch.dtype = torch.float32,
+        pin: bool = False,
+        depth: int = 2,
+        pad_to: int | None = None,
+    ):
         self._data, self._dtype, self._pin, self._pad_to = data, dtype, pin, pad_to
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(list(steps),),
-                                        name="eyrie-prefetch", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(list(steps),), name="eyrie-prefetch", daemon=True
+        )
         self._thread.start()
 
     def _put(self, item) -> bool:
@@ -285,5 +326,3 @@ class Prefetcher:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-

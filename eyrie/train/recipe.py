@@ -86,11 +86,16 @@ def _expectation(preflight_path: Path) -> dict:
         "final_layer_id": report.get("final_layer_id"),
         "hidden_size": target.get("hidden_size"),
     }
-    names = {"target_fingerprint": "target.fingerprint", "tokenizer_hash": "target.tokenizer_hash",
-             "hidden_size": "target.hidden_size"}
+    names = {
+        "target_fingerprint": "target.fingerprint",
+        "tokenizer_hash": "target.tokenizer_hash",
+        "hidden_size": "target.hidden_size",
+    }
     for key, value in expect.items():
         if value is None:
-            raise EyrieError(f"{preflight_path}: key {names.get(key, key)} missing; rerun eyrie preflight")
+            raise EyrieError(
+                f"{preflight_path}: key {names.get(key, key)} missing; rerun eyrie preflight"
+            )
     return expect
 
 
@@ -105,8 +110,11 @@ def verify_shards(paths: list[Path], expect: dict, scan_values: bool, dist: Dist
     cannot be told from data without checksums, which the shard format does not have.
     """
     if scan_values:
-        log.info("checking every stored value of %d shard(s) before the first step (once per run; "
-                 "train.verify_shards: false skips it)", len(paths))
+        log.info(
+            "checking every stored value of %d shard(s) before the first step (once per run; "
+            "train.verify_shards: false skips it)",
+            len(paths),
+        )
     problems: list[tuple[int, str]] = []
     for i, path in enumerate(paths):
         try:
@@ -118,8 +126,10 @@ def verify_shards(paths: list[Path], expect: dict, scan_values: bool, dist: Dist
     found = sorted({p for part in dist.gather(problems) for p in part})  # same error, every rank
     if found:
         bad = " ".join(str(paths[i]) for i in sorted({i for i, _ in found}))
-        raise ShardError("; ".join(msg for _, msg in found) + f" -- to rebuild: delete {bad} and "
-                         f"rerun snakemake (or: snakemake --force {bad})")
+        raise ShardError(
+            "; ".join(msg for _, msg in found) + f" -- to rebuild: delete {bad} and "
+            f"rerun snakemake (or: snakemake --force {bad})"
+        )
 
 
 def _file_identity(path: Path, content: bool) -> dict:
@@ -132,7 +142,9 @@ def _file_identity(path: Path, content: bool) -> dict:
     return ident
 
 
-def run_id(cfg: TrainSettings, target: Path, preflight: Path, vocab: Path, shards: list[Path]) -> str:
+def run_id(
+    cfg: TrainSettings, target: Path, preflight: Path, vocab: Path, shards: list[Path]
+) -> str:
     weights = sorted(p for p in target.iterdir() if p.suffix == ".safetensors")
     ident = {
         "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_RUN_ID},
@@ -155,8 +167,10 @@ def resolve_device(name: str, dist: Dist | None = None) -> torch.device:
     if not torch.cuda.is_available():
         raise EyrieError("train.device is cuda but no CUDA device is visible; use auto or cpu")
     if dist.local_world > torch.cuda.device_count():
-        raise EyrieError(f"{dist.local_world} processes on this node but {torch.cuda.device_count()} "
-                         "GPU(s) visible (CUDA_VISIBLE_DEVICES); use --nproc-per-node <= GPUs per node")
+        raise EyrieError(
+            f"{dist.local_world} processes on this node but {torch.cuda.device_count()} "
+            "GPU(s) visible (CUDA_VISIBLE_DEVICES); use --nproc-per-node <= GPUs per node"
+        )
     torch.cuda.set_device(dist.local_rank)
     return torch.device("cuda", dist.local_rank)
 
@@ -169,19 +183,27 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _schedule(plan: list[list[list[int]]], steps_per_epoch: list[int], P: int, k: int, rank: int,
-              epoch: int, step_in_epoch: int) -> list[tuple[int, int, list[list[int]], list[list[int]]]]:
+def _schedule(
+    plan: list[list[list[int]]],
+    steps_per_epoch: list[int],
+    P: int,
+    k: int,
+    rank: int,
+    epoch: int,
+    step_in_epoch: int,
+) -> list[tuple[int, int, list[list[int]], list[list[int]]]]:
     """(epoch, step in epoch, this rank's packs, all packs) of every step from a position on."""
     out = []
     for e in range(epoch, len(plan)):
         for s in range(step_in_epoch if e == epoch else 0, steps_per_epoch[e]):
-            packs = plan[e][s * P:(s + 1) * P]
-            out.append((e, s, packs[rank * k:(rank + 1) * k], packs))
+            packs = plan[e][s * P : (s + 1) * P]
+            out.append((e, s, packs[rank * k : (rank + 1) * k], packs))
     return out
 
 
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device,
-               stream: "torch.cuda.Stream | None") -> dict[str, torch.Tensor]:
+def _to_device(
+    batch: dict[str, torch.Tensor], device: torch.device, stream: "torch.cuda.Stream | None"
+) -> dict[str, torch.Tensor]:
     """A host batch (pinned for CUDA) copied to the device on `stream`, without waiting."""
     if device.type != "cuda":
         return batch
@@ -193,23 +215,35 @@ def _pack_sums(loss: torch.Tensor, metrics: dict, ttt_steps: int) -> torch.Tenso
     """One pack's additive device-side metrics, float64 [1 + 3K]: [loss, loss_k.., acc_sum_k..,
     acc_total_k..] (the host knows the token counts from the plan)."""
     K = range(ttt_steps)
-    values = [loss, *(metrics[f"loss_{k}_sum"] for k in K), *(metrics[f"full_acc_{k}_sum"] for k in K),
-              *(metrics[f"full_acc_{k}_total"] for k in K)]
+    values = [
+        loss,
+        *(metrics[f"loss_{k}_sum"] for k in K),
+        *(metrics[f"full_acc_{k}_sum"] for k in K),
+        *(metrics[f"full_acc_{k}_total"] for k in K),
+    ]
     return torch.stack([torch.as_tensor(v).detach().to(torch.float64) for v in values])
 
 
-def _read_pending(pending: list[tuple[dict, torch.Tensor, torch.Tensor]], packs: int,
-                  ttt_steps: int) -> list[dict]:
+def _read_pending(
+    pending: list[tuple[dict, torch.Tensor, torch.Tensor]], packs: int, ttt_steps: int
+) -> list[dict]:
     """The metrics records of steps whose device values were not read yet (one wait)."""
     sums = torch.stack([s for _, s, _ in pending]).tolist()
     norms = torch.stack([g.detach().float() for _, _, g in pending]).tolist()
     records = []
     for (head, _, _), v, norm in zip(pending, sums, norms):
         tokens, loss_tokens = head["tokens"]
-        records.append({"step": head["step"], "epoch": head["epoch"],
-                        **_step_record([v[0], tokens, loss_tokens, *v[1:]], packs, ttt_steps),
-                        "lr": head["lr"], "grad_norm": norm, "data_wait_s": head["data_wait_s"],
-                        "wall_s": head["wall_s"]})
+        records.append(
+            {
+                "step": head["step"],
+                "epoch": head["epoch"],
+                **_step_record([v[0], tokens, loss_tokens, *v[1:]], packs, ttt_steps),
+                "lr": head["lr"],
+                "grad_norm": norm,
+                "data_wait_s": head["data_wait_s"],
+                "wall_s": head["wall_s"],
+            }
+        )
     return records
 
 
@@ -224,9 +258,18 @@ def _step_record(sums: list[float], packs: int, ttt_steps: int) -> dict:
     return out
 
 
-def train(target: Path, preflight: Path, vocab: Path, shards: list[Path], out_dir: Path,
-          state_dir: Path, settings: dict, *, stop_after_steps: int | None = None,
-          on_step: Callable[[int], None] | None = None) -> dict | None:
+def train(
+    target: Path,
+    preflight: Path,
+    vocab: Path,
+    shards: list[Path],
+    out_dir: Path,
+    state_dir: Path,
+    settings: dict,
+    *,
+    stop_after_steps: int | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> dict | None:
     """Train (resuming when a checkpoint of the same run exists) and write `out_dir`.
 
     Under torchrun (WORLD_SIZE > 1) every rank calls this; they join one process group.
@@ -240,20 +283,45 @@ def train(target: Path, preflight: Path, vocab: Path, shards: list[Path], out_di
     target, preflight, vocab = Path(target).resolve(), Path(preflight), Path(vocab)
     shards, out_dir, state_dir = [Path(s) for s in shards], Path(out_dir), Path(state_dir)
     if state_dir.resolve().is_relative_to(out_dir.resolve()):
-        raise EyrieError(f"--state-dir {state_dir} is inside --out-dir {out_dir}; keep them apart "
-                         "(the output folder is replaced as a whole)")
+        raise EyrieError(
+            f"--state-dir {state_dir} is inside --out-dir {out_dir}; keep them apart "
+            "(the output folder is replaced as a whole)"
+        )
     device = resolve_device(cfg.device, dist)
     created = dist.start(device)
     try:
-        return _train(cfg, dist, device, target, preflight, vocab, shards, out_dir, state_dir,
-                      settings, stop_after_steps, on_step)
+        return _train(
+            cfg,
+            dist,
+            device,
+            target,
+            preflight,
+            vocab,
+            shards,
+            out_dir,
+            state_dir,
+            settings,
+            stop_after_steps,
+            on_step,
+        )
     finally:
         stop(created)
 
 
-def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, preflight: Path,
-           vocab: Path, shards: list[Path], out_dir: Path, state_dir: Path, settings: dict,
-           stop_after_steps: int | None, on_step: Callable[[int], None] | None) -> dict | None:
+def _train(
+    cfg: TrainSettings,
+    dist: Dist,
+    device: torch.device,
+    target: Path,
+    preflight: Path,
+    vocab: Path,
+    shards: list[Path],
+    out_dir: Path,
+    state_dir: Path,
+    settings: dict,
+    stop_after_steps: int | None,
+    on_step: Callable[[int], None] | None,
+) -> dict | None:
     from speculators.losses import resolve_loss_config
 
     from eyrie.draft import build_draft
@@ -261,12 +329,16 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
     if not dist.main:  # one copy of the progress lines; warnings and errors from every rank
         log.setLevel(logging.WARNING)
     expect = _expectation(preflight)
-    for key, have in (("fingerprint", fingerprint(read_config(target))),
-                      ("tokenizer_hash", tokenizer_hash(target))):
+    for key, have in (
+        ("fingerprint", fingerprint(read_config(target))),
+        ("tokenizer_hash", tokenizer_hash(target)),
+    ):
         want = expect["target_fingerprint" if key == "fingerprint" else key]
         if have != want:
-            raise EyrieError(f"{preflight}: target.{key} is {want} but {target} has {have}; "
-                             "rerun eyrie preflight for this target")
+            raise EyrieError(
+                f"{preflight}: target.{key} is {want} but {target} has {have}; "
+                "rerun eyrie preflight for this target"
+            )
     rid = dist.from_main(run_id(cfg, target, preflight, vocab, shards))  # one run on all ranks
     run_dir = state_dir / rid
     marker = run_dir / VERIFIED_MARKER
@@ -280,48 +352,93 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
 
     gap, P = cfg.ttt_steps - 1, cfg.packs_per_step
     k = P // dist.world  # packs of each step that this rank trains
-    data = PackedShards(shards, expect, cfg.max_tokens_per_batch, gap, values_checked=cfg.verify_shards)
+    data = PackedShards(
+        shards, expect, cfg.max_tokens_per_batch, gap, values_checked=cfg.verify_shards
+    )
     d2t, t2d = read_vocab(vocab)
-    plan = [pack(data.lengths, epoch_order(len(data), cfg.seed, e), cfg.max_tokens_per_batch, gap)
-            for e in range(cfg.epochs)]
+    plan = [
+        pack(data.lengths, epoch_order(len(data), cfg.seed, e), cfg.max_tokens_per_batch, gap)
+        for e in range(cfg.epochs)
+    ]
     steps_per_epoch = [len(p) // P for p in plan]
     total_steps, dropped = sum(steps_per_epoch), sum(len(p) % P for p in plan)
     if total_steps == 0:
-        raise EyrieError(f"train.packs_per_step is {P} but an epoch packs into only "
-                         f"{max(len(p) for p in plan)} batches of train.max_tokens_per_batch="
-                         f"{cfg.max_tokens_per_batch} tokens: no whole step; lower either")
-    log.info("%d samples (%d skipped without loss tokens, %d truncated to %d tokens) from %d shards; "
-             "%d steps of %d packs over %d epochs (%d trailing packs dropped); %d process(es); run %s "
-             "on %s", len(data), data.skipped, data.truncated, cfg.max_tokens_per_batch - gap,
-             len(shards), total_steps, P, cfg.epochs, dropped, dist.world, rid, device)
+        raise EyrieError(
+            f"train.packs_per_step is {P} but an epoch packs into only "
+            f"{max(len(p) for p in plan)} batches of train.max_tokens_per_batch="
+            f"{cfg.max_tokens_per_batch} tokens: no whole step; lower either"
+        )
+    log.info(
+        "%d samples (%d skipped without loss tokens, %d truncated to %d tokens) from %d shards; "
+        "%d steps of %d packs over %d epochs (%d trailing packs dropped); %d process(es); run %s "
+        "on %s",
+        len(data),
+        data.skipped,
+        data.truncated,
+        cfg.max_tokens_per_batch - gap,
+        len(shards),
+        total_steps,
+        P,
+        cfg.epochs,
+        dropped,
+        dist.world,
+        rid,
+        device,
+    )
 
     # On a GPU speculators' own attention (flex, block-sparse over the packed documents and TTT
     # steps): measured on an H200 (BENCHMARKS.md), 1.18x the tokens/s of dense-mask sdpa at 4096
     # tokens per pack. FlexAttention has no backward on a CPU, where sdpa stays.
     cuda = device.type == "cuda"
     attn = "simple_flex_attention" if cuda else "sdpa"
-    model = build_draft(target, expect["aux_layer_ids"], d2t, t2d, num_layers=cfg.num_layers,
-                        draft_arch=cfg.draft_arch, norm_before_residual=cfg.norm_before_residual,
-                        ttt_steps=cfg.ttt_steps, seed=cfg.seed, attn_impl=attn).to(device)
+    model = build_draft(
+        target,
+        expect["aux_layer_ids"],
+        d2t,
+        t2d,
+        num_layers=cfg.num_layers,
+        draft_arch=cfg.draft_arch,
+        norm_before_residual=cfg.norm_before_residual,
+        ttt_steps=cfg.ttt_steps,
+        seed=cfg.seed,
+        attn_impl=attn,
+    ).to(device)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps))
+        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps)
+    )
     loss_config = resolve_loss_config("kl_div", "eager")
 
     metrics_path = run_dir / "metrics.jsonl"
-    position = {"step": 0, "epoch": 0, "step_in_epoch": 0, "tokens": 0, "wall_s": 0.0, "run_id": rid}
+    position = {
+        "step": 0,
+        "epoch": 0,
+        "step_in_epoch": 0,
+        "tokens": 0,
+        "wall_s": 0.0,
+        "run_id": rid,
+    }
     ckpt = dist.from_main(str(latest_checkpoint(run_dir) or "") if dist.main else None)
     if ckpt:
         if not (Path(ckpt) / "position.json").is_file():
-            raise EyrieError(f"rank {dist.rank}: rank 0 resumes from {ckpt}, which this node does not "
-                             "see; put --state-dir on a filesystem that every node shares")
+            raise EyrieError(
+                f"rank {dist.rank}: rank 0 resumes from {ckpt}, which this node does not "
+                "see; put --state-dir on a filesystem that every node shares"
+            )
         position = load_checkpoint(Path(ckpt), model, optimizer, scheduler)
-        log.info("resumed from %s (step %d, epoch %d, step %d of the epoch)", ckpt, position["step"],
-                 position["epoch"], position["step_in_epoch"])
+        log.info(
+            "resumed from %s (step %d, epoch %d, step %d of the epoch)",
+            ckpt,
+            position["step"],
+            position["epoch"],
+            position["step_in_epoch"],
+        )
         if dist.main:
-            lines = _metric_records(metrics_path, position["step"])  # drop steps after the checkpoint
+            lines = _metric_records(
+                metrics_path, position["step"]
+            )  # drop steps after the checkpoint
             with atomic_path(metrics_path) as tmp:
                 tmp.write_text("".join(f"{ln}\n" for ln in lines))
     else:
@@ -343,8 +460,9 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
         torch._dynamo.config.optimize_ddp = False
         net = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
 
-    schedule = _schedule(plan, steps_per_epoch, P, k, dist.rank, position["epoch"],
-                         position["step_in_epoch"])
+    schedule = _schedule(
+        plan, steps_per_epoch, P, k, dist.rank, position["epoch"], position["step_in_epoch"]
+    )
     copy_stream = torch.cuda.Stream(device) if cuda else None
     started = time.monotonic()
     wall0 = position["wall_s"]
@@ -366,9 +484,15 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
         stack.callback(data.close)
         metrics_file = stack.enter_context(metrics_path.open("a")) if dist.main else None
         # closed before data (ExitStack: last in, first out)
-        loader = stack.enter_context(Prefetcher(
-            data, [mine for _, _, mine, _ in schedule], pin=cuda,
-            dtype=data.transfer_dtype if cuda else torch.float32, pad_to=pad_to))
+        loader = stack.enter_context(
+            Prefetcher(
+                data,
+                [mine for _, _, mine, _ in schedule],
+                pin=cuda,
+                dtype=data.transfer_dtype if cuda else torch.float32,
+                pad_to=pad_to,
+            )
+        )
 
         def stage() -> tuple[list[dict], float]:
             """The next step's batches, copies to the device under way; seconds blocked."""
@@ -388,16 +512,25 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
             optimizer.zero_grad(set_to_none=True)
             sums = torch.zeros(1 + 3 * cfg.ttt_steps, dtype=torch.float64, device=device)
             for j, batch in enumerate(batches):
-                batch = decode_batch(batch)  # float8 codes (GPU transfers) to float32, on the device
+                batch = decode_batch(
+                    batch
+                )  # float8 codes (GPU transfers) to float32, on the device
                 if not bf16:  # under bfloat16 autocast the layers take the stored bf16 as it is
-                    batch = {n_: (v.float() if v.is_floating_point() else v) for n_, v in batch.items()}
+                    batch = {
+                        n_: (v.float() if v.is_floating_point() else v) for n_, v in batch.items()
+                    }
                 # DDP averages gradients over ranks at the backward of a rank's last pack only
                 sync = net is model or j == k - 1
-                with contextlib.nullcontext() if sync else net.no_sync(), \
-                        torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    _, loss, metrics = net(**batch, ttt_steps=cfg.ttt_steps,
-                                           ttt_step_loss_decay=cfg.ttt_step_loss_decay,
-                                           loss_config=loss_config)
+                with (
+                    contextlib.nullcontext() if sync else net.no_sync(),
+                    torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
+                ):
+                    _, loss, metrics = net(
+                        **batch,
+                        ttt_steps=cfg.ttt_steps,
+                        ttt_step_loss_decay=cfg.ttt_step_loss_decay,
+                        loss_config=loss_config,
+                    )
                     (loss / k if k > 1 else loss).backward()
                 sums += _pack_sums(loss, metrics, cfg.ttt_steps)
             dist.all_sum(sums)
@@ -406,15 +539,34 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
             scheduler.step()
             if n + 1 < len(schedule):  # read while the device still works on this step
                 staged = stage()
-            tokens = [sum(t) for t in zip(*(data.tokens(p) for p in packs))]  # [tokens, loss tokens]
-            position.update(step=position["step"] + 1, epoch=e, step_in_epoch=s + 1,
-                            tokens=position["tokens"] + tokens[0],
-                            wall_s=wall0 + time.monotonic() - started)
+            tokens = [
+                sum(t) for t in zip(*(data.tokens(p) for p in packs))
+            ]  # [tokens, loss tokens]
+            position.update(
+                step=position["step"] + 1,
+                epoch=e,
+                step_in_epoch=s + 1,
+                tokens=position["tokens"] + tokens[0],
+                wall_s=wall0 + time.monotonic() - started,
+            )
             step = position["step"]
-            pending.append(({"step": step, "epoch": e, "tokens": tokens,
-                             "lr": scheduler.get_last_lr()[0], "data_wait_s": wait,
-                             "wall_s": position["wall_s"]}, sums, grad_norm))
-            stopping = stop_after_steps is not None and step >= stop_after_steps and step < total_steps
+            pending.append(
+                (
+                    {
+                        "step": step,
+                        "epoch": e,
+                        "tokens": tokens,
+                        "lr": scheduler.get_last_lr()[0],
+                        "data_wait_s": wait,
+                        "wall_s": position["wall_s"],
+                    },
+                    sums,
+                    grad_norm,
+                )
+            )
+            stopping = (
+                stop_after_steps is not None and step >= stop_after_steps and step < total_steps
+            )
             log_now = step % cfg.log_every == 0 or step == total_steps
             if log_now or step % cfg.checkpoint_every == 0 or stopping:
                 records = _read_pending(pending, P, cfg.ttt_steps)  # waits for the device
@@ -423,17 +575,31 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
                 if metrics_file is not None:
                     metrics_file.write("".join(json.dumps(r) + "\n" for r in records))
                     metrics_file.flush()
-                window = (window + records)[-cfg.log_every:]
+                window = (window + records)[-cfg.log_every :]
             if log_now:
-                accs = " ".join(f"acc{t}={_fmt(_mean(window, f'full_acc_{t}'))}" for t in range(cfg.ttt_steps))
-                log.info("step %d/%d epoch %d loss %s %s lr %.2e %.0f tok/s (data wait %.1f%%)", step,
-                         total_steps, e, _fmt(_mean(window, "loss")), accs, window[-1]["lr"],
-                         position["tokens"] / max(position["wall_s"], 1e-9),
-                         100 * waited / max(time.monotonic() - started, 1e-9))
+                accs = " ".join(
+                    f"acc{t}={_fmt(_mean(window, f'full_acc_{t}'))}" for t in range(cfg.ttt_steps)
+                )
+                log.info(
+                    "step %d/%d epoch %d loss %s %s lr %.2e %.0f tok/s (data wait %.1f%%)",
+                    step,
+                    total_steps,
+                    e,
+                    _fmt(_mean(window, "loss")),
+                    accs,
+                    window[-1]["lr"],
+                    position["tokens"] / max(position["wall_s"], 1e-9),
+                    100 * waited / max(time.monotonic() - started, 1e-9),
+                )
             if step % cfg.checkpoint_every == 0 or step == total_steps or stopping:
                 if dist.main:
-                    save_checkpoint(run_dir, model, optimizer, scheduler,
-                                    {**position, "packs_per_step": P, "world_size": dist.world})
+                    save_checkpoint(
+                        run_dir,
+                        model,
+                        optimizer,
+                        scheduler,
+                        {**position, "packs_per_step": P, "world_size": dist.world},
+                    )
                 dist.barrier()
             if on_step is not None:
                 on_step(step)
@@ -442,43 +608,98 @@ def _train(cfg: TrainSettings, dist: Dist, device: torch.device, target: Path, p
                 return None
     loop_s = time.monotonic() - started
     position.update(epoch=cfg.epochs, step_in_epoch=0)
-    timing = {"data_wait_s": waited, "steps_wall_s": loop_s,
-              # of this process's steps (not those before a resume): time blocked on batches
-              "data_wait_fraction": waited / loop_s if loop_s > 0 else 0.0,
-              "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None}
+    timing = {
+        "data_wait_s": waited,
+        "steps_wall_s": loop_s,
+        # of this process's steps (not those before a resume): time blocked on batches
+        "data_wait_fraction": waited / loop_s if loop_s > 0 else 0.0,
+        "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+    }
 
     summary = None
     if dist.main:
         records = [json.loads(ln) for ln in metrics_path.read_text().splitlines()]
-        summary = _summary(cfg, dist, records, position, total_steps, dropped, resumed_from, data,
-                           device, expect, target, preflight, vocab, shards, settings, timing)
+        summary = _summary(
+            cfg,
+            dist,
+            records,
+            position,
+            total_steps,
+            dropped,
+            resumed_from,
+            data,
+            device,
+            expect,
+            target,
+            preflight,
+            vocab,
+            shards,
+            settings,
+            timing,
+        )
         write_outputs(out_dir, model, records, summary, cfg.ttt_steps)
-        log.info("wrote %s: final loss %s, accuracy per TTT step %s", out_dir,
-                 _fmt(summary["final"]["loss"]), [_fmt(a) for a in summary["final"]["full_acc"]])
+        log.info(
+            "wrote %s: final loss %s, accuracy per TTT step %s",
+            out_dir,
+            _fmt(summary["final"]["loss"]),
+            [_fmt(a) for a in summary["final"]["full_acc"]],
+        )
     return dist.from_main(summary)  # the other ranks wait here until the outputs are written
 
 
-def _summary(cfg: TrainSettings, dist: Dist, records: list[dict], position: dict, total_steps: int,
-             dropped: int, resumed_from: int, data: PackedShards, device: torch.device, expect: dict,
-             target: Path, preflight: Path, vocab: Path, shards: list[Path], settings: dict,
-             timing: dict) -> dict:
-    last = records[-cfg.log_every:]
+def _summary(
+    cfg: TrainSettings,
+    dist: Dist,
+    records: list[dict],
+    position: dict,
+    total_steps: int,
+    dropped: int,
+    resumed_from: int,
+    data: PackedShards,
+    device: torch.device,
+    expect: dict,
+    target: Path,
+    preflight: Path,
+    vocab: Path,
+    shards: list[Path],
+    settings: dict,
+    timing: dict,
+) -> dict:
+    last = records[-cfg.log_every :]
     return {
-        "steps": total_steps, "epochs": cfg.epochs, "samples": len(data),
-        "skipped_samples": data.skipped, "truncated_samples": data.truncated,
-        "packs_per_step": cfg.packs_per_step, "dropped_packs": dropped, "world_size": dist.world,
+        "steps": total_steps,
+        "epochs": cfg.epochs,
+        "samples": len(data),
+        "skipped_samples": data.skipped,
+        "truncated_samples": data.truncated,
+        "packs_per_step": cfg.packs_per_step,
+        "dropped_packs": dropped,
+        "world_size": dist.world,
         "tokens": position["tokens"],
-        "final": {"loss": _mean(last, "loss"),
-                  "full_acc": [_mean(last, f"full_acc_{k}") for k in range(cfg.ttt_steps)],
-                  "over_last_steps": len(last)},
+        "final": {
+            "loss": _mean(last, "loss"),
+            "full_acc": [_mean(last, f"full_acc_{k}") for k in range(cfg.ttt_steps)],
+            "over_last_steps": len(last),
+        },
         "wall_time_s": position["wall_s"],
         "tokens_per_s": position["tokens"] / max(position["wall_s"], 1e-9),
         **timing,
-        "resumed_from_step": resumed_from, "run_id": position["run_id"], "device": str(device),
-        "target": {"path": str(target), "fingerprint": expect["target_fingerprint"],
-                   "tokenizer_hash": expect["tokenizer_hash"], "hidden_size": expect["hidden_size"]},
-        "aux_layer_ids": expect["aux_layer_ids"], "final_layer_id": expect["final_layer_id"],
-        "inputs": {"preflight": str(preflight), "vocab": str(vocab), "shards": [str(s) for s in shards]},
+        "resumed_from_step": resumed_from,
+        "run_id": position["run_id"],
+        "device": str(device),
+        "target": {
+            "path": str(target),
+            "fingerprint": expect["target_fingerprint"],
+            "tokenizer_hash": expect["tokenizer_hash"],
+            "hidden_size": expect["hidden_size"],
+        },
+        "aux_layer_ids": expect["aux_layer_ids"],
+        "final_layer_id": expect["final_layer_id"],
+        "inputs": {
+            "preflight": str(preflight),
+            "vocab": str(vocab),
+            "shards": [str(s) for s in shards],
+        },
         "provenance": provenance(settings),
     }
 
@@ -505,6 +726,7 @@ def _fmt(x: float | None) -> str:
 
 def plot_curves(records: list[dict], ttt_steps: int, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -513,13 +735,17 @@ def plot_curves(records: list[dict], ttt_steps: int, path: Path) -> None:
     ax_loss.plot(steps, [r["loss"] for r in records], lw=1)
     ax_loss.set(xlabel="step", ylabel="loss (sum over TTT steps)", title="training loss")
     for k in range(ttt_steps):
-        pts = [(r["step"], r[f"full_acc_{k}"]) for r in records if r.get(f"full_acc_{k}") is not None]
+        pts = [
+            (r["step"], r[f"full_acc_{k}"]) for r in records if r.get(f"full_acc_{k}") is not None
+        ]
         ax_acc.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, label=f"TTT step {k}")
-    ax_acc.set(xlabel="step", ylabel="accuracy (all previous steps correct)", ylim=(0, 1),
-               title="draft accuracy vs target argmax")
+    ax_acc.set(
+        xlabel="step",
+        ylabel="accuracy (all previous steps correct)",
+        ylim=(0, 1),
+        title="draft accuracy vs target argmax",
+    )
     ax_acc.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-

@@ -17,17 +17,28 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from eyrie.runtime import settings_arg
+
     parser.add_argument("--target", required=True, type=Path, help="target model folder")
     parser.add_argument("--preflight", required=True, type=Path, help="preflight.json")
     parser.add_argument("--vocab", required=True, type=Path, help="vocab.safetensors (d2t, t2d)")
-    parser.add_argument("--shards", required=True, nargs="+", type=Path, help="hidden-state HDF5 shards")
+    parser.add_argument(
+        "--shards", required=True, nargs="+", type=Path, help="hidden-state HDF5 shards"
+    )
     parser.add_argument("--out-dir", required=True, type=Path, help="results/<name>/train")
     parser.add_argument("--state-dir", required=True, type=Path, help="results/<name>/train_state")
     parser.add_argument("--settings", required=True, type=settings_arg, help='{"train": {...}}')
-    parser.add_argument("--nproc-per-node", type=int, default=1,
-                        help="training processes per node, one per GPU (torchrun, started by this command)")
-    parser.add_argument("--nnodes", type=int, default=1,
-                        help="nodes (more than 1: inside a SLURM allocation, through srun)")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="training processes per node, one per GPU (torchrun, started by this command)",
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="nodes (more than 1: inside a SLURM allocation, through srun)",
+    )
     # Planned preemption: checkpoint after this many steps and exit (the next run resumes).
     parser.add_argument("--stop-after-steps", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -35,11 +46,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def worker_args(args: argparse.Namespace) -> list[str]:
     """The `eyrie ...` arguments that parse back to `args` (what each torchrun worker runs)."""
     out = ["--threads", str(args.threads)] if getattr(args, "threads", None) else []
-    out += ["train", "--target", str(args.target), "--preflight", str(args.preflight),
-            "--vocab", str(args.vocab), "--shards", *map(str, args.shards),
-            "--out-dir", str(args.out_dir), "--state-dir", str(args.state_dir),
-            "--settings", json.dumps(args.settings),
-            "--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes)]
+    out += [
+        "train",
+        "--target",
+        str(args.target),
+        "--preflight",
+        str(args.preflight),
+        "--vocab",
+        str(args.vocab),
+        "--shards",
+        *map(str, args.shards),
+        "--out-dir",
+        str(args.out_dir),
+        "--state-dir",
+        str(args.state_dir),
+        "--settings",
+        json.dumps(args.settings),
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+        "--nnodes",
+        str(args.nnodes),
+    ]
     if args.stop_after_steps is not None:
         out += ["--stop-after-steps", str(args.stop_after_steps)]
     return out
@@ -47,8 +74,10 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     if args.nproc_per_node < 1 or args.nnodes < 1:
-        raise EyrieError(f"--nproc-per-node {args.nproc_per_node} --nnodes {args.nnodes}: both must "
-                         "be >= 1 (processes per node = GPUs per node; 1 for a CPU run)")
+        raise EyrieError(
+            f"--nproc-per-node {args.nproc_per_node} --nnodes {args.nnodes}: both must "
+            "be >= 1 (processes per node = GPUs per node; 1 for a CPU run)"
+        )
     if args.nproc_per_node * args.nnodes > 1 and not under_torchrun(os.environ):
         return relaunch(worker_args(args), args.nproc_per_node, args.nnodes)
     dist = Dist.from_env()
@@ -57,12 +86,18 @@ def run(args: argparse.Namespace) -> int:
 
         set_torch_threads(args.threads, share=dist.local_world)
     try:
-        summary = train(args.target, args.preflight, args.vocab, args.shards, args.out_dir,
-                        args.state_dir, args.settings, stop_after_steps=args.stop_after_steps)
+        summary = train(
+            args.target,
+            args.preflight,
+            args.vocab,
+            args.shards,
+            args.out_dir,
+            args.state_dir,
+            args.settings,
+            stop_after_steps=args.stop_after_steps,
+        )
     except EyrieError as exc:
         if dist.world > 1:  # which process said it (every rank that fails prints its line)
             raise EyrieError(f"rank {dist.rank}/{dist.world}: {exc}") from exc
         raise
     return 0 if summary is not None else 3
-
-

@@ -30,7 +30,9 @@ from eyrie.errors import VllmAdapterError
 SUPPORTED_VLLM = ((0, 18, 0), (0, 23, 0))
 
 
-TESTED_VLLM = {"0.22.0": "H200: both extraction paths and eagle3 evaluation; CPU: introspection in CI"}
+TESTED_VLLM = {
+    "0.22.0": "H200: both extraction paths and eagle3 evaluation; CPU: introspection in CI"
+}
 
 
 NATIVE_METHOD = "extract_hidden_states"
@@ -74,8 +76,12 @@ LLAMA_PARAMS = ("positions", "hidden_states", "residual")
 
 
 _DEEPSEEK = VllmAdapter(
-    "deepseek", "deepseek_v2", "DeepseekV2Model", "DeepseekV2DecoderLayer",
-    ("positions", "hidden_states", "residual", "llama_4_scaling"), "positional",
+    "deepseek",
+    "deepseek_v2",
+    "DeepseekV2Model",
+    "DeepseekV2DecoderLayer",
+    ("positions", "hidden_states", "residual", "llama_4_scaling"),
+    "positional",
     extras=("llama_4_scaling",),
     # vLLM builds DeepSeek-style MoE routing from these; a tiny config without them fails to load
     # ("...mlp.gate.e_score_correction_bias", REFERENCE §5)
@@ -84,18 +90,32 @@ _DEEPSEEK = VllmAdapter(
 
 
 ADAPTERS: dict[str, VllmAdapter] = {
-    "llama": VllmAdapter("llama", "llama", "LlamaModel", "LlamaDecoderLayer", LLAMA_PARAMS, "keyword"),
-    "mistral": VllmAdapter("mistral", "mistral", "MistralModel", "MistralDecoderLayer", LLAMA_PARAMS,
-                           "keyword"),
-    "qwen2": VllmAdapter("qwen2", "qwen2", "Qwen2Model", "Qwen2DecoderLayer", LLAMA_PARAMS, "keyword"),
-    "qwen3": VllmAdapter("qwen3", "qwen3", "Qwen3Model", "Qwen3DecoderLayer", LLAMA_PARAMS, "keyword"),
-    "qwen3_moe": VllmAdapter("qwen3_moe", "qwen3_moe", "Qwen3MoeModel", "Qwen3MoeDecoderLayer",
-                             LLAMA_PARAMS, "keyword"),
+    "llama": VllmAdapter(
+        "llama", "llama", "LlamaModel", "LlamaDecoderLayer", LLAMA_PARAMS, "keyword"
+    ),
+    "mistral": VllmAdapter(
+        "mistral", "mistral", "MistralModel", "MistralDecoderLayer", LLAMA_PARAMS, "keyword"
+    ),
+    "qwen2": VllmAdapter(
+        "qwen2", "qwen2", "Qwen2Model", "Qwen2DecoderLayer", LLAMA_PARAMS, "keyword"
+    ),
+    "qwen3": VllmAdapter(
+        "qwen3", "qwen3", "Qwen3Model", "Qwen3DecoderLayer", LLAMA_PARAMS, "keyword"
+    ),
+    "qwen3_moe": VllmAdapter(
+        "qwen3_moe", "qwen3_moe", "Qwen3MoeModel", "Qwen3MoeDecoderLayer", LLAMA_PARAMS, "keyword"
+    ),
     "deepseek_v2": _DEEPSEEK,
     "deepseek_v3": _DEEPSEEK,
     "kimi_k2": _DEEPSEEK,  # Kimi-K2 / K2.5's text_config: DeepseekV3-shaped
-    "gpt_oss": VllmAdapter("gpt_oss", "gpt_oss", "GptOssModel", "TransformerBlock",
-                           ("hidden_states", "positions", "residual"), "keyword"),
+    "gpt_oss": VllmAdapter(
+        "gpt_oss",
+        "gpt_oss",
+        "GptOssModel",
+        "TransformerBlock",
+        ("hidden_states", "positions", "residual"),
+        "keyword",
+    ),
 }
 
 
@@ -107,8 +127,10 @@ def adapter_for(model_type: str) -> VllmAdapter:
     try:
         return ADAPTERS[model_type]
     except KeyError:
-        raise VllmAdapterError(f"model_type {model_type!r} has no vLLM adapter; supported: "
-                               f"{supported()} (docs/vllm.md: adding an architecture)") from None
+        raise VllmAdapterError(
+            f"model_type {model_type!r} has no vLLM adapter; supported: "
+            f"{supported()} (docs/vllm.md: adding an architecture)"
+        ) from None
 
 
 def llama_4_scaling(config, positions, module):
@@ -118,8 +140,11 @@ def llama_4_scaling(config, positions, module):
     if spec is None:
         return None
     helper = getattr(module, "_get_llama_4_scaling")
-    return helper(original_max_position_embeddings=spec["original_max_position_embeddings"],
-                  scaling_beta=spec["beta"], positions=positions)
+    return helper(
+        original_max_position_embeddings=spec["original_max_position_embeddings"],
+        scaling_beta=spec["beta"],
+        positions=positions,
+    )
 
 
 EXTRA_ARGS = {"llama_4_scaling": llama_4_scaling}
@@ -129,7 +154,9 @@ EXTRA_HELPERS = {"llama_4_scaling": "_get_llama_4_scaling"}  # what each needs f
 
 
 # the keyword arguments each helper is called with above
-EXTRA_HELPER_PARAMS = {"llama_4_scaling": ("original_max_position_embeddings", "scaling_beta", "positions")}
+EXTRA_HELPER_PARAMS = {
+    "llama_4_scaling": ("original_max_position_embeddings", "scaling_beta", "positions")
+}
 
 
 def call_layer(adapter: VllmAdapter, layer, positions, hidden, residual, extras: dict):
@@ -140,14 +167,14 @@ def call_layer(adapter: VllmAdapter, layer, positions, hidden, residual, extras:
     else:
         out = layer(**{p: values[p] for p in adapter.layer_params})
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise VllmAdapterError(f"{type(layer).__name__} returned {type(out).__name__}, expected "
-                               "(hidden_states, residual); the adapter's `returns` is wrong for "
-                               "this vLLM")
+        raise VllmAdapterError(
+            f"{type(layer).__name__} returned {type(out).__name__}, expected "
+            "(hidden_states, residual); the adapter's `returns` is wrong for "
+            "this vLLM"
+        )
     return out
 
 
 def request_key(token_ids) -> str:
     """Name of a prompt's capture file: a hash of its token ids (int64)."""
     return hashlib.sha1(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:20]
-
-

@@ -54,11 +54,19 @@ class VllmBackend:
         adapter = adapter_for(info.model_type)
         facts = gather_facts(config)
         problems = version_problems(facts) + config_problems(adapter, config)
-        path, path_problems = choose_path(self.v.get("extraction_path", "auto"), adapter, facts,
-                                          config, self.layer_ids, info.num_hidden_layers)
+        path, path_problems = choose_path(
+            self.v.get("extraction_path", "auto"),
+            adapter,
+            facts,
+            config,
+            self.layer_ids,
+            info.num_hidden_layers,
+        )
         if problems or path_problems:
-            raise ExtractError(f"{target}: vLLM {facts.version} cannot extract this target: "
-                               + "; ".join(problems + path_problems))
+            raise ExtractError(
+                f"{target}: vLLM {facts.version} cannot extract this target: "
+                + "; ".join(problems + path_problems)
+            )
         self.path = path
         self.scratch = Path(tempfile.mkdtemp(prefix="eyrie-vllm-"))
         kwargs = dict(
@@ -76,28 +84,42 @@ class VllmBackend:
         )
         if path == "native":
             kwargs.update(
-                speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                    "draft_model_config": {"hf_config": {
-                                        "eagle_aux_hidden_state_layer_ids": self.layer_ids}}},
-                kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector",
-                                    "kv_role": "kv_producer",
-                                    "kv_connector_extra_config": {"shared_storage_path": str(self.scratch)}},
+                speculative_config={
+                    "method": "extract_hidden_states",
+                    "num_speculative_tokens": 1,
+                    "draft_model_config": {
+                        "hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}
+                    },
+                },
+                kv_transfer_config={
+                    "kv_connector": "ExampleHiddenStatesConnector",
+                    "kv_role": "kv_producer",
+                    "kv_connector_extra_config": {"shared_storage_path": str(self.scratch)},
+                },
             )
         else:
             kwargs["worker_extension_cls"] = "eyrie.vllm.capture.CaptureExtension"
-        log.info("vLLM %s, %s path (adapter %s), layer ids %s, tensor parallel %d, scratch %s",
-                 facts.version, path, adapter.family, self.layer_ids,
-                 kwargs["tensor_parallel_size"], self.scratch)
+        log.info(
+            "vLLM %s, %s path (adapter %s), layer ids %s, tensor parallel %d, scratch %s",
+            facts.version,
+            path,
+            adapter.family,
+            self.layer_ids,
+            kwargs["tensor_parallel_size"],
+            self.scratch,
+        )
         self.llm = LLM(**kwargs)
         if path == "capture":
             info_ranks = self.llm.collective_rpc(
-                "eyrie_install_capture", args=(info.model_type, self.layer_ids, str(self.scratch)))
+                "eyrie_install_capture", args=(info.model_type, self.layer_ids, str(self.scratch))
+            )
             log.info("capture installed: %s", info_ranks)
 
     # ------------------------------------------------------------------ states
 
-    def states(self, input_ids: list[np.ndarray], storage: torch.dtype
-               ) -> Iterator[tuple[list[int], list[torch.Tensor], list[torch.Tensor]]]:
+    def states(
+        self, input_ids: list[np.ndarray], storage: torch.dtype
+    ) -> Iterator[tuple[list[int], list[torch.Tensor], list[torch.Tensor]]]:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -113,11 +135,14 @@ class VllmBackend:
                 hs, ids = self._read(path)
                 T = len(input_ids[i])
                 if hs.shape != (T, len(self.layer_ids), self.H) or not np.array_equal(
-                        ids, input_ids[i].astype(np.int64)):
-                    raise ExtractError(f"vLLM returned hidden states {tuple(hs.shape)} for a "
-                                       f"{T}-token prompt (expected {(T, len(self.layer_ids), self.H)}) "
-                                       "or other token ids; this vLLM's extraction is broken for "
-                                       "this target: try vllm.extraction_path: capture")
+                    ids, input_ids[i].astype(np.int64)
+                ):
+                    raise ExtractError(
+                        f"vLLM returned hidden states {tuple(hs.shape)} for a "
+                        f"{T}-token prompt (expected {(T, len(self.layer_ids), self.H)}) "
+                        "or other token ids; this vLLM's extraction is broken for "
+                        "this target: try vllm.extraction_path: capture"
+                    )
                 hs = hs.to(storage)
                 aux_list.append(hs[:, : self.n_aux].reshape(T, self.n_aux * self.H))
                 final_list.append(hs[:, self.n_aux])
@@ -142,17 +167,21 @@ class VllmBackend:
         if self.path == "native":
             params = out.kv_transfer_params or {}
             if "hidden_states_path" not in params:
-                raise ExtractError(f"vLLM request {out.request_id}: no hidden_states_path in "
-                                   f"kv_transfer_params ({sorted(params)}); the connector did not run")
+                raise ExtractError(
+                    f"vLLM request {out.request_id}: no hidden_states_path in "
+                    f"kv_transfer_params ({sorted(params)}); the connector did not run"
+                )
             return Path(params["hidden_states_path"])
         path = self.scratch / f"{key}.safetensors"
         deadline = time.monotonic() + FILE_WAIT_S
         while not path.exists():
             if time.monotonic() > deadline:
                 missing = self.llm.collective_rpc("eyrie_missing")[0]
-                raise ExtractError(f"capture: no states written for request {out.request_id} "
-                                   f"({len(missing)} expected requests still missing); the capture "
-                                   "forward was bypassed (is enforce_eager on?)")
+                raise ExtractError(
+                    f"capture: no states written for request {out.request_id} "
+                    f"({len(missing)} expected requests still missing); the capture "
+                    "forward was bypassed (is enforce_eager on?)"
+                )
             time.sleep(0.01)
         return path
 
@@ -180,5 +209,3 @@ class VllmBackend:
         shutil.rmtree(getattr(self, "scratch", ""), ignore_errors=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-

@@ -56,11 +56,14 @@ class _Recorder:
         self.layer_ids = layer_ids
         self.out_dir = out_dir
         self.expected: set[str] = set()
-        self.last_ids: torch.Tensor | None = None  # set by the wrapper's embed when ids go as embeds
+        self.last_ids: torch.Tensor | None = (
+            None  # set by the wrapper's embed when ids go as embeds
+        )
         self.written = 0
 
-    def record(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-               states: torch.Tensor) -> None:
+    def record(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, states: torch.Tensor
+    ) -> None:
         """input_ids, positions: [num_tokens]; states: [num_tokens, n_ids, H]."""
         if not self.expected:
             return
@@ -68,7 +71,9 @@ class _Recorder:
             input_ids = self.last_ids
         if input_ids is None:
             raise VllmAdapterError("capture: the forward got neither input_ids nor recorded ids")
-        pos = positions.reshape(-1).to("cpu").numpy()  # [num_tokens]; M-RoPE positions are not supported
+        pos = (
+            positions.reshape(-1).to("cpu").numpy()
+        )  # [num_tokens]; M-RoPE positions are not supported
         ids = input_ids.to("cpu").numpy()
         starts = [int(i) for i in (pos == 0).nonzero()[0]] + [len(pos)]
         for a, b in zip(starts[:-1], starts[1:]):
@@ -82,8 +87,13 @@ class _Recorder:
             tmp = path + f".tmp{os.getpid()}"
             from safetensors.torch import save_file
 
-            save_file({"hidden_states": states[a:b].to("cpu").contiguous(),
-                       "token_ids": torch.from_numpy(ids[a:b].astype("int64"))}, tmp)
+            save_file(
+                {
+                    "hidden_states": states[a:b].to("cpu").contiguous(),
+                    "token_ids": torch.from_numpy(ids[a:b].astype("int64")),
+                },
+                tmp,
+            )
             os.replace(tmp, path)
             self.expected.discard(key)
             self.written += 1
@@ -92,14 +102,19 @@ class _Recorder:
 def make_forward(adapter, inner, module, recorder: _Recorder, write: bool):
     """The replacement for `inner.forward` (same signature as vLLM's decoder-stack forward)."""
     embed = getattr(inner, next(m for m in EMBED_METHODS if hasattr(inner, m)))
-    layers = list(islice(getattr(inner, adapter.layers_attr), inner.start_layer, inner.end_layer)) \
-        if hasattr(inner, "start_layer") else list(getattr(inner, adapter.layers_attr))
+    layers = (
+        list(islice(getattr(inner, adapter.layers_attr), inner.start_layer, inner.end_layer))
+        if hasattr(inner, "start_layer")
+        else list(getattr(inner, adapter.layers_attr))
+    )
     norm = getattr(inner, adapter.norm_attr)
     config = inner.config
     ids = recorder.layer_ids
     N = len(layers)
 
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+    def forward(
+        self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs
+    ):
         hidden = inputs_embeds if inputs_embeds is not None else embed(input_ids)
         residual = None
         extras = {name: EXTRA_ARGS[name](config, positions, module) for name in adapter.extras}
@@ -125,22 +140,31 @@ class CaptureExtension:
     def eyrie_install_capture(self, model_type: str, layer_ids: list[int], out_dir: str) -> dict:
         try:
             adapter = adapter_for(model_type)
-            model = self.model_runner.get_model() if hasattr(self.model_runner, "get_model") \
+            model = (
+                self.model_runner.get_model()
+                if hasattr(self.model_runner, "get_model")
                 else self.model_runner.model
+            )
             lm, inner = _language_model(model)
             if type(inner).__name__ != adapter.model_class and not any(
-                    c.__name__ == adapter.model_class for c in type(inner).__mro__):
-                raise VllmAdapterError(f"capture: the language model is {type(inner).__name__}, but "
-                                       f"the {adapter.family} adapter expects {adapter.model_class}")
+                c.__name__ == adapter.model_class for c in type(inner).__mro__
+            ):
+                raise VllmAdapterError(
+                    f"capture: the language model is {type(inner).__name__}, but "
+                    f"the {adapter.family} adapter expects {adapter.model_class}"
+                )
             if not any(hasattr(inner, m) for m in EMBED_METHODS):
-                raise VllmAdapterError(f"capture: {type(inner).__name__} has none of {list(EMBED_METHODS)}")
+                raise VllmAdapterError(
+                    f"capture: {type(inner).__name__} has none of {list(EMBED_METHODS)}"
+                )
             module = importlib.import_module(f"vllm.model_executor.models.{adapter.module}")
             from vllm.distributed import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
             recorder = _Recorder(list(layer_ids), out_dir)
-            inner.forward = types.MethodType(make_forward(adapter, inner, module, recorder, rank == 0),
-                                             inner)
+            inner.forward = types.MethodType(
+                make_forward(adapter, inner, module, recorder, rank == 0), inner
+            )
             if lm is not model and hasattr(model, "embed_input_ids"):
                 # multimodal wrappers embed first and pass only embeddings down: keep the ids
                 original = model.embed_input_ids
@@ -151,8 +175,12 @@ class CaptureExtension:
 
                 model.embed_input_ids = embed_and_keep
             self._eyrie_recorder = recorder
-            return {"rank": rank, "model_class": type(inner).__name__, "adapter": adapter.family,
-                    "layers": len(getattr(inner, adapter.layers_attr))}
+            return {
+                "rank": rank,
+                "model_class": type(inner).__name__,
+                "adapter": adapter.family,
+                "layers": len(getattr(inner, adapter.layers_attr)),
+            }
         except Exception:
             log.error("eyrie capture install failed:\n%s", traceback.format_exc())
             raise
@@ -164,5 +192,3 @@ class CaptureExtension:
 
     def eyrie_missing(self) -> list[str]:
         return sorted(self._eyrie_recorder.expected)
-
-

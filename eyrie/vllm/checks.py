@@ -19,12 +19,16 @@ from eyrie.vllm.facts import VllmFacts, parse_version
 def capture_problems(adapter: VllmAdapter, facts: VllmFacts, config: dict) -> list[str]:
     """Why the capture path cannot drive this target on this vLLM ([] when it can)."""
     where = f"vLLM {facts.version} vllm.model_executor.models.{adapter.module}"
-    fix_adapter = "update the adapter in eyrie/vllm_adapters.py for this vLLM (docs/vllm.md) or " \
-                  "install a tested vLLM (bash scripts/setup-vllm.sh)"
+    fix_adapter = (
+        "update the adapter in eyrie/vllm_adapters.py for this vLLM (docs/vllm.md) or "
+        "install a tested vLLM (bash scripts/setup-vllm.sh)"
+    )
     out = []
     if not facts.worker_extension:
-        out.append(f"vLLM {facts.version}: no worker_extension_cls, so the capture path cannot "
-                   f"install itself; {fix_adapter}")
+        out.append(
+            f"vLLM {facts.version}: no worker_extension_cls, so the capture path cannot "
+            f"install itself; {fix_adapter}"
+        )
     if not facts.model_class_found:
         out.append(f"{where}: class {adapter.model_class} not found; {fix_adapter}")
     if not facts.layer_class_found:
@@ -33,27 +37,40 @@ def capture_problems(adapter: VllmAdapter, facts: VllmFacts, config: dict) -> li
         have = facts.layer_params
         unknown = [p for p in adapter.layer_params if p not in have]
         unfed = [p for p in (facts.layer_required or []) if p not in adapter.layer_params]
-        order_ok = adapter.call == "keyword" or have[:len(adapter.layer_params)] == list(adapter.layer_params)
+        order_ok = adapter.call == "keyword" or have[: len(adapter.layer_params)] == list(
+            adapter.layer_params
+        )
         if unknown or unfed or not order_ok:
-            out.append(f"{where}: {adapter.layer_class}.forward{tuple(have)} does not match the "
-                       f"adapter's {adapter.call} call {adapter.layer_params}"
-                       + (f" (missing {unknown})" if unknown else "")
-                       + (f" (required but not passed {unfed})" if unfed else "")
-                       + ("" if order_ok else " (positional order differs)") + f"; {fix_adapter}")
+            out.append(
+                f"{where}: {adapter.layer_class}.forward{tuple(have)} does not match the "
+                f"adapter's {adapter.call} call {adapter.layer_params}"
+                + (f" (missing {unknown})" if unknown else "")
+                + (f" (required but not passed {unfed})" if unfed else "")
+                + ("" if order_ok else " (positional order differs)")
+                + f"; {fix_adapter}"
+            )
     if facts.model_class_found and facts.embed_method is None:
-        out.append(f"{where}: {adapter.model_class} has neither of {list(EMBED_METHODS)}; {fix_adapter}")
+        out.append(
+            f"{where}: {adapter.model_class} has neither of {list(EMBED_METHODS)}; {fix_adapter}"
+        )
     text = config.get("text_config") or config
     for extra in adapter.extras:
         if extra == "llama_4_scaling" and text.get("llama_4_scaling") is not None:
             if not facts.helpers.get(extra):
-                out.append(f"{where}: config asks for llama_4_scaling but this vLLM has no "
-                           f"{EXTRA_HELPERS[extra]}; {fix_adapter}")
+                out.append(
+                    f"{where}: config asks for llama_4_scaling but this vLLM has no "
+                    f"{EXTRA_HELPERS[extra]}; {fix_adapter}"
+                )
             else:
                 have_params = (facts.helper_params or {}).get(extra)
-                if have_params is not None and not set(EXTRA_HELPER_PARAMS[extra]) <= set(have_params):
-                    out.append(f"{where}: {EXTRA_HELPERS[extra]}{tuple(have_params)} does not take "
-                               f"the keywords {EXTRA_HELPER_PARAMS[extra]} the adapter passes; "
-                               f"{fix_adapter}")
+                if have_params is not None and not set(EXTRA_HELPER_PARAMS[extra]) <= set(
+                    have_params
+                ):
+                    out.append(
+                        f"{where}: {EXTRA_HELPERS[extra]}{tuple(have_params)} does not take "
+                        f"the keywords {EXTRA_HELPER_PARAMS[extra]} the adapter passes; "
+                        f"{fix_adapter}"
+                    )
     return out
 
 
@@ -64,16 +81,27 @@ def config_problems(adapter: VllmAdapter, config: dict) -> list[str]:
     for attr, allowed in adapter.config_requires:
         value = text.get(attr)
         if value is None:
-            out.append(f"{where}{attr} missing: vLLM's {adapter.family} model needs it to build the "
-                       f"MoE routing (use {list(allowed) if allowed else 'the value of the original model'})")
+            out.append(
+                f"{where}{attr} missing: vLLM's {adapter.family} model needs it to build the "
+                f"MoE routing (use {list(allowed) if allowed else 'the value of the original model'})"
+            )
         elif allowed is not None and value not in allowed:
-            out.append(f"{where}{attr}={value!r}: vLLM's {adapter.family} model supports {list(allowed)}")
+            out.append(
+                f"{where}{attr}={value!r}: vLLM's {adapter.family} model supports {list(allowed)}"
+            )
     spec = text.get("llama_4_scaling")
-    if "llama_4_scaling" in adapter.extras and spec is not None and not (
-            isinstance(spec, dict) and {"original_max_position_embeddings", "beta"} <= set(spec)):
+    if (
+        "llama_4_scaling" in adapter.extras
+        and spec is not None
+        and not (
+            isinstance(spec, dict) and {"original_max_position_embeddings", "beta"} <= set(spec)
+        )
+    ):
         # vLLM's own forward reads both keys, whichever extraction path runs
-        out.append(f"{where}llama_4_scaling={spec!r} needs keys original_max_position_embeddings "
-                   "and beta; fix the target's config")
+        out.append(
+            f"{where}llama_4_scaling={spec!r} needs keys original_max_position_embeddings "
+            "and beta; fix the target's config"
+        )
     return out
 
 
@@ -88,49 +116,74 @@ def native_problems(facts: VllmFacts, layer_ids: list[int], num_layers: int) -> 
     if not facts.native_connector:
         out.append(f"{v}: KV connector {NATIVE_CONNECTOR} not registered")
     if not facts.eagle3_target:
-        out.append(f"{v}: {facts.architecture_class or facts.architecture} does not expose auxiliary "
-                   "hidden states (no set_aux_hidden_state_layers)")
+        out.append(
+            f"{v}: {facts.architecture_class or facts.architecture} does not expose auxiliary "
+            "hidden states (no set_aux_hidden_state_layers)"
+        )
     if facts.native_ids is None:
-        out.append(f"{v}: the {facts.model_type} model's forward captures no auxiliary hidden states")
+        out.append(
+            f"{v}: the {facts.model_type} model's forward captures no auxiliary hidden states"
+        )
     elif facts.native_ids == "1..N-1":
         bad = [i for i in layer_ids if not 1 <= i <= num_layers - 1]
         if bad:
-            out.append(f"{v}: the {facts.model_type} model captures states BEFORE each layer "
-                       f"(ids 1..{num_layers - 1}), so id {bad[0]}"
-                       + (" (the last layer's output, which the training targets need)"
-                          if bad[0] == num_layers else "") + " is never returned")
+            out.append(
+                f"{v}: the {facts.model_type} model captures states BEFORE each layer "
+                f"(ids 1..{num_layers - 1}), so id {bad[0]}"
+                + (
+                    " (the last layer's output, which the training targets need)"
+                    if bad[0] == num_layers
+                    else ""
+                )
+                + " is never returned"
+            )
     return out
 
 
-def choose_path(requested: str, adapter: VllmAdapter, facts: VllmFacts, config: dict,
-                layer_ids: list[int], num_layers: int) -> tuple[str | None, list[str]]:
+def choose_path(
+    requested: str,
+    adapter: VllmAdapter,
+    facts: VllmFacts,
+    config: dict,
+    layer_ids: list[int],
+    num_layers: int,
+) -> tuple[str | None, list[str]]:
     """(path to use, problems). `auto` prefers native and falls back to capture."""
     if requested not in PATHS:
         return None, [f"vllm.extraction_path={requested!r}: use one of {list(PATHS)}"]
     native = native_problems(facts, layer_ids, num_layers)
     capture = capture_problems(adapter, facts, config)
     if requested == "native":
-        return ("native", []) if not native else (None, [
-            f"vllm.extraction_path=native: {p}; set vllm.extraction_path to capture or auto"
-            for p in native])
+        return (
+            ("native", [])
+            if not native
+            else (
+                None,
+                [
+                    f"vllm.extraction_path=native: {p}; set vllm.extraction_path to capture or auto"
+                    for p in native
+                ],
+            )
+        )
     if requested == "capture":
         return ("capture", []) if not capture else (None, capture)
     if not native:
         return "native", []
     if not capture:
         return "capture", []
-    return None, [f"neither extraction path works: native: {'; '.join(native)}; capture: "
-                  f"{'; '.join(capture)}"]
+    return None, [
+        f"neither extraction path works: native: {'; '.join(native)}; capture: {'; '.join(capture)}"
+    ]
 
 
 def version_problems(facts: VllmFacts) -> list[str]:
     low, high = SUPPORTED_VLLM
     v = parse_version(facts.version)
     if not low <= v < high:
-        return [f"vLLM {facts.version} is outside the supported range "
-                f"[{'.'.join(map(str, low))}, {'.'.join(map(str, high))}); install a tested "
-                f"version ({', '.join(TESTED_VLLM)}: bash scripts/setup-vllm.sh) or point "
-                "vllm.python at an environment that has one"]
+        return [
+            f"vLLM {facts.version} is outside the supported range "
+            f"[{'.'.join(map(str, low))}, {'.'.join(map(str, high))}); install a tested "
+            f"version ({', '.join(TESTED_VLLM)}: bash scripts/setup-vllm.sh) or point "
+            "vllm.python at an environment that has one"
+        ]
     return []
-
-

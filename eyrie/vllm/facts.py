@@ -76,17 +76,25 @@ def _native_ids(model_cls) -> str | None:
 def layer_signature(layer_cls) -> tuple[list[str], list[str]]:
     """(forward parameters after self, those without a default) of a decoder layer class."""
     params = list(inspect.signature(layer_cls.forward).parameters.values())[1:]
-    required = [p.name for p in params if p.default is inspect.Parameter.empty
-                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required = [
+        p.name
+        for p in params
+        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
     return [p.name for p in params], required
 
 
 def inspect_classes(model_cls, layer_cls) -> dict:
     """The VllmFacts fields read from a decoder-stack class and its layer class (either None when
     the module lacks it). Works on any class, so checks can be run on classes built in tests."""
-    out: dict = {"model_class_found": model_cls is not None, "layer_class_found": layer_cls is not None,
-                 "layer_params": None, "layer_required": None, "embed_method": None,
-                 "native_ids": None}
+    out: dict = {
+        "model_class_found": model_cls is not None,
+        "layer_class_found": layer_cls is not None,
+        "layer_params": None,
+        "layer_required": None,
+        "embed_method": None,
+        "native_ids": None,
+    }
     if layer_cls is not None:
         out["layer_params"], out["layer_required"] = layer_signature(layer_cls)
     if model_cls is not None:
@@ -117,17 +125,25 @@ def gather_facts(config: dict) -> VllmFacts:
     model_type = text.get("model_type")
     adapter = adapter_for(model_type)
     archs = config.get("architectures") or []
-    facts = VllmFacts(version=vllm.__version__, model_type=model_type,
-                      architecture=archs[0] if archs else None, architecture_class=None,
-                      model_class_found=False, layer_class_found=False, layer_params=None,
-                      layer_required=None, embed_method=None)
+    facts = VllmFacts(
+        version=vllm.__version__,
+        model_type=model_type,
+        architecture=archs[0] if archs else None,
+        architecture_class=None,
+        model_class_found=False,
+        layer_class_found=False,
+        layer_params=None,
+        layer_required=None,
+        embed_method=None,
+    )
     try:
         module = importlib.import_module(f"vllm.model_executor.models.{adapter.module}")
     except ImportError:
         module = None
     if module is not None:
-        classes = inspect_classes(getattr(module, adapter.model_class, None),
-                                  getattr(module, adapter.layer_class, None))
+        classes = inspect_classes(
+            getattr(module, adapter.model_class, None), getattr(module, adapter.layer_class, None)
+        )
         for key, value in classes.items():
             setattr(facts, key, value)
     facts.helpers, facts.helper_params = inspect_helpers(module)
@@ -137,8 +153,9 @@ def gather_facts(config: dict) -> VllmFacts:
     if lazy is not None:
         arch_cls = getattr(importlib.import_module(lazy.module_name), lazy.class_name, None)
         facts.architecture_class = lazy.class_name
-        facts.eagle3_target = bool(arch_cls is not None and
-                                   hasattr(arch_cls, "set_aux_hidden_state_layers"))
+        facts.eagle3_target = bool(
+            arch_cls is not None and hasattr(arch_cls, "set_aux_hidden_state_layers")
+        )
     try:
         import vllm.config.speculative as spec_mod
 
@@ -153,8 +170,9 @@ def gather_facts(config: dict) -> VllmFacts:
         facts.native_connector = False
     from vllm.config import ParallelConfig
 
-    facts.worker_extension = "worker_extension_cls" in getattr(ParallelConfig, "__dataclass_fields__", {}) \
-        or hasattr(ParallelConfig, "worker_extension_cls")
+    facts.worker_extension = "worker_extension_cls" in getattr(
+        ParallelConfig, "__dataclass_fields__", {}
+    ) or hasattr(ParallelConfig, "worker_extension_cls")
     try:
         from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
@@ -169,5 +187,3 @@ def gather_facts(config: dict) -> VllmFacts:
     except (ImportError, AttributeError, KeyError, OSError, TypeError):
         facts.eagle3_draft_fields = None
     return facts
-
-

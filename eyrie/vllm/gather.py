@@ -16,9 +16,13 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--config", required=True, action="append",
-                        help="a target's config.json (repeat it: one JSON line per config, one "
-                             "vLLM import for all)")
+    parser.add_argument(
+        "--config",
+        required=True,
+        action="append",
+        help="a target's config.json (repeat it: one JSON line per config, one "
+        "vLLM import for all)",
+    )
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)  # vLLM's import-time chatter goes to stderr anyway
     for path in args.config:
@@ -34,5 +38,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-

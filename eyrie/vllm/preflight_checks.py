@@ -51,16 +51,23 @@ GIB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-SETUP_FIX = "run bash scripts/setup-vllm.sh or set vllm.python to the Python of an environment " \
-            "with vLLM and eyrie"
+SETUP_FIX = (
+    "run bash scripts/setup-vllm.sh or set vllm.python to the Python of an environment "
+    "with vLLM and eyrie"
+)
 
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 # the vllm keys the checks read (enforce_eager and max_model_len change no verdict)
-VLLM_KEYS = ("python", "extraction_path", "tensor_parallel_size", "gpu_memory_gib",
-             "gpu_memory_utilization")
+VLLM_KEYS = (
+    "python",
+    "extraction_path",
+    "tensor_parallel_size",
+    "gpu_memory_gib",
+    "gpu_memory_utilization",
+)
 
 
 # facts per (vLLM python, config.json content), so a process asks each environment once per config
@@ -89,9 +96,11 @@ VLLM_EXTRACT_KEYS = ("extraction_path", "tensor_parallel_size")
 def rule_settings(config: dict) -> dict:
     """The settings compared by the preflight rule's params trigger: only what also changes the
     extraction (preflight.json is an input of every later rule, so a preflight rerun reruns them)."""
-    out = {"layers": config["layers"],
-           "extract": {"storage_dtype": config["extract"]["storage_dtype"]},
-           "trust_remote_code": config["target"]["trust_remote_code"]}
+    out = {
+        "layers": config["layers"],
+        "extract": {"storage_dtype": config["extract"]["storage_dtype"]},
+        "trust_remote_code": config["target"]["trust_remote_code"],
+    }
     if config["extract"]["backend"] == "vllm":
         out["extract"]["backend"] = "vllm"
         out["vllm"] = {k: config["vllm"][k] for k in VLLM_EXTRACT_KEYS}
@@ -105,15 +114,19 @@ def runtime_settings(config: dict) -> dict:
     runs, and evaluate-vllm repeats the vLLM checks in its first seconds."""
     if config["extract"]["backend"] != "vllm" and not config["eval"]["vllm"]:
         return {}
-    return {"eval": {"vllm": config["eval"]["vllm"]},
-            "vllm": {k: config["vllm"][k] for k in VLLM_KEYS}}
+    return {
+        "eval": {"vllm": config["eval"]["vllm"]},
+        "vllm": {k: config["vllm"][k] for k in VLLM_KEYS},
+    }
 
 
 def merge_settings(settings: dict, runtime: dict) -> dict:
     """settings with runtime's sections merged in (runtime keys win)."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in settings.items()}
     for section, values in runtime.items():
-        out[section] = {**(out.get(section) or {}), **values} if isinstance(values, dict) else values
+        out[section] = (
+            {**(out.get(section) or {}), **values} if isinstance(values, dict) else values
+        )
     return out
 
 
@@ -137,20 +150,30 @@ def run_gatherer(python: Path, configs: list[dict], timeout: float = FACTS_TIMEO
         env.pop("PYTHONPATH", None)  # the training environment's paths must not leak into vLLM's
         try:
             # cwd: an empty folder, so that the eyrie installed in the vLLM environment is imported
-            proc = subprocess.run([str(python), "-m", "eyrie.vllm.gather", *args], cwd=tmp,
-                                  env=env, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(
+                [str(python), "-m", "eyrie.vllm.gather", *args],
+                cwd=tmp,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired:
-            raise VllmEnvError(f"vllm.python={python}: reading the installed vLLM's facts took more "
-                               f"than {timeout:.0f} s (does `import vllm` hang?); check that "
-                               f"environment or {SETUP_FIX}") from None
+            raise VllmEnvError(
+                f"vllm.python={python}: reading the installed vLLM's facts took more "
+                f"than {timeout:.0f} s (does `import vllm` hang?); check that "
+                f"environment or {SETUP_FIX}"
+            ) from None
         except OSError as exc:
-            raise VllmEnvError(f"vllm.python={python}: cannot run it ({type(exc).__name__}: {exc}); "
-                               f"{SETUP_FIX}") from None
+            raise VllmEnvError(
+                f"vllm.python={python}: cannot run it ({type(exc).__name__}: {exc}); {SETUP_FIX}"
+            ) from None
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
         last = lines[-1].strip() if lines else f"exit status {proc.returncode}, no output"
-        raise VllmEnvError(f"vllm.python={python}: `python -m eyrie.vllm.gather` failed ({last}); "
-                           f"{SETUP_FIX}")
+        raise VllmEnvError(
+            f"vllm.python={python}: `python -m eyrie.vllm.gather` failed ({last}); {SETUP_FIX}"
+        )
     out = []
     for line in proc.stdout.splitlines():
         try:
@@ -160,15 +183,20 @@ def run_gatherer(python: Path, configs: list[dict], timeout: float = FACTS_TIMEO
         if isinstance(obj, dict) and ("version" in obj or "error" in obj):
             out.append(obj)
     if len(out) != len(configs):
-        raise VllmEnvError(f"vllm.python={python}: expected {len(configs)} facts line(s) from "
-                           f"eyrie.vllm.gather, got {len(out)}; {SETUP_FIX}")
+        raise VllmEnvError(
+            f"vllm.python={python}: expected {len(configs)} facts line(s) from "
+            f"eyrie.vllm.gather, got {len(out)}; {SETUP_FIX}"
+        )
     return out
 
 
 def facts_config(config: dict) -> dict:
     """What eyrie.vllm.facts.gather_facts reads from a config.json: architectures and the model
     types (text_config's for wrappers). Sending only these makes config variants share facts."""
-    out = {"model_type": config.get("model_type"), "architectures": config.get("architectures") or []}
+    out = {
+        "model_type": config.get("model_type"),
+        "architectures": config.get("architectures") or [],
+    }
     if config.get("text_config"):
         out["text_config"] = {"model_type": config["text_config"].get("model_type")}
     return out
@@ -192,8 +220,11 @@ def _moe_layers(text: dict, num_layers: int) -> int:
     first_dense = int(text.get("first_k_dense_replace") or 0)
     freq = int(text.get("moe_layer_freq") or text.get("decoder_sparse_step") or 1)
     dense_only = set(text.get("mlp_only_layers") or [])
-    return sum(1 for i in range(num_layers)
-               if i >= first_dense and (i + 1) % freq == 0 and i not in dense_only)
+    return sum(
+        1
+        for i in range(num_layers)
+        if i >= first_dense and (i + 1) % freq == 0 and i not in dense_only
+    )
 
 
 def count_parameters(text: dict) -> int:
@@ -211,7 +242,9 @@ def count_parameters(text: dict) -> int:
     else:
         hd = text.get("head_dim") or H // nh
         attn = H * nh * hd + 2 * H * nkv * hd + nh * hd * H
-    experts = text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts")
+    experts = (
+        text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts")
+    )
     dense_mlp = 3 * H * text["intermediate_size"]
     moe = _moe_layers(text, L) if experts else 0
     if experts:
@@ -229,26 +262,38 @@ def weight_bytes(target: Path, config: dict) -> dict:
     or, when the folder has none, the parameter count from config.json x the dtype's bytes."""
     files = sorted(Path(target).glob("*.safetensors"))
     if files:
-        return {"bytes": sum(f.stat().st_size for f in files),
-                "source": f"{len(files)} *.safetensors file(s) in {target}", "upper_bound": False}
+        return {
+            "bytes": sum(f.stat().st_size for f in files),
+            "source": f"{len(files)} *.safetensors file(s) in {target}",
+            "upper_bound": False,
+        }
     text = config.get("text_config") or config
     dtype = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16"
     per = DTYPE_BYTES.get(str(dtype), 2)
     try:
         params = count_parameters(text)
     except (KeyError, TypeError) as exc:
-        return {"bytes": None, "upper_bound": True,
-                "source": f"no *.safetensors in {target} and config.json lacks {exc} to count "
-                          "parameters"}
+        return {
+            "bytes": None,
+            "upper_bound": True,
+            "source": f"no *.safetensors in {target} and config.json lacks {exc} to count "
+            "parameters",
+        }
     quantized = bool(text.get("quantization_config") or config.get("quantization_config"))
     bound = "; the checkpoint is quantized, so this is an upper bound" if quantized else ""
-    return {"bytes": params * per, "parameters": params, "dtype": dtype, "upper_bound": quantized,
-            "source": f"parameter count from config.json ({params / 1e9:.2f} B x {per} bytes, "
-                      f"{dtype}{bound})"}
+    return {
+        "bytes": params * per,
+        "parameters": params,
+        "dtype": dtype,
+        "upper_bound": quantized,
+        "source": f"parameter count from config.json ({params / 1e9:.2f} B x {per} bytes, "
+        f"{dtype}{bound})",
+    }
 
 
-def memory_check(target: Path, config: dict, v: dict,
-                 info: TargetInfo | None = None) -> tuple[dict, list[str], list[str]]:
+def memory_check(
+    target: Path, config: dict, v: dict, info: TargetInfo | None = None
+) -> tuple[dict, list[str], list[str]]:
     """(estimate, problems, warnings): weights against WEIGHT_FRACTION of the GPUs' budget. The
     suggested tensor_parallel_size is the smallest that fits and that the heads allow (`info`)."""
     tp = int(v.get("tensor_parallel_size", 1))
@@ -257,25 +302,38 @@ def memory_check(target: Path, config: dict, v: dict,
     budget = tp * gib * util * GIB
     allowed = WEIGHT_FRACTION * budget
     if w["bytes"] is None:
-        return {**w, "budget_gib": round(budget / GIB, 3), "fits": None}, [], [
-            f"weight memory not estimated: {w['source']}"]
+        return (
+            {**w, "budget_gib": round(budget / GIB, 3), "fits": None},
+            [],
+            [f"weight memory not estimated: {w['source']}"],
+        )
     need = max(1, math.ceil(w["bytes"] / (WEIGHT_FRACTION * gib * util * GIB)))
     if info is not None:  # None: no tensor_parallel_size the attention heads allow is enough
         need = next((t for t in range(need, need + 4096) if not parallel_problems(info, t)), None)
-    est = {**w, "weights_gib": round(w["bytes"] / GIB, 3), "budget_gib": round(budget / GIB, 3),
-           "weight_fraction": WEIGHT_FRACTION, "fits": w["bytes"] <= allowed,
-           "min_tensor_parallel_size": need}
+    est = {
+        **w,
+        "weights_gib": round(w["bytes"] / GIB, 3),
+        "budget_gib": round(budget / GIB, 3),
+        "weight_fraction": WEIGHT_FRACTION,
+        "fits": w["bytes"] <= allowed,
+        "min_tensor_parallel_size": need,
+    }
     if est["fits"]:
         return est, [], []
-    text = (f"{target}: the weights need ~{w['bytes'] / GIB:.1f} GiB ({w['source']}) but "
-            f"vllm.tensor_parallel_size={tp} x vllm.gpu_memory_gib={gib:g} x "
-            f"vllm.gpu_memory_utilization={util:g} = {budget / GIB:.1f} GiB leaves "
-            f"{allowed / GIB:.1f} GiB for them ({WEIGHT_FRACTION:.0%}; the rest is for activations "
-            "and the KV cache); "
-            + (f"use vllm.tensor_parallel_size={need} (GPUs of that memory) or larger GPUs "
-               "(vllm.gpu_memory_gib)" if need is not None else
-               "no tensor_parallel_size the attention heads allow is enough: use GPUs with more "
-               "memory (vllm.gpu_memory_gib)"))
+    text = (
+        f"{target}: the weights need ~{w['bytes'] / GIB:.1f} GiB ({w['source']}) but "
+        f"vllm.tensor_parallel_size={tp} x vllm.gpu_memory_gib={gib:g} x "
+        f"vllm.gpu_memory_utilization={util:g} = {budget / GIB:.1f} GiB leaves "
+        f"{allowed / GIB:.1f} GiB for them ({WEIGHT_FRACTION:.0%}; the rest is for activations "
+        "and the KV cache); "
+        + (
+            f"use vllm.tensor_parallel_size={need} (GPUs of that memory) or larger GPUs "
+            "(vllm.gpu_memory_gib)"
+            if need is not None
+            else "no tensor_parallel_size the attention heads allow is enough: use GPUs with more "
+            "memory (vllm.gpu_memory_gib)"
+        )
+    )
     return (est, [], [text]) if w["upper_bound"] else (est, [text], [])
 
 
@@ -288,41 +346,66 @@ def parallel_problems(info: TargetInfo, tp: int) -> list[str]:
     kv = info.text_config.get("num_key_value_heads")
     if isinstance(heads, int) and heads % tp:
         ok = [d for d in range(1, heads + 1) if heads % d == 0]
-        out.append(f"vllm.tensor_parallel_size={tp} does not divide {where}num_attention_heads="
-                   f"{heads}; use one of {ok[:12]}")
+        out.append(
+            f"vllm.tensor_parallel_size={tp} does not divide {where}num_attention_heads="
+            f"{heads}; use one of {ok[:12]}"
+        )
     if isinstance(kv, int) and kv > 0 and kv % tp and tp % kv:
-        out.append(f"vllm.tensor_parallel_size={tp}: {where}num_key_value_heads={kv} can be neither "
-                   f"split ({kv} % {tp} != 0) nor replicated ({tp} % {kv} != 0) across the GPUs; use "
-                   "a tensor_parallel_size that divides or is a multiple of it")
+        out.append(
+            f"vllm.tensor_parallel_size={tp}: {where}num_key_value_heads={kv} can be neither "
+            f"split ({kv} % {tp} != 0) nor replicated ({tp} % {kv} != 0) across the GPUs; use "
+            "a tensor_parallel_size that divides or is a multiple of it"
+        )
     return out
 
 
-def quantization_check(config: dict, facts: VllmFacts | None
-                       ) -> tuple[dict | None, list[str], list[str]]:
+def quantization_check(
+    config: dict, facts: VllmFacts | None
+) -> tuple[dict | None, list[str], list[str]]:
     """(what the report says about quantization, problems, warnings). A problem only for what vLLM
     cannot load: a quantization_config without quant_method (vLLM reads quant_cfg["quant_method"])."""
     text = config.get("text_config") or {}
-    where, q = ("config.json: text_config.quantization_config", text["quantization_config"]) \
-        if text.get("quantization_config") else ("config.json: quantization_config",
-                                                  config.get("quantization_config"))
+    where, q = (
+        ("config.json: text_config.quantization_config", text["quantization_config"])
+        if text.get("quantization_config")
+        else ("config.json: quantization_config", config.get("quantization_config"))
+    )
     if not q:
         return None, [], []
     method = q.get("quant_method") if isinstance(q, dict) else None
     report = {"quant_method": method, "where": where.split(": ", 1)[1]}
     if not method:
-        return report, [f"{where} has no quant_method, which vLLM reads to pick the weight loader "
-                        "(KeyError at load); add the method the checkpoint was quantized with "
-                        "(e.g. \"fp8\", \"compressed-tensors\")"], []
+        return (
+            report,
+            [
+                f"{where} has no quant_method, which vLLM reads to pick the weight loader "
+                "(KeyError at load); add the method the checkpoint was quantized with "
+                '(e.g. "fp8", "compressed-tensors")'
+            ],
+            [],
+        )
     known = facts.quantization_methods if facts is not None else None
     if known is not None and method not in known:
-        return report, [], [f"{where}.quant_method={method!r} is not one of vLLM {facts.version}'s "
-                            "quantization methods; vLLM will refuse it unless one of its methods "
-                            "recognises the checkpoint"]
+        return (
+            report,
+            [],
+            [
+                f"{where}.quant_method={method!r} is not one of vLLM {facts.version}'s "
+                "quantization methods; vLLM will refuse it unless one of its methods "
+                "recognises the checkpoint"
+            ],
+        )
     return report, [], []
 
 
-def vllm_checks(target: Path, info: TargetInfo, aux_ids: list[int], final_id: int, settings: dict,
-                facts: VllmFacts | None = None) -> dict:
+def vllm_checks(
+    target: Path,
+    info: TargetInfo,
+    aux_ids: list[int],
+    final_id: int,
+    settings: dict,
+    facts: VllmFacts | None = None,
+) -> dict:
     """{"problems": [...], "warnings": [...], "report": preflight.json's `vllm` object}.
 
     `facts`: the installed vLLM's facts; None runs `vllm.python -m eyrie.vllm.gather` for them.
@@ -334,11 +417,20 @@ def vllm_checks(target: Path, info: TargetInfo, aux_ids: list[int], final_id: in
     warnings: list[str] = []
     config = read_config(target)
     tp = int(v.get("tensor_parallel_size", 1))
-    report: dict = {"used_for": used, "python": None, "version": None,
-                    "supported": f"[{'.'.join(map(str, SUPPORTED_VLLM[0]))}, "
-                                 f"{'.'.join(map(str, SUPPORTED_VLLM[1]))})",
-                    "tested": sorted(TESTED_VLLM), "adapter": None, "extraction_path": None,
-                    "quantization": None, "tensor_parallel_size": tp, "memory": None, "facts": None}
+    report: dict = {
+        "used_for": used,
+        "python": None,
+        "version": None,
+        "supported": f"[{'.'.join(map(str, SUPPORTED_VLLM[0]))}, "
+        f"{'.'.join(map(str, SUPPORTED_VLLM[1]))})",
+        "tested": sorted(TESTED_VLLM),
+        "adapter": None,
+        "extraction_path": None,
+        "quantization": None,
+        "tensor_parallel_size": tp,
+        "memory": None,
+        "facts": None,
+    }
 
     # the adapter, from eyrie's registry (needs no vLLM)
     try:
@@ -354,8 +446,10 @@ def vllm_checks(target: Path, info: TargetInfo, aux_ids: list[int], final_id: in
     if facts is None and adapter is not None:
         python = resolve_python(str(v.get("python", ".venv-vllm/bin/python")))
         if not (python.is_file() and os.access(python, os.X_OK)):
-            problems.append(f"vllm.python={v.get('python')!r}: no vLLM environment there ({python} "
-                            f"is not an executable file); {SETUP_FIX}")
+            problems.append(
+                f"vllm.python={v.get('python')!r}: no vLLM environment there ({python} "
+                f"is not an executable file); {SETUP_FIX}"
+            )
         else:
             report["python"] = str(python)
             try:
@@ -371,34 +465,49 @@ def vllm_checks(target: Path, info: TargetInfo, aux_ids: list[int], final_id: in
         report["facts"] = facts.to_json()
         problems += version_problems(facts)
         if facts.version not in TESTED_VLLM and not version_problems(facts):
-            warnings.append(f"vLLM {facts.version} is in the supported range but untested (tested: "
-                            f"{', '.join(TESTED_VLLM)}); docs/vllm.md says what to run on a GPU first")
+            warnings.append(
+                f"vLLM {facts.version} is in the supported range but untested (tested: "
+                f"{', '.join(TESTED_VLLM)}); docs/vllm.md says what to run on a GPU first"
+            )
         if facts.architecture is None:
-            problems.append(f"{target / 'config.json'}: no architectures entry; vLLM picks the model "
-                            "class from architectures[0]: add it (e.g. from the original model)")
+            problems.append(
+                f"{target / 'config.json'}: no architectures entry; vLLM picks the model "
+                "class from architectures[0]: add it (e.g. from the original model)"
+            )
         elif facts.architecture_class is None:
-            problems.append(f"{target / 'config.json'}: architectures[0]={facts.architecture!r} is not "
-                            f"a model vLLM {facts.version} knows; use a vLLM that supports it")
+            problems.append(
+                f"{target / 'config.json'}: architectures[0]={facts.architecture!r} is not "
+                f"a model vLLM {facts.version} knows; use a vLLM that supports it"
+            )
         elif "eval" in used and not facts.eagle3_target:
-            problems.append(f"eval.vllm: vLLM {facts.version}'s {facts.architecture_class} cannot be an "
-                            "EAGLE-3 target (no set_aux_hidden_state_layers, so the draft gets no "
-                            "hidden states); set eval.vllm: false or use a vLLM that supports it")
+            problems.append(
+                f"eval.vllm: vLLM {facts.version}'s {facts.architecture_class} cannot be an "
+                "EAGLE-3 target (no set_aux_hidden_state_layers, so the draft gets no "
+                "hidden states); set eval.vllm: false or use a vLLM that supports it"
+            )
 
     # the extraction path: chosen exactly as eyrie.vllm.backend will choose it
     requested = str(v.get("extraction_path", "auto"))
     if "extract" in used and adapter is not None and facts is not None and aux_ids:
         layer_ids = list(aux_ids) + [final_id]
-        path, path_problems = choose_path(requested, adapter, facts, config, layer_ids,
-                                          info.num_hidden_layers)
+        path, path_problems = choose_path(
+            requested, adapter, facts, config, layer_ids, info.num_hidden_layers
+        )
         problems += path_problems
         refused = native_problems(facts, layer_ids, info.num_hidden_layers)
         report["extraction_path"] = {
-            "requested": requested, "chosen": path, "layer_ids": layer_ids,
+            "requested": requested,
+            "chosen": path,
+            "layer_ids": layer_ids,
             "native_refused": refused if path != "native" else [],
-            "returns": None if path is None else (
+            "returns": None
+            if path is None
+            else (
                 "vLLM's extract_hidden_states method + ExampleHiddenStatesConnector: one safetensors "
-                "file per request" if path == "native" else
-                "eyrie.vllm.capture worker extension (eager): the residual stream at each id"),
+                "file per request"
+                if path == "native"
+                else "eyrie.vllm.capture worker extension (eager): the residual stream at each id"
+            ),
         }
 
     quant, q_problems, q_warnings = quantization_check(config, facts)
@@ -426,5 +535,3 @@ def verdict(report: dict) -> str:
     if mem.get("bytes") is not None:
         text += f"; weights ~{mem['weights_gib']:.1f} GiB of {mem['budget_gib']:.1f} GiB"
     return text
-
-
