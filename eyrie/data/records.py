@@ -1,21 +1,9 @@
 """Conversation files -> records -> normalized messages, and why a record cannot be used.
 
-File types (by suffix, case-insensitive): `.jsonl` (one record per line, blank lines skipped),
-`.json` (one list of records) and `.parquet` (one record per row; a column that is null in a row
-is left out of that record). Anything else, a missing file, a `.json` file that is not valid JSON
-or not a list, or a `.parquet` file Arrow cannot read stops with DataError.
-
-A record is OpenAI form `{"messages": [{"role", "content"}]}` (roles system / user / assistant) or
-ShareGPT form `{"conversations": [{"from", "value"}]}` (from system / human / gpt); `to_messages`
-turns either into `[{"role": "system"|"user"|"assistant", "content": str}]`.
-
-Records are named `"<file>:<line>"`: the 1-based line of a .jsonl file (blank lines count for
-the numbering), the 0-based record index of a .json list or a .parquet table.
-
-A record that cannot be used raises (or, for a .jsonl line that is not JSON, carries) RecordError
-with a `reason` from REASONS, which also says what the user can do about it. Reading and
-normalization give bad_json, unknown_format, unknown_role, no_assistant_turn, empty_content and
-non_text_content; the tokenize stage adds template_error and no_assistant_tokens_after_truncation.
+`read_records` yields the records of one `.jsonl`, `.json` or `.parquet` file, each named
+`"<file>:<line>"`; `to_messages` turns an OpenAI- or ShareGPT-form record into
+`[{"role", "content"}]`. A file that cannot be read raises DataError; a record that cannot be
+used raises (or carries) RecordError with a reason from REASONS. docs/data.md#input-files.
 """
 
 from __future__ import annotations
@@ -40,7 +28,9 @@ REASONS = {
     "unknown_role": "use roles system/user/assistant (ShareGPT: system/human/gpt)",
     "no_assistant_turn": "add an assistant turn (only assistant tokens are trained on)",
     "empty_content": "give every turn non-empty text, or remove the empty turn",
-    "non_text_content": "flatten the content to a plain string (multimodal/structured parts are not supported)",
+    "non_text_content": (
+        "flatten the content to a plain string (multimodal/structured parts are not supported)"
+    ),
     "template_error": (
         "the target's chat template failed or is not prefix-stable for this "
         "conversation; fix the conversation or use a prefix-stable template"
@@ -134,7 +124,7 @@ def read_records(path: str | Path) -> Iterator[RawRecord]:
 
 
 def to_messages(obj: object) -> list[dict]:
-    """Normalize an OpenAI- or ShareGPT-form record to `[{"role", "content"}]` or raise RecordError."""
+    """An OpenAI- or ShareGPT-form record as `[{"role", "content"}]`; RecordError if unusable."""
     if not isinstance(obj, dict):
         raise RecordError("unknown_format", f"record is a JSON {type(obj).__name__}, not an object")
     if "messages" in obj:

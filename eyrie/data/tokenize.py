@@ -1,20 +1,9 @@
 """Conversations -> tokenized shards with assistant-only loss masks, and a held-out eval split.
 
-`eyrie tokenize --target DIR --inputs F [F ...] --out-dir DIR --settings JSON`
-
-Inputs are `.jsonl`, `.json` or `.parquet` files of OpenAI- or ShareGPT-form records, read and
-normalized by `eyrie.data.records` (which documents the file types, record forms and `"<file>:<line>"`
-record names).
-
-The loss mask comes from prefix rendering with the target's own chat template: for assistant turn
-i, `render(messages[:i], add_generation_prompt=True)` and `render(messages[:i+1])` must both be
-string prefixes of the whole rendering; the characters between them, less trailing whitespace
-the template writes after the turn's end token, are the assistant span (content and end token). Tokens whose character span starts inside an assistant span
-get mask 1. A template for which this does not hold (not prefix-stable) gives `template_error`.
-
-Unusable records are never dropped silently: each is counted by reason and listed with its
-`file:line` in report.json, or, with `data.strict: true`, the first one stops the stage with one
-line naming it.
+`eyrie tokenize --target DIR --inputs F [F ...] --out-dir DIR --settings JSON` writes
+`shard_NNN.parquet`, `eval.parquet` and `report.json` into DIR, all at once. Every unusable record
+is counted by reason and listed in report.json, or with `data.strict: true` stops the stage.
+How records are read, masked and split: docs/data.md; the files: docs/contracts.md#files.
 """
 
 from __future__ import annotations
@@ -38,7 +27,7 @@ from eyrie.data.records import (
     read_records,
     to_messages,
 )
-from eyrie.errors import DataError
+from eyrie.errors import DataError, TargetError
 from eyrie.formats.tokenized import EVAL_SCHEMA, SHARD_SCHEMA
 from eyrie.io import atomic_path, provenance
 
@@ -108,9 +97,14 @@ class Tally:
             counts[d["reason"]] += 1
         return counts
 
+    def drop(self, raw: RawRecord, err: RecordError) -> None:
+        self.dropped.append(
+            {"file": raw.file, "line": raw.line, "reason": err.reason, "detail": err.detail}
+        )
+
 
 def tokenize_record(tokenizer, raw: RawRecord, max_seq_len: int) -> tuple[Example, bool]:
-    """One record -> (example truncated to max_seq_len, whether it was truncated); RecordError if unusable."""
+    """One record -> (example cut to max_seq_len, whether it was cut); RecordError if unusable."""
     if raw.error is not None:
         raise raw.error
     messages = to_messages(raw.obj)
@@ -128,13 +122,8 @@ def tokenize_record(tokenizer, raw: RawRecord, max_seq_len: int) -> tuple[Exampl
 def collect_examples(
     tokenizer, inputs: list[str | Path], max_seq_len: int, strict: bool
 ) -> tuple[list[Example], Tally]:
-    """Read and tokenize every record of `inputs`, in order; count (or, strict, raise on) unusable ones."""
-    missing = [str(p) for p in inputs if not Path(p).is_file()]
-    if missing:
-        raise DataError(
-            f"{missing[0]}: input file not found"
-            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; fix data.conversations"
-        )
+    """Every record of `inputs` in order, tokenized; unusable ones counted (strict: raised)."""
+    _require_files(inputs)
     examples, tally = [], Tally()
     for path in inputs:
         read_before, used_before = tally.records_read, len(examples)
@@ -144,36 +133,42 @@ def collect_examples(
                 example, truncated = tokenize_record(tokenizer, raw, max_seq_len)
             except RecordError as err:
                 if strict:
-                    raise DataError(
-                        f"{raw.sample_id}: {err.reason}: {err.detail}; {REASONS[err.reason]} "
-                        "(or set data.strict: false to count and skip such records)"
-                    ) from err
-                tally.dropped.append(
-                    {"file": raw.file, "line": raw.line, "reason": err.reason, "detail": err.detail}
-                )
+                    raise _strict_error(raw, err) from err
+                tally.drop(raw, err)
                 continue
             examples.append(example)
             tally.truncated += truncated
             if tally.records_read % LOG_EVERY == 0:
                 log.info("%d records read, %d usable", tally.records_read, len(examples))
+        read, used = tally.records_read - read_before, len(examples) - used_before
         tally.per_file[str(path)] = {
-            "records_read": tally.records_read - read_before,
-            "records_used": len(examples) - used_before,
+            "records_read": read,
+            "records_used": used,
             "sha256": _sha256(path),
         }
-        log.info(
-            "%s: %d records, %d usable",
-            path,
-            tally.records_read - read_before,
-            len(examples) - used_before,
-        )
+        log.info("%s: %d records, %d usable", path, read, used)
     return examples, tally
+
+
+def _require_files(inputs: list[str | Path]) -> None:
+    """Every input file exists, checked before any is read: one error for all that are missing."""
+    missing = [str(p) for p in inputs if not Path(p).is_file()]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise DataError(f"{missing[0]}: input file not found{more}; fix data.conversations")
+
+
+def _strict_error(raw: RawRecord, err: RecordError) -> DataError:
+    return DataError(
+        f"{raw.sample_id}: {err.reason}: {err.detail}; {REASONS[err.reason]} "
+        "(or set data.strict: false to count and skip such records)"
+    )
 
 
 def split_examples(
     examples: list[Example], num_eval: int, num_shards: int, seed: int
 ) -> tuple[list[Example], list[list[Example]]]:
-    """Shuffle with `seed`; the first num_eval are eval, the rest dealt into contiguous near-equal shards."""
+    """Shuffle with `seed`: the first num_eval are eval, the rest cut into contiguous shards."""
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
     shuffled = [examples[i] for i in order]
@@ -217,7 +212,7 @@ def _sha256(path: str | Path) -> str:
 def tokenize(
     target: str | Path, inputs: list[str | Path], out_dir: str | Path, settings: dict
 ) -> dict:
-    """The whole stage: write shards, eval.parquet and report.json into `out_dir`; return the report."""
+    """The whole stage: shards, eval.parquet and report.json into `out_dir`; returns the report."""
     cfg = DataSettings.from_settings(settings)
     trust = settings.get("trust_remote_code", False)
     if not isinstance(trust, bool):
@@ -232,29 +227,12 @@ def tokenize(
         cfg.max_seq_len,
     )
     examples, tally = collect_examples(tokenizer, inputs, cfg.max_seq_len, cfg.strict)
-
-    need = cfg.num_eval + cfg.num_shards
-    if len(examples) < need:
-        dropped = {k: v for k, v in tally.by_reason().items() if v}
-        raise DataError(
-            f"only {len(examples)} usable records of {tally.records_read} read (dropped: "
-            f"{dropped or 'none'}); need at least data.num_eval + data.num_shards = "
-            f"{cfg.num_eval} + {cfg.num_shards} = {need}: lower data.num_eval/data.num_shards "
-            "or add conversations"
-        )
+    _require_enough(examples, tally, cfg)
     held_out, shards = split_examples(examples, cfg.num_eval, cfg.num_shards, cfg.seed)
     prompts = [prompt_ids(tokenizer, e.messages) for e in held_out]
-
-    from eyrie.arch.target import tokenizer_hash
-    from eyrie.errors import TargetError
-
-    try:
-        tok_hash = tokenizer_hash(target)
-    except TargetError:
-        tok_hash = None
     report = {
         "target": str(target),
-        "tokenizer_hash": tok_hash,
+        "tokenizer_hash": _tokenizer_hash(target),
         "inputs": tally.per_file,
         "records_read": tally.records_read,
         "records_used": len(examples),
@@ -269,6 +247,40 @@ def tokenize(
         ],
         "provenance": provenance(settings),
     }
+    _write_outputs(out_dir, shards, held_out, prompts, report)
+    _log_summary(report, out_dir)
+    return report
+
+
+def _require_enough(examples: list[Example], tally: Tally, cfg: DataSettings) -> None:
+    need = cfg.num_eval + cfg.num_shards
+    if len(examples) < need:
+        dropped = {k: v for k, v in tally.by_reason().items() if v}
+        raise DataError(
+            f"only {len(examples)} usable records of {tally.records_read} read (dropped: "
+            f"{dropped or 'none'}); need at least data.num_eval + data.num_shards = "
+            f"{cfg.num_eval} + {cfg.num_shards} = {need}: lower data.num_eval/data.num_shards "
+            "or add conversations"
+        )
+
+
+def _tokenizer_hash(target: str | Path) -> str | None:
+    from eyrie.arch.target import tokenizer_hash
+
+    try:
+        return tokenizer_hash(target)
+    except TargetError:
+        return None
+
+
+def _write_outputs(
+    out_dir: str | Path,
+    shards: list[list[Example]],
+    held_out: list[Example],
+    prompts: list[list[int]],
+    report: dict,
+) -> None:
+    """The shards, eval.parquet and report.json, into `out_dir` at once (row counts checked)."""
     with atomic_path(out_dir) as tmp:
         tmp.mkdir(parents=True)
         for s, shard in enumerate(shards):
@@ -280,19 +292,22 @@ def tokenize(
         (tmp / "report.json").write_text(
             json.dumps(report, indent=2, sort_keys=True, default=str) + "\n"
         )
+
+
+def _log_summary(report: dict, out_dir: str | Path) -> None:
+    held_out = report["eval"]["records"]
     log.info(
         "%d records read, %d used (%d eval, %d in %d shards), %d dropped %s, %d truncated -> %s",
-        tally.records_read,
-        len(examples),
-        len(held_out),
-        len(examples) - len(held_out),
-        cfg.num_shards,
-        len(tally.dropped),
-        {k: v for k, v in tally.by_reason().items() if v},
-        tally.truncated,
+        report["records_read"],
+        report["records_used"],
+        held_out,
+        report["records_used"] - held_out,
+        len(report["shards"]),
+        report["records_dropped"],
+        {k: v for k, v in report["dropped_by_reason"].items() if v},
+        report["truncated"],
         out_dir,
     )
-    return report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

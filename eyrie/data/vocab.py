@@ -1,17 +1,10 @@
 """The draft vocabulary map: the target tokens the draft's lm_head predicts.
 
-`eyrie vocab --target DIR --shards S [S ...] --out vocab.safetensors --settings JSON`
-
-Token frequencies are counted over loss-masked (assistant) tokens of the tokenized training
-shards. The draft vocabulary is the `vocab.draft_vocab_size` most frequent target ids (ties go to
-the lower id). When fewer distinct ids occurred than that, the rest is filled with the lowest
-target ids not yet chosen (as speculators' `build_vocab_mappings_from_distribution` does), so the
-size is always exactly draft_vocab_size. The chosen ids are sorted ascending and stored as
-
-  d2t  int64 [draft_vocab_size]   offsets: target_id = i + d2t[i]
-  t2d  bool  [target_vocab_size]  True where the target id is in the draft vocabulary
-
-with `vocab.json` beside the safetensors file (coverage, counts, provenance).
+`eyrie vocab --target DIR --shards S [S ...] --out vocab.safetensors --settings JSON` counts the
+assistant (loss-masked) tokens of the tokenized training shards and keeps the
+`vocab.draft_vocab_size` most frequent target ids, stored as `d2t`/`t2d` with `vocab.json`
+(coverage, counts, provenance) beside it. How ids are chosen: docs/data.md#the-vocabulary-map;
+the file: docs/contracts.md#files (read back by `eyrie.formats.vocab`).
 """
 
 from __future__ import annotations
@@ -52,30 +45,8 @@ def count_assistant_tokens(
     stats = []
     for path in shards:
         path = Path(path)
-        if not path.is_file():
-            raise VocabError(f"{path}: tokenized shard not found; run `eyrie tokenize` first")
-        try:
-            table = pq.read_table(path, columns=["sample_id", "input_ids", "loss_mask"])
-        except (pa.ArrowInvalid, KeyError, OSError) as exc:
-            raise VocabError(
-                f"{path}: not a tokenized shard ({' '.join(str(exc).split())}); "
-                "re-run `eyrie tokenize`"
-            ) from exc
-        ids, id_lens = _flat(table, "input_ids")  # ids: [T] int32
-        mask, mask_lens = _flat(table, "loss_mask")  # mask: [T] uint8
-        if not np.array_equal(id_lens, mask_lens):
-            row = int(np.flatnonzero(id_lens != mask_lens)[0])
-            raise VocabError(
-                f"{path}: sample {table.column('sample_id')[row]}: input_ids has "
-                f"{id_lens[row]} tokens but loss_mask {mask_lens[row]}; re-run `eyrie tokenize`"
-            )
-        masked = ids[mask.astype(bool)].astype(np.int64)
-        if masked.size and (masked.min() < 0 or masked.max() >= vocab_size):
-            bad = int(masked.max() if masked.max() >= vocab_size else masked.min())
-            raise VocabError(
-                f"{path}: token id {bad} is outside the target vocabulary (vocab_size "
-                f"{vocab_size} in config.json); tokenize with this target's tokenizer"
-            )
+        table = _read_shard(path)
+        ids, masked = _assistant_ids(path, table, vocab_size)
         counts += np.bincount(masked, minlength=vocab_size)
         stats.append(
             {
@@ -87,6 +58,37 @@ def count_assistant_tokens(
         )
         log.info("%s: %d records, %d assistant tokens", path, table.num_rows, masked.size)
     return counts, stats
+
+
+def _read_shard(path: Path) -> pa.Table:
+    if not path.is_file():
+        raise VocabError(f"{path}: tokenized shard not found; run `eyrie tokenize` first")
+    try:
+        return pq.read_table(path, columns=["sample_id", "input_ids", "loss_mask"])
+    except (pa.ArrowInvalid, KeyError, OSError) as exc:
+        raise VocabError(
+            f"{path}: not a tokenized shard ({' '.join(str(exc).split())}); re-run `eyrie tokenize`"
+        ) from exc
+
+
+def _assistant_ids(path: Path, table: pa.Table, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(every token id [T] int32, the loss-masked ones [M] int64), checked against the target."""
+    ids, id_lens = _flat(table, "input_ids")  # ids: [T] int32
+    mask, mask_lens = _flat(table, "loss_mask")  # mask: [T] uint8
+    if not np.array_equal(id_lens, mask_lens):
+        row = int(np.flatnonzero(id_lens != mask_lens)[0])
+        raise VocabError(
+            f"{path}: sample {table.column('sample_id')[row]}: input_ids has "
+            f"{id_lens[row]} tokens but loss_mask {mask_lens[row]}; re-run `eyrie tokenize`"
+        )
+    masked = ids[mask.astype(bool)].astype(np.int64)
+    if masked.size and (masked.min() < 0 or masked.max() >= vocab_size):
+        bad = int(masked.max() if masked.max() >= vocab_size else masked.min())
+        raise VocabError(
+            f"{path}: token id {bad} is outside the target vocabulary (vocab_size "
+            f"{vocab_size} in config.json); tokenize with this target's tokenizer"
+        )
+    return ids, masked
 
 
 def select_draft_ids(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
@@ -111,7 +113,7 @@ def select_draft_ids(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
 
 
 def vocab_mappings(draft_ids: np.ndarray, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t int64 [N] with target_id = i + d2t[i], t2d bool [vocab_size]) for ascending `draft_ids` [N]."""
+    """(d2t int64 [N], t2d bool [vocab_size]) for ascending `draft_ids` [N]: id = i + d2t[i]."""
     ids = torch.from_numpy(np.asarray(draft_ids, dtype=np.int64))
     d2t = ids - torch.arange(ids.numel(), dtype=torch.int64)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
@@ -125,10 +127,7 @@ def build_vocab(
     """The whole stage: write `out` (d2t, t2d) and vocab.json beside it; return the stats."""
     from eyrie.arch.target import inspect_target
 
-    vocab = settings.get("vocab")
-    size = vocab.get("draft_vocab_size") if isinstance(vocab, dict) else None
-    if type(size) is not int or size < 1:
-        raise VocabError(f"vocab.draft_vocab_size={size!r}: must be a positive integer")
+    size = _draft_vocab_size(settings)
     if not shards:
         raise VocabError("no tokenized shards given; pass --shards shard_000.parquet ...")
     vocab_size = inspect_target(target).vocab_size
@@ -138,23 +137,14 @@ def build_vocab(
             f"({vocab_size} in {Path(target) / 'config.json'}); set it <= {vocab_size}"
         )
     counts, shard_stats = count_assistant_tokens(shards, vocab_size)
-    total = int(counts.sum())
-    if total == 0:
+    if int(counts.sum()) == 0:
         raise VocabError(
             f"{shards[0]}: no loss-masked tokens in the given shards; check the tokenize report"
         )
     draft_ids = select_draft_ids(counts, size)
     d2t, t2d = vocab_mappings(draft_ids, vocab_size)
-    distinct = int(np.count_nonzero(counts))
-    in_vocab = counts[draft_ids]
     stats = {
-        "draft_vocab_size": size,
-        "target_vocab_size": vocab_size,
-        "assistant_tokens": total,
-        "distinct_assistant_tokens": distinct,
-        "coverage": float(in_vocab.sum() / total),
-        "filled_unseen_ids": max(0, size - distinct),
-        "min_count_in_vocab": int(in_vocab.min()),
+        **_coverage(counts, draft_ids),
         "shards": shard_stats,
         "provenance": provenance(settings),
     }
@@ -169,11 +159,35 @@ def build_vocab(
         size,
         vocab_size,
         stats["coverage"],
-        total,
-        distinct,
+        stats["assistant_tokens"],
+        stats["distinct_assistant_tokens"],
         out,
     )
     return stats
+
+
+def _draft_vocab_size(settings: dict) -> int:
+    vocab = settings.get("vocab")
+    size = vocab.get("draft_vocab_size") if isinstance(vocab, dict) else None
+    if type(size) is not int or size < 1:
+        raise VocabError(f"vocab.draft_vocab_size={size!r}: must be a positive integer")
+    return size
+
+
+def _coverage(counts: np.ndarray, draft_ids: np.ndarray) -> dict:
+    """How much of the assistant tokens (counts int64 [target_vocab]) `draft_ids` [N] cover."""
+    total = int(counts.sum())
+    distinct = int(np.count_nonzero(counts))
+    in_vocab = counts[draft_ids]
+    return {
+        "draft_vocab_size": int(draft_ids.shape[0]),
+        "target_vocab_size": int(counts.shape[0]),
+        "assistant_tokens": total,
+        "distinct_assistant_tokens": distinct,
+        "coverage": float(in_vocab.sum() / total),
+        "filled_unseen_ids": max(0, int(draft_ids.shape[0]) - distinct),
+        "min_count_in_vocab": int(in_vocab.min()),
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
