@@ -74,7 +74,7 @@ CATALOG = {
     "eval_target_without_eagle3": "preflight",
 }
 SETUP_FIX = "bash scripts/setup-vllm.sh"
-ADAPTER_FIX = "update the adapter in eyrie/vllm_adapters.py"
+ADAPTER_FIX = "update the adapter in eyrie/arch/registry.py"
 H200 = {"tensor_parallel_size": 8, "gpu_memory_gib": 141}
 KIMI_INT4_GIB = 595  # Kimi-K2.5's published weights (INT4 experts), as stored
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eyrie.arch.registry import REGISTRY, VllmAdapter
 from eyrie.errors import VllmAdapterError
-from eyrie.vllm.adapters import ADAPTERS, VllmAdapter, call_layer, request_key
+from eyrie.vllm.adapters import call_layer, request_key
 from eyrie.vllm.capture import _Recorder, make_forward
 
 H = 8
@@ -81,7 +82,7 @@ def reference_states(
     return out
 
 
-LLAMA = ADAPTERS["llama"]
+LLAMA = REGISTRY["llama"].vllm
 
 
 def install(stack, ids, tmp_path):
@@ -145,7 +146,7 @@ def test_positional_adapter_passes_extras_in_order():
             calls.append(llama_4_scaling)
             return hidden_states, hidden_states if residual is None else residual
 
-    adapter = ADAPTERS["deepseek_v3"]
+    adapter = REGISTRY["deepseek_v3"].vllm
     h = torch.ones(2, H)
     call_layer(adapter, DeepseekStyle(), torch.arange(2), h, None, {"llama_4_scaling": "SCALE"})
     assert calls == ["SCALE"]
@@ -159,7 +160,7 @@ def test_layer_returning_one_tensor_is_a_clear_error():
     with pytest.raises(
         VllmAdapterError, match=r"returned Tensor, expected \(hidden_states, residual\)"
     ):
-        call_layer(ADAPTERS["llama"], Single(), torch.arange(2), torch.ones(2, H), None, {})
+        call_layer(REGISTRY["llama"].vllm, Single(), torch.arange(2), torch.ones(2, H), None, {})
 
 
 def test_keyword_adapter_follows_parameter_names_not_order():
@@ -168,7 +169,7 @@ def test_keyword_adapter_follows_parameter_names_not_order():
             assert positions.dtype == torch.long and hidden_states.dtype == torch.float32
             return hidden_states, hidden_states
 
-    call_layer(ADAPTERS["gpt_oss"], GptOssStyle(), torch.arange(2), torch.ones(2, H), None, {})
+    call_layer(REGISTRY["gpt_oss"].vllm, GptOssStyle(), torch.arange(2), torch.ones(2, H), None, {})
 
 
 def test_request_key_depends_on_every_token():
@@ -178,10 +179,7 @@ def test_request_key_depends_on_every_token():
 
 
 def test_every_registered_target_family_has_an_adapter():
-    from eyrie.arch.registry import REGISTRY
-
-    assert set(REGISTRY) <= set(ADAPTERS)
     assert all(
-        isinstance(a, VllmAdapter) and a.call in ("keyword", "positional")
-        for a in ADAPTERS.values()
+        isinstance(a.vllm, VllmAdapter) and a.vllm.call in ("keyword", "positional")
+        for a in REGISTRY.values()
     )

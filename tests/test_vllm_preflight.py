@@ -4,6 +4,7 @@ quantization, the rule's settings, and whole preflight runs against the REAL ins
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import subprocess
@@ -181,9 +182,11 @@ def test_quantization_reported_and_refused_only_when_unloadable(facts):
 
 
 def test_model_type_without_adapter_lists_the_supported(tmp_path, monkeypatch):
-    from eyrie.vllm import adapters as vllm_adapters
+    from eyrie.arch import registry
 
-    monkeypatch.delitem(vllm_adapters.ADAPTERS, "llama")
+    monkeypatch.setitem(
+        registry.REGISTRY, "llama", dataclasses.replace(registry.REGISTRY["llama"], vllm=None)
+    )
     folder = write_target(tmp_path / "t", LLAMA)
     got = vp.vllm_checks(folder, inspect_target(folder), [2, 4, 5], 8, vllm_settings())
     (problem,) = got["problems"]  # and no vLLM subprocess: nothing to check it against

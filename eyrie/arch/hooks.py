@@ -12,9 +12,8 @@ from typing import Iterator
 
 import torch
 
-from eyrie.arch.registry import REGISTRY, supported
+from eyrie.arch.registry import architecture_for
 from eyrie.arch.target import get_submodule
-from eyrie.errors import TargetError
 
 
 def _first_tensor(args, kwargs, name="hidden_states") -> torch.Tensor:
@@ -26,15 +25,7 @@ def _first_tensor(args, kwargs, name="hidden_states") -> torch.Tensor:
 @contextlib.contextmanager
 def capture_hidden_states(model, layer_ids: list[int]) -> Iterator[dict[int, torch.Tensor]]:
     """Within the block, each forward of `model` fills the yielded dict {id: [B, T, H]}."""
-    model_type = model.config.model_type
-    arch = REGISTRY.get(model_type) or next(
-        (a for a in REGISTRY.values() if a.hf_model_type == model_type), None
-    )
-    if arch is None:  # a bare StopIteration here would surface as a RuntimeError from contextlib
-        raise TargetError(
-            f"{type(model).__name__}: model_type {model_type!r} is not supported; "
-            f"supported: {supported()}"
-        )
+    arch = architecture_for(model.config.model_type, type(model).__name__)
     layers = get_submodule(model, arch.layers_path)
     norm = get_submodule(model, arch.final_norm_path)
     num_layers = len(layers)

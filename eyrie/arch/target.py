@@ -1,6 +1,7 @@
-"""Target architectures: one registry keyed by model_type, and what we read from config.json.
+"""What eyrie reads from a target model folder: config.json, the tokenizer hash, the layer ids.
 
-Nothing here executes code from a model folder: config.json is read as JSON.
+Nothing here executes code from a model folder: config.json is read as JSON. The architecture
+itself comes from eyrie.arch.registry.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eyrie.arch.registry import REGISTRY, Architecture, supported
+from eyrie.arch.registry import Architecture, architecture_for
 from eyrie.errors import TargetError
 
 # Files whose bytes define the tokenizer (hashed into every shard).
@@ -83,11 +84,7 @@ def inspect_target(path: str | Path) -> TargetInfo:
     text = config.get("text_config") or config
     wrapper = config.get("model_type") if "text_config" in config else None
     model_type = text.get("model_type")
-    if model_type not in REGISTRY:
-        raise TargetError(
-            f"{Path(path) / 'config.json'}: model_type {model_type!r} is not supported; "
-            f"supported: {supported()}"
-        )
+    architecture = architecture_for(model_type, str(Path(path) / "config.json"))
     missing = [
         k
         for k in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
@@ -107,7 +104,7 @@ def inspect_target(path: str | Path) -> TargetInfo:
         path=Path(path),
         model_type=model_type,
         wrapper_model_type=wrapper,
-        architecture=REGISTRY[model_type],
+        architecture=architecture,
         num_hidden_layers=text["num_hidden_layers"],
         hidden_size=text["hidden_size"],
         vocab_size=text["vocab_size"],

@@ -25,8 +25,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from eyrie.arch.registry import adapter_for
 from eyrie.errors import ExtractError
-from eyrie.vllm.adapters import adapter_for, request_key
+from eyrie.vllm.adapters import request_key
 from eyrie.vllm.checks import choose_path, config_problems, version_problems
 from eyrie.vllm.facts import gather_facts
 

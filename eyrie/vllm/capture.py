@@ -1,20 +1,12 @@
-"""The capture path: a vLLM worker extension that records the residual stream at chosen layer ids.
+"""The capture path: a vLLM worker extension that records the residual stream at chosen ids.
 
-Loaded inside every vLLM worker through `LLM(worker_extension_cls="eyrie.vllm.capture.CaptureExtension")`
-and driven by `llm.collective_rpc(...)`. `eyrie_install_capture` replaces the language model's
-forward with the adapter's loop (eyrie.vllm.gather): embed, call each decoder layer the way the
-adapter says, record hidden + residual ENTERING layer k for each id k (id N = after the last layer,
-before the final norm), apply the final norm and return what the original forward returns.
-
-vLLM batches the prompts of many requests into one flat token stream per forward. With chunked
-prefill and prefix caching off (the backend sets both), each prompt is one contiguous run of
-positions 0..T-1, so the stream is split where positions restart at 0 and each run is matched to an
-expected prompt by the hash of its token ids (eyrie.vllm.adapters.request_key). Tensor-parallel rank
-0 writes `<key>.safetensors` ({"hidden_states": [T, n_ids, H], "token_ids": [T]}) atomically into
-the directory the driver named; the driver packs them into HDF5 shards.
-
-Requires eager mode (enforce_eager=True): torch.compile and CUDA graphs would bypass the replaced
-forward.
+Loaded into every worker by `LLM(worker_extension_cls="eyrie.vllm.capture.CaptureExtension")` and
+driven by `llm.collective_rpc(...)`: `eyrie_install_capture` replaces the language model's forward
+with a loop over its layers driven by the registry's adapter (eyrie.arch.registry) that records
+hidden + residual ENTERING layer k for each id k (id N: after the last layer, before the final
+norm). Tensor-parallel rank 0 writes `<request_key>.safetensors` ({"hidden_states": [T, n_ids, H],
+"token_ids": [T]}) atomically per expected prompt. Needs eager mode, chunked prefill and prefix
+caching off (the backend sets them). See docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -28,14 +20,9 @@ from itertools import islice
 
 import torch
 
+from eyrie.arch.registry import VllmAdapter, adapter_for
 from eyrie.errors import VllmAdapterError
-from eyrie.vllm.adapters import (
-    EMBED_METHODS,
-    EXTRA_ARGS,
-    adapter_for,
-    call_layer,
-    request_key,
-)
+from eyrie.vllm.adapters import EMBED_METHODS, EXTRA_ARGS, call_layer, request_key
 
 log = logging.getLogger("eyrie.vllm.capture")
 
@@ -50,15 +37,17 @@ def _language_model(model):
 
 
 class _Recorder:
-    """Splits each forward's token stream into prompts and writes the expected ones."""
+    """Splits each forward's token stream into prompts and writes the expected ones.
+
+    vLLM batches many prompts into one flat stream per forward; with chunked prefill and prefix
+    caching off each prompt is one run of positions 0..T-1, matched by its `request_key`."""
 
     def __init__(self, layer_ids: list[int], out_dir: str):
         self.layer_ids = layer_ids
         self.out_dir = out_dir
         self.expected: set[str] = set()
-        self.last_ids: torch.Tensor | None = (
-            None  # set by the wrapper's embed when ids go as embeds
-        )
+        # set by the wrapper's embed when ids go down as embeddings
+        self.last_ids: torch.Tensor | None = None
         self.written = 0
 
     def record(
@@ -71,9 +60,8 @@ class _Recorder:
             input_ids = self.last_ids
         if input_ids is None:
             raise VllmAdapterError("capture: the forward got neither input_ids nor recorded ids")
-        pos = (
-            positions.reshape(-1).to("cpu").numpy()
-        )  # [num_tokens]; M-RoPE positions are not supported
+        # [num_tokens]; M-RoPE positions are not supported
+        pos = positions.reshape(-1).to("cpu").numpy()
         ids = input_ids.to("cpu").numpy()
         starts = [int(i) for i in (pos == 0).nonzero()[0]] + [len(pos)]
         for a, b in zip(starts[:-1], starts[1:]):
@@ -81,22 +69,25 @@ class _Recorder:
             if (seg != range(b - a)).any():
                 continue  # not a whole prompt (never the case with chunked prefill off)
             key = request_key(ids[a:b])
-            if key not in self.expected:
-                continue
-            path = os.path.join(self.out_dir, f"{key}.safetensors")
-            tmp = path + f".tmp{os.getpid()}"
-            from safetensors.torch import save_file
+            if key in self.expected:
+                self._write(key, states[a:b], ids[a:b])
 
-            save_file(
-                {
-                    "hidden_states": states[a:b].to("cpu").contiguous(),
-                    "token_ids": torch.from_numpy(ids[a:b].astype("int64")),
-                },
-                tmp,
-            )
-            os.replace(tmp, path)
-            self.expected.discard(key)
-            self.written += 1
+    def _write(self, key: str, states: torch.Tensor, ids) -> None:
+        """states: [T, n_ids, H]; ids: [T] -> `<key>.safetensors`, atomically."""
+        from safetensors.torch import save_file
+
+        path = os.path.join(self.out_dir, f"{key}.safetensors")
+        tmp = path + f".tmp{os.getpid()}"
+        save_file(
+            {
+                "hidden_states": states.to("cpu").contiguous(),
+                "token_ids": torch.from_numpy(ids.astype("int64")),
+            },
+            tmp,
+        )
+        os.replace(tmp, path)
+        self.expected.discard(key)
+        self.written += 1
 
 
 def make_forward(adapter, inner, module, recorder: _Recorder, write: bool):
@@ -134,6 +125,30 @@ def make_forward(adapter, inner, module, recorder: _Recorder, write: bool):
     return forward
 
 
+def _check_decoder_stack(inner, adapter: VllmAdapter) -> None:
+    """The decoder stack is the adapter's class (or a subclass) and has an embedding method."""
+    if type(inner).__name__ != adapter.model_class and not any(
+        c.__name__ == adapter.model_class for c in type(inner).__mro__
+    ):
+        raise VllmAdapterError(
+            f"capture: the language model is {type(inner).__name__}, but "
+            f"the {adapter.family} adapter expects {adapter.model_class}"
+        )
+    if not any(hasattr(inner, m) for m in EMBED_METHODS):
+        raise VllmAdapterError(f"capture: {type(inner).__name__} has none of {list(EMBED_METHODS)}")
+
+
+def _keep_input_ids(model, recorder: _Recorder) -> None:
+    """Multimodal wrappers embed first and pass only embeddings down: keep the ids they got."""
+    original = model.embed_input_ids
+
+    def embed_and_keep(input_ids, *args, **kwargs):
+        recorder.last_ids = input_ids
+        return original(input_ids, *args, **kwargs)
+
+    model.embed_input_ids = embed_and_keep
+
+
 class CaptureExtension:
     """Methods mixed into vLLM's GPU worker (called through LLM.collective_rpc)."""
 
@@ -146,17 +161,7 @@ class CaptureExtension:
                 else self.model_runner.model
             )
             lm, inner = _language_model(model)
-            if type(inner).__name__ != adapter.model_class and not any(
-                c.__name__ == adapter.model_class for c in type(inner).__mro__
-            ):
-                raise VllmAdapterError(
-                    f"capture: the language model is {type(inner).__name__}, but "
-                    f"the {adapter.family} adapter expects {adapter.model_class}"
-                )
-            if not any(hasattr(inner, m) for m in EMBED_METHODS):
-                raise VllmAdapterError(
-                    f"capture: {type(inner).__name__} has none of {list(EMBED_METHODS)}"
-                )
+            _check_decoder_stack(inner, adapter)
             module = importlib.import_module(f"vllm.model_executor.models.{adapter.module}")
             from vllm.distributed import get_tensor_model_parallel_rank
 
@@ -166,14 +171,7 @@ class CaptureExtension:
                 make_forward(adapter, inner, module, recorder, rank == 0), inner
             )
             if lm is not model and hasattr(model, "embed_input_ids"):
-                # multimodal wrappers embed first and pass only embeddings down: keep the ids
-                original = model.embed_input_ids
-
-                def embed_and_keep(input_ids, *args, **kwargs):
-                    recorder.last_ids = input_ids
-                    return original(input_ids, *args, **kwargs)
-
-                model.embed_input_ids = embed_and_keep
+                _keep_input_ids(model, recorder)
             self._eyrie_recorder = recorder
             return {
                 "rank": rank,

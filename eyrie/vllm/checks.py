@@ -1,7 +1,13 @@
-"""eyrie.vllm.checks: TODO docstring."""
+"""Whether the installed vLLM can extract from a target, as lists of problems ([] when it can).
+
+Each check compares the target's adapter (eyrie.arch.registry) and config.json with the
+`VllmFacts` of the installed vLLM (eyrie.vllm.facts); `choose_path` picks the extraction path.
+A problem names what differs and the fix. See docs/vllm.md.
+"""
 
 from __future__ import annotations
 
+from eyrie.arch.registry import VllmAdapter
 from eyrie.vllm.adapters import (
     EMBED_METHODS,
     EXTRA_HELPER_PARAMS,
@@ -11,79 +17,87 @@ from eyrie.vllm.adapters import (
     PATHS,
     SUPPORTED_VLLM,
     TESTED_VLLM,
-    VllmAdapter,
 )
 from eyrie.vllm.facts import VllmFacts, parse_version
+
+FIX_ADAPTER = (
+    "update the adapter in eyrie/arch/registry.py for this vLLM (docs/vllm.md) or "
+    "install a tested vLLM (bash scripts/setup-vllm.sh)"
+)
 
 
 def capture_problems(adapter: VllmAdapter, facts: VllmFacts, config: dict) -> list[str]:
     """Why the capture path cannot drive this target on this vLLM ([] when it can)."""
     where = f"vLLM {facts.version} vllm.model_executor.models.{adapter.module}"
-    fix_adapter = (
-        "update the adapter in eyrie/vllm_adapters.py for this vLLM (docs/vllm.md) or "
-        "install a tested vLLM (bash scripts/setup-vllm.sh)"
-    )
     out = []
     if not facts.worker_extension:
         out.append(
             f"vLLM {facts.version}: no worker_extension_cls, so the capture path cannot "
-            f"install itself; {fix_adapter}"
+            f"install itself; {FIX_ADAPTER}"
         )
     if not facts.model_class_found:
-        out.append(f"{where}: class {adapter.model_class} not found; {fix_adapter}")
+        out.append(f"{where}: class {adapter.model_class} not found; {FIX_ADAPTER}")
     if not facts.layer_class_found:
-        out.append(f"{where}: class {adapter.layer_class} not found; {fix_adapter}")
+        out.append(f"{where}: class {adapter.layer_class} not found; {FIX_ADAPTER}")
     elif facts.layer_params is not None:
-        have = facts.layer_params
-        unknown = [p for p in adapter.layer_params if p not in have]
-        unfed = [p for p in (facts.layer_required or []) if p not in adapter.layer_params]
-        order_ok = adapter.call == "keyword" or have[: len(adapter.layer_params)] == list(
-            adapter.layer_params
-        )
-        if unknown or unfed or not order_ok:
-            out.append(
-                f"{where}: {adapter.layer_class}.forward{tuple(have)} does not match the "
-                f"adapter's {adapter.call} call {adapter.layer_params}"
-                + (f" (missing {unknown})" if unknown else "")
-                + (f" (required but not passed {unfed})" if unfed else "")
-                + ("" if order_ok else " (positional order differs)")
-                + f"; {fix_adapter}"
-            )
+        out += _layer_problems(adapter, facts, where)
     if facts.model_class_found and facts.embed_method is None:
         out.append(
-            f"{where}: {adapter.model_class} has neither of {list(EMBED_METHODS)}; {fix_adapter}"
+            f"{where}: {adapter.model_class} has neither of {list(EMBED_METHODS)}; {FIX_ADAPTER}"
         )
     text = config.get("text_config") or config
     for extra in adapter.extras:
         if extra == "llama_4_scaling" and text.get("llama_4_scaling") is not None:
-            if not facts.helpers.get(extra):
-                out.append(
-                    f"{where}: config asks for llama_4_scaling but this vLLM has no "
-                    f"{EXTRA_HELPERS[extra]}; {fix_adapter}"
-                )
-            else:
-                have_params = (facts.helper_params or {}).get(extra)
-                if have_params is not None and not set(EXTRA_HELPER_PARAMS[extra]) <= set(
-                    have_params
-                ):
-                    out.append(
-                        f"{where}: {EXTRA_HELPERS[extra]}{tuple(have_params)} does not take "
-                        f"the keywords {EXTRA_HELPER_PARAMS[extra]} the adapter passes; "
-                        f"{fix_adapter}"
-                    )
+            out += _helper_problems(extra, facts, where)
     return out
 
 
+def _layer_problems(adapter: VllmAdapter, facts: VllmFacts, where: str) -> list[str]:
+    """The decoder layer's forward against the parameters and call style of the adapter."""
+    have = facts.layer_params
+    unknown = [p for p in adapter.layer_params if p not in have]
+    unfed = [p for p in (facts.layer_required or []) if p not in adapter.layer_params]
+    order_ok = adapter.call == "keyword" or have[: len(adapter.layer_params)] == list(
+        adapter.layer_params
+    )
+    if not (unknown or unfed or not order_ok):
+        return []
+    return [
+        f"{where}: {adapter.layer_class}.forward{tuple(have)} does not match the "
+        f"adapter's {adapter.call} call {adapter.layer_params}"
+        + (f" (missing {unknown})" if unknown else "")
+        + (f" (required but not passed {unfed})" if unfed else "")
+        + ("" if order_ok else " (positional order differs)")
+        + f"; {FIX_ADAPTER}"
+    ]
+
+
+def _helper_problems(extra: str, facts: VllmFacts, where: str) -> list[str]:
+    """The vLLM helper an extra layer argument needs: present, and taking the keywords passed."""
+    helper = EXTRA_HELPERS[extra]
+    if not facts.helpers.get(extra):
+        return [f"{where}: config asks for {extra} but this vLLM has no {helper}; {FIX_ADAPTER}"]
+    have_params = (facts.helper_params or {}).get(extra)
+    if have_params is not None and not set(EXTRA_HELPER_PARAMS[extra]) <= set(have_params):
+        return [
+            f"{where}: {helper}{tuple(have_params)} does not take the keywords "
+            f"{EXTRA_HELPER_PARAMS[extra]} the adapter passes; {FIX_ADAPTER}"
+        ]
+    return []
+
+
 def config_problems(adapter: VllmAdapter, config: dict) -> list[str]:
+    """The config.json attributes vLLM's model of this family needs, and their values."""
     text = config.get("text_config") or config
     where = "config.json: " + ("text_config." if "text_config" in config else "")
     out = []
     for attr, allowed in adapter.config_requires:
         value = text.get(attr)
         if value is None:
+            use = list(allowed) if allowed else "the value of the original model"
             out.append(
                 f"{where}{attr} missing: vLLM's {adapter.family} model needs it to build the "
-                f"MoE routing (use {list(allowed) if allowed else 'the value of the original model'})"
+                f"MoE routing (use {use})"
             )
         elif allowed is not None and value not in allowed:
             out.append(
@@ -154,17 +168,10 @@ def choose_path(
     native = native_problems(facts, layer_ids, num_layers)
     capture = capture_problems(adapter, facts, config)
     if requested == "native":
-        return (
-            ("native", [])
-            if not native
-            else (
-                None,
-                [
-                    f"vllm.extraction_path=native: {p}; set vllm.extraction_path to capture or auto"
-                    for p in native
-                ],
-            )
-        )
+        if native:
+            fix = "set vllm.extraction_path to capture or auto"
+            return None, [f"vllm.extraction_path=native: {p}; {fix}" for p in native]
+        return "native", []
     if requested == "capture":
         return ("capture", []) if not capture else (None, capture)
     if not native:
@@ -177,6 +184,7 @@ def choose_path(
 
 
 def version_problems(facts: VllmFacts) -> list[str]:
+    """The installed vLLM against the supported range."""
     low, high = SUPPORTED_VLLM
     v = parse_version(facts.version)
     if not low <= v < high:

@@ -1,4 +1,9 @@
-"""eyrie.vllm.facts: TODO docstring."""
+"""What the installed vLLM offers for one target, read on a CPU in the vLLM environment.
+
+`gather_facts` imports vLLM and fills a `VllmFacts` (JSON-serialisable) that eyrie.vllm.checks
+compares with the target's adapter (eyrie.arch.registry). The inspectors work on any class, so
+tests run them on classes built to mimic a vLLM release. See docs/vllm.md.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,9 @@ import inspect
 import re
 from dataclasses import asdict, dataclass, field
 
+from eyrie.arch.registry import VllmAdapter, adapter_for
 from eyrie.errors import VllmAdapterError
-from eyrie.vllm.adapters import (
-    EMBED_METHODS,
-    EXTRA_HELPERS,
-    NATIVE_CONNECTOR,
-    NATIVE_METHOD,
-    adapter_for,
-)
+from eyrie.vllm.adapters import EMBED_METHODS, EXTRA_HELPERS, NATIVE_CONNECTOR, NATIVE_METHOD
 
 
 @dataclass
@@ -117,8 +117,8 @@ def gather_facts(config: dict) -> VllmFacts:
     """Import the installed vLLM and read what it offers for this target config (CPU only).
 
     Reads only `architectures` and the model_type (text_config's for wrappers) from the config:
-    eyrie.vllm.preflight_checks.facts_config sends just those and caches on them (update it when this
-    reads more)."""
+    eyrie.vllm.preflight_checks.facts_config sends just those and caches on them (update it when
+    this reads more)."""
     import vllm
 
     text = config.get("text_config") or config
@@ -136,6 +136,18 @@ def gather_facts(config: dict) -> VllmFacts:
         layer_required=None,
         embed_method=None,
     )
+    _read_adapter_classes(facts, adapter)
+    _read_architecture_class(facts)
+    facts.native_method = _has_native_method()
+    facts.native_connector = _has_native_connector()
+    facts.worker_extension = _has_worker_extension()
+    facts.quantization_methods = _quantization_methods()
+    facts.eagle3_draft_fields = _eagle3_draft_fields()
+    return facts
+
+
+def _read_adapter_classes(facts: VllmFacts, adapter: VllmAdapter) -> None:
+    """The adapter's decoder-stack and layer classes, and its extra helpers, in their module."""
     try:
         module = importlib.import_module(f"vllm.model_executor.models.{adapter.module}")
     except ImportError:
@@ -147,6 +159,10 @@ def gather_facts(config: dict) -> VllmFacts:
         for key, value in classes.items():
             setattr(facts, key, value)
     facts.helpers, facts.helper_params = inspect_helpers(module)
+
+
+def _read_architecture_class(facts: VllmFacts) -> None:
+    """vLLM's class for config.json's architectures[0], and whether it can feed EAGLE-3."""
     from vllm.model_executor.models import ModelRegistry
 
     lazy = ModelRegistry.models.get(facts.architecture) if facts.architecture else None
@@ -156,34 +172,49 @@ def gather_facts(config: dict) -> VllmFacts:
         facts.eagle3_target = bool(
             arch_cls is not None and hasattr(arch_cls, "set_aux_hidden_state_layers")
         )
+
+
+def _has_native_method() -> bool:
     try:
         import vllm.config.speculative as spec_mod
 
-        facts.native_method = NATIVE_METHOD in inspect.getsource(spec_mod)
+        return NATIVE_METHOD in inspect.getsource(spec_mod)
     except (ImportError, OSError):
-        facts.native_method = False
+        return False
+
+
+def _has_native_connector() -> bool:
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-        facts.native_connector = NATIVE_CONNECTOR in getattr(KVConnectorFactory, "_registry", {})
+        return NATIVE_CONNECTOR in getattr(KVConnectorFactory, "_registry", {})
     except ImportError:
-        facts.native_connector = False
+        return False
+
+
+def _has_worker_extension() -> bool:
     from vllm.config import ParallelConfig
 
-    facts.worker_extension = "worker_extension_cls" in getattr(
-        ParallelConfig, "__dataclass_fields__", {}
-    ) or hasattr(ParallelConfig, "worker_extension_cls")
+    return "worker_extension_cls" in getattr(ParallelConfig, "__dataclass_fields__", {}) or hasattr(
+        ParallelConfig, "worker_extension_cls"
+    )
+
+
+def _quantization_methods() -> list[str] | None:
     try:
         from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
-        facts.quantization_methods = sorted(QUANTIZATION_METHODS)
+        return sorted(QUANTIZATION_METHODS)
     except ImportError:
-        facts.quantization_methods = None
+        return None
+
+
+def _eagle3_draft_fields() -> list[str] | None:
+    """The draft config.json fields vLLM's speculators "eagle3" converter copies (its source)."""
     try:
         from vllm.transformers_utils.configs.speculators import algos
 
         src = inspect.getsource(algos.SUPPORTED_SPECULATORS_TYPES["eagle3"])
-        facts.eagle3_draft_fields = sorted(set(re.findall(r'pre_trained_config\["(\w+)"\]', src)))
+        return sorted(set(re.findall(r'pre_trained_config\["(\w+)"\]', src)))
     except (ImportError, AttributeError, KeyError, OSError, TypeError):
-        facts.eagle3_draft_fields = None
-    return facts
+        return None

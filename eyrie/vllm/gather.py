@@ -1,4 +1,9 @@
-"""eyrie.vllm.gather: TODO docstring."""
+"""Entry run in the vLLM environment: print the installed vLLM's facts for target configs.
+
+`python -m eyrie.vllm.gather --config config.json [--config ...]` prints one JSON line per config:
+`VllmFacts.to_json()` (eyrie.vllm.facts), or {"error": ...} for a model_type without an adapter.
+eyrie.vllm.preflight_checks runs it as a subprocess. See docs/vllm.md.
+"""
 
 from __future__ import annotations
 

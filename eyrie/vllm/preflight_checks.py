@@ -26,9 +26,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from eyrie.arch.registry import adapter_for
 from eyrie.arch.target import TargetInfo, read_config
 from eyrie.errors import VllmAdapterError
-from eyrie.vllm.adapters import SUPPORTED_VLLM, TESTED_VLLM, adapter_for
+from eyrie.vllm.adapters import SUPPORTED_VLLM, TESTED_VLLM
 from eyrie.vllm.checks import (
     choose_path,
     config_problems,
