@@ -1,7 +1,10 @@
-"""Build the EAGLE-3 draft: speculators' own Eagle3DraftModel (the verifier's embeddings, final
-norm and lm_head loaded from the target folder), with sdpa attention by default, which runs on CPU
-and GPU; training on a GPU asks for speculators' block-sparse flex attention instead (FlexAttention
-has no backward on a CPU)."""
+"""Build a fresh EAGLE-3 draft: speculators' own Eagle3DraftModel for a target folder.
+
+`build_draft` loads the verifier's embeddings, final norm and lm_head from the target folder and
+checks the vocabulary map against its vocab_size; training and evaluation build their drafts with
+it, so an untrained draft has the trained one's shape. Attention is sdpa (CPU and GPU) unless the
+caller asks for speculators' flex attention (GPU training). docs/training.md.
+"""
 
 from __future__ import annotations
 

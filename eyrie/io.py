@@ -1,4 +1,10 @@
-"""Atomic outputs and provenance: partial outputs never look complete."""
+"""Atomic outputs and provenance, for every stage that writes a file.
+
+`atomic_path` writes a file or folder under a temporary sibling name and renames it into place only
+when the write succeeded, so a partial output never looks complete (a killed writer's temporary is
+removed by the next one); `write_json` writes a JSON file that way. `provenance(settings)` is what
+produced an output (command, settings, git SHA, package versions, host, time). docs/contracts.md.
+"""
 
 from __future__ import annotations
 
@@ -63,6 +69,7 @@ def _remove(path: Path) -> None:
 
 
 def write_json(path: str | Path, obj) -> None:
+    """`obj` as indented JSON with sorted keys, written atomically."""
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 

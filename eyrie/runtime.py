@@ -1,4 +1,9 @@
-"""eyrie.runtime: TODO docstring."""
+"""What every stage's process shares: its CPU threads, its --settings argument, its error lines.
+
+`usable_threads` / `set_torch_threads` cap torch's threads at the CPUs this process may run on;
+`settings_arg` parses a stage's `--settings JSON` (an object); `describe` gives an exception's
+message, never an empty one. The CLI and the stage entries use these; none imports a stage.
+"""
 
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ def describe(exc: BaseException) -> str:
 
 
 def settings_arg(text: str) -> dict:
+    """argparse type of `--settings`: a JSON object."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -1,21 +1,19 @@
-"""eyrie.formats.report: TODO docstring."""
+"""The preflight report's reader: preflight.json, for every stage gated on it.
+
+`read_report` returns the report only when it passed (`ok` is true) and, given the target's
+fingerprint, only when it was made for the target as it is now. The file: docs/contracts.md#files.
+"""
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 from eyrie.errors import PreflightError
 
-log = logging.getLogger(__name__)
-
 
 def read_report(path: str | Path, fingerprint: str | None = None) -> dict:
-    """A preflight report that passed; with `fingerprint`, one made for the target as it is now.
-
-    The one reader of this stage's output, for every stage that is gated on it.
-    """
+    """A preflight report that passed; with `fingerprint`, one made for the target as it is now."""
     path = Path(path)
     try:
         report = json.loads(path.read_text())

@@ -1,10 +1,15 @@
-"""eyrie.formats.tokenized: TODO docstring."""
+"""Tokenized shards: the parquet schemas `eyrie tokenize` writes, and their two readers.
+
+`shard_NNN.parquet` rows are (sample_id, input_ids list<int32>, loss_mask list<uint8>);
+`eval.parquet` adds prompt_ids. `read_tokenized` (extraction) and `read_prompts` (evaluation)
+check what they read against the target's vocabulary and name the sample and the fix when it does
+not fit. The columns: docs/contracts.md#files.
+"""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -12,9 +17,19 @@ import pyarrow.parquet as pq
 
 from eyrie.errors import EvaluateError, ExtractError
 
-if TYPE_CHECKING:
-    pass
 log = logging.getLogger(__name__)
+
+
+SHARD_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+    ]
+)
+
+
+EVAL_SCHEMA = SHARD_SCHEMA.append(pa.field("prompt_ids", pa.list_(pa.int32())))
 
 
 # (sample_ids, input_ids int32 [T_i] per sample, loss_masks uint8 [T_i] per sample)
@@ -25,8 +40,6 @@ def _list_column(
     table, name: str, path: Path, sample_ids: list[str]
 ) -> tuple[np.ndarray, np.ndarray]:
     """A list<int> column as (flat values int64 [sum T_i], offsets int64 [S + 1])."""
-    import pyarrow as pa
-
     col = table.column(name).combine_chunks()
     if not (
         pa.types.is_list(col.type) or pa.types.is_large_list(col.type)
@@ -44,8 +57,7 @@ def _list_column(
 
 
 def read_tokenized(path: str | Path, vocab_size: int) -> Tokenized:
-    """Read a tokenized parquet shard: (sample_ids, input_ids int32 [T_i], loss_masks uint8 [T_i])."""
-
+    """A tokenized shard as (sample_ids, input_ids int32 [T_i], loss_masks uint8 [T_i])."""
     path = Path(path)
     try:
         table = pq.read_table(path)
@@ -81,23 +93,10 @@ def read_tokenized(path: str | Path, vocab_size: int) -> Tokenized:
     return sample_ids, input_ids, loss_masks
 
 
-SHARD_SCHEMA = pa.schema(
-    [
-        ("sample_id", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.uint8())),
-    ]
-)
-
-
-EVAL_SCHEMA = SHARD_SCHEMA.append(pa.field("prompt_ids", pa.list_(pa.int32())))
-
-
 def read_prompts(
     path: str | Path, num_prompts: int, vocab_size: int
 ) -> list[tuple[str, list[int]]]:
     """(sample_id, prompt_ids) of the first `num_prompts` rows of eval.parquet."""
-
     path = Path(path)
     try:
         table = pq.read_table(path)

@@ -1,16 +1,17 @@
-"""eyrie.formats.vocab: TODO docstring."""
+"""The vocabulary map's reader: vocab.safetensors (`d2t`, `t2d`) as `eyrie vocab` writes it.
+
+`read_vocab` refuses a map whose tensors are missing, of the wrong dtype, or disagree with each
+other or with the target's vocab_size, and says to rebuild it. The file: docs/contracts.md#files.
+"""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from eyrie.errors import VocabError
-
-log = logging.getLogger(__name__)
 
 
 def read_vocab(
