@@ -17,27 +17,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
 
-TINY = {
-    "target": {"name": "tiny"},
-    "demo": {
-        "num_conversations": 240,
-        "vocab_size": 400,
-        "hidden_size": 32,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "intermediate_size": 64,
-        "train_steps": 12,
-        "batch_size": 4,
-        "seq_len": 96,
-    },
-    "data": {"conversations": ["convs.jsonl"], "max_seq_len": 96, "num_shards": 4, "num_eval": 4},
-    "layers": {"aux_ids": [1, 2, 3]},
-    "vocab": {"draft_vocab_size": 256},
-    "extract": {"max_tokens_per_batch": 512, "group_size": 4},
-    "train": {"epochs": 1, "max_tokens_per_batch": 256, "warmup_steps": 2, "checkpoint_every": 5},
-    "eval": {"num_prompts": 2, "max_new_tokens": 8},
-}
+# The tiny config (.test/config.yaml); its data.conversations, convs.jsonl, is written by `built`.
+TINY = yaml.safe_load((REPO / ".test" / "config.yaml").read_text())
 
 
 def write_config(workdir: Path, **overrides) -> Path:
