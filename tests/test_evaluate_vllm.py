@@ -288,11 +288,13 @@ def test_refuses_draft_of_another_target(world, tmp_path, monkeypatch):
     monkeypatch.setattr(ev, "run_engine", None)  # would fail if called
     with pytest.raises(EvaluateError, match=r"target_hidden_size 32 .* 64.*\[1, 2, 9\].*0\.\.3"):
         ev.evaluate_vllm(
-            world["target"],
-            draft,
-            world["eval_set"],
-            world["hf_eval"],
-            tmp_path / "out.json",
+            ev.VllmEvalPaths(
+                world["target"],
+                draft,
+                world["eval_set"],
+                world["hf_eval"],
+                tmp_path / "out.json",
+            ),
             settings(),
         )
 
@@ -373,20 +375,24 @@ def test_stale_hf_evaluation_refused(world, tmp_path, monkeypatch):
     monkeypatch.setattr(ev, "run_engine", None)
     with pytest.raises(EvaluateError, match=r"evaluated with K 3 \(here 2\)"):
         ev.evaluate_vllm(
-            world["target"],
-            world["draft"],
-            world["eval_set"],
-            world["hf_eval"],
-            tmp_path / "out.json",
+            ev.VllmEvalPaths(
+                world["target"],
+                world["draft"],
+                world["eval_set"],
+                world["hf_eval"],
+                tmp_path / "out.json",
+            ),
             settings(eval__num_speculative_tokens=2),
         )
     with pytest.raises(EvaluateError, match="vllm.max_model_len=10 is below"):
         ev.evaluate_vllm(
-            world["target"],
-            world["draft"],
-            world["eval_set"],
-            world["hf_eval"],
-            tmp_path / "out.json",
+            ev.VllmEvalPaths(
+                world["target"],
+                world["draft"],
+                world["eval_set"],
+                world["hf_eval"],
+                tmp_path / "out.json",
+            ),
             settings(vllm__max_model_len=10),
         )
 
@@ -485,7 +491,8 @@ def test_installed_vllm_check_in_the_vllm_environment(tmp_path, arch, ok):
 def test_module_imports_in_vllm_environment():
     proc = vllm_python(
         "import sys, eyrie.vllm.evaluate_vllm, eyrie.cli; "
-        "print(sorted(m for m in ('speculators', 'matplotlib') if m in sys.modules))"
+        "print(sorted(m for m in sys.modules "
+        "if m in ('speculators', 'matplotlib') or m.startswith('eyrie.train')))"
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -495,7 +502,7 @@ COUNTERS_SCRIPT = r"""
 import json
 from vllm.v1.metrics.reader import Counter, Gauge, Vector
 from eyrie.vllm.evaluate_vllm import spec_counters
-from eyrie.evaluate.specdec import EvaluateError
+from eyrie.errors import EvaluateError
 
 def engine(idx, drafts, draft_tokens, accepted, per_pos):
     labels = {"model_name": "t", "engine": str(idx)}
@@ -507,7 +514,8 @@ def engine(idx, drafts, draft_tokens, accepted, per_pos):
 noise = [Counter("vllm:prompt_tokens", {}, 99), Gauge("vllm:num_requests_running", {}, 1.0)]
 out = {}
 out["one"] = spec_counters(noise + engine(0, 10, 30, 12, [6, 4, 2]), 3)
-out["two_engines"] = spec_counters(engine(0, 10, 30, 12, [6, 4, 2]) + engine(1, 6, 18, 3, [2, 1, 0]), 3)
+two = engine(0, 10, 30, 12, [6, 4, 2]) + engine(1, 6, 18, 3, [2, 1, 0])
+out["two_engines"] = spec_counters(two, 3)
 out["no_drafts"] = spec_counters(engine(0, 0, 0, 0, [0, 0, 0]), 3)
 class Lookalike:  # not vLLM's class: must not be read
     def __init__(self, name, value): self.name, self.value = name, value

@@ -1,17 +1,12 @@
-"""Acceptance length of an exported draft measured by vLLM itself, from vLLM's own counters.
+"""The evaluate-vllm stage: acceptance length of an exported draft, measured by vLLM itself.
 
-The evaluate-vllm stage, the real client of our exports: it serves the target with the exported
-EAGLE-3 draft through vLLM (`speculative_config={"model": DRAFT, "method": "eagle3", ...}`),
-greedily decodes the held-out prompts, and reads acceptance from vLLM's spec-decode counters
-(AL = 1 + accepted / num_drafts; per position accepted_per_pos[k] / num_drafts). The same prompts
-are decoded without speculation in the same execution mode, and every speculative output must
-equal that baseline token for token. The Hugging Face evaluation's AL (eyrie.evaluate) is put
-beside vLLM's.
-
-Everything that needs no GPU is checked first: the settings (all at once), the target, the
-draft's config.json (flags vLLM 0.22 ignores are refused), the HF evaluation and the prompts.
-Runs in the vLLM environment (.venv-vllm): imports vllm, torch, pyarrow and eyrie, never
-speculators or matplotlib.
+It serves the target with the exported EAGLE-3 draft through vLLM and greedily decodes the
+held-out prompts twice, without and with speculation, each run in a fresh process; every
+speculative output must equal the baseline token for token. AL comes from vLLM's spec-decode
+counters (AL = 1 + accepted / num_drafts) and the Hugging Face evaluation's AL goes beside it.
+Everything that needs no GPU is checked first. Runs in the vLLM environment: imports vllm, torch,
+pyarrow and eyrie, never eyrie.train, speculators or matplotlib. See docs/vllm.md (Evaluation
+through vLLM).
 """
 
 from __future__ import annotations
@@ -32,6 +27,7 @@ from eyrie.evaluate.specdec import SpecStats
 from eyrie.formats.draft import DRAFT_ARCHS, UNSERVABLE_FLAGS
 from eyrie.formats.tokenized import read_prompts
 from eyrie.io import provenance, write_json
+from eyrie.settings import load_settings, value_problems
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +42,6 @@ NUM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 
 
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.85  # config/schema.yaml's vllm.gpu_memory_utilization default
-
-
-VLLM_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -71,64 +61,30 @@ def _posint(value) -> bool:
 
 
 def parse_settings(settings: dict, gpu_memory_utilization: float | None = None) -> VllmEvalSettings:
-    """Check the eval and vllm settings (every problem at once, each naming its key).
+    """The eval and vllm settings, checked by the schema (every problem at once, each naming its
+    key).
 
     `gpu_memory_utilization` (the CLI flag) replaces vllm.gpu_memory_utilization: it changes no
     result, so the workflow keeps it out of --settings (no rerun when it changes).
     """
-    problems = []
-    sections = {}
-    for name in ("eval", "vllm"):
-        section = settings.get(name)
-        if not isinstance(section, dict):
-            problems.append(
-                f"key {name!r} missing or not an object; pass the config's {name} section"
-            )
-        sections[name] = section if isinstance(section, dict) else None
-    ev, vl = sections["eval"] or {}, sections["vllm"] or {}
-    if sections["eval"] is not None:
-        for key in ("num_speculative_tokens", "max_new_tokens", "num_prompts"):
-            if not _posint(ev.get(key)):
-                problems.append(f"eval.{key}={ev.get(key)!r} must be an integer >= 1")
-    if sections["vllm"] is not None:
-        if not _posint(vl.get("tensor_parallel_size", 1)):
-            problems.append(
-                f"vllm.tensor_parallel_size={vl.get('tensor_parallel_size')!r} must be "
-                "an integer >= 1"
-            )
-        if not isinstance(vl.get("enforce_eager", True), bool):
-            problems.append(f"vllm.enforce_eager={vl.get('enforce_eager')!r} must be true or false")
-        if vl.get("dtype", "auto") not in VLLM_DTYPES:
-            problems.append(
-                f"vllm.dtype={vl.get('dtype')!r} must be one of {', '.join(VLLM_DTYPES)}"
-            )
-        if vl.get("max_model_len") is not None and not _posint(vl.get("max_model_len")):
-            problems.append(
-                f"vllm.max_model_len={vl.get('max_model_len')!r} must be null or an integer >= 1"
-            )
-    gpu_key = (
-        "--gpu-memory-utilization"
+    flag = "--gpu-memory-utilization"
+    problems = (
+        value_problems("vllm.gpu_memory_utilization", gpu_memory_utilization, flag)
         if gpu_memory_utilization is not None
-        else "vllm.gpu_memory_utilization"
+        else []
     )
-    gpu = (
-        gpu_memory_utilization
-        if gpu_memory_utilization is not None
-        else vl.get("gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION)
-    )
-    if isinstance(gpu, bool) or not isinstance(gpu, (int, float)) or not 0 < gpu <= 1:
-        problems.append(f"{gpu_key}={gpu!r} must be a number in (0, 1]")
-    if problems:
-        raise EvaluateError("invalid --settings: " + "; ".join(problems))
+    loaded = load_settings(settings, ["eval", "vllm"], EvaluateError, problems)
+    ev, vl = loaded["eval"], loaded["vllm"]
+    gpu = vl["gpu_memory_utilization"] if gpu_memory_utilization is None else gpu_memory_utilization
     return VllmEvalSettings(
         ev["num_speculative_tokens"],
         ev["max_new_tokens"],
         ev["num_prompts"],
-        vl.get("tensor_parallel_size", 1),
+        vl["tensor_parallel_size"],
         float(gpu),
-        vl.get("enforce_eager", True),
-        vl.get("max_model_len"),
-        vl.get("dtype", "auto"),
+        vl["enforce_eager"],
+        vl["max_model_len"],
+        vl["dtype"],
     )
 
 
@@ -137,62 +93,14 @@ def check_draft_config(draft_dir: str | Path, info) -> dict:
     once): not EAGLE-3, flags vLLM 0.22 ignores (fc_norm, norm_output), another target's shapes,
     aux layers outside the target, no weights. Returns the config."""
     draft_dir = Path(draft_dir)
-    path = draft_dir / "config.json"
-    if not path.is_file():
-        raise EvaluateError(f"{path}: not found; pass an exported draft folder (`eyrie export`)")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise EvaluateError(f"{path}: not valid JSON ({exc}); re-export the draft") from exc
-    if not isinstance(config, dict):
-        raise EvaluateError(f"{path}: not a JSON object; re-export the draft")
-    problems = []
-    if config.get("speculators_model_type") != "eagle3":
-        problems.append(
-            f"speculators_model_type is {config.get('speculators_model_type')!r}, not "
-            "'eagle3'; this stage serves EAGLE-3 drafts only"
-        )
-    for flag, reason in UNSERVABLE_FLAGS.items():
-        if config.get(flag):
-            problems.append(
-                f"{flag} is true, but {reason}: the served network would differ from "
-                f"the trained one; retrain with {flag} off"
-            )
-    layer = config.get("transformer_layer_config") or {}
-    if layer.get("model_type") not in DRAFT_ARCHS:
-        problems.append(
-            f"transformer_layer_config.model_type {layer.get('model_type')!r}; vLLM "
-            f"serves EAGLE-3 drafts of type {', '.join(DRAFT_ARCHS)}"
-        )
-    hidden = config.get("target_hidden_size") or layer.get("hidden_size")
-    if hidden != info.hidden_size:
-        problems.append(
-            f"target_hidden_size {hidden!r} but the target's hidden_size is "
-            f"{info.hidden_size}; use a draft trained for this target"
-        )
-    if layer.get("vocab_size") != info.vocab_size:
-        problems.append(
-            f"transformer_layer_config.vocab_size {layer.get('vocab_size')!r} but the "
-            f"target's vocab_size is {info.vocab_size}; use a draft trained for this target"
-        )
-    draft_vocab = config.get("draft_vocab_size")
-    if not _posint(draft_vocab) or draft_vocab > info.vocab_size:
-        problems.append(
-            f"draft_vocab_size {draft_vocab!r} must be an integer within "
-            f"1..{info.vocab_size}; re-export the draft"
-        )
-    aux = config.get("eagle_aux_hidden_state_layer_ids")
-    N = info.num_hidden_layers
-    if not (isinstance(aux, list) and aux and all(isinstance(i, int) and 0 <= i < N for i in aux)):
-        problems.append(
-            f"eagle_aux_hidden_state_layer_ids {aux!r} must be a non-empty list of "
-            f"layer ids within 0..{N - 1} (the target has {N} layers)"
-        )
+    config = read_draft_config(draft_dir)
+    problems = format_problems(config) + target_problems(config, info)
     if not any(draft_dir.glob("*.safetensors")):
         problems.append("no *.safetensors weights beside it; re-export the draft")
     if problems:
         raise EvaluateError(
-            f"{path}: vLLM would not serve this draft as trained: " + "; ".join(problems)
+            f"{draft_dir / 'config.json'}: vLLM would not serve this draft as trained: "
+            + "; ".join(problems)
         )
     return config
 
@@ -320,7 +228,7 @@ def _generate(request: dict) -> dict:
 
     llm = LLM(**request["engine"], speculative_config=request["speculative_config"])
     eos = request["eos_token_id"]
-    # The HF loop's stopping rule (eyrie.evaluate.specdec): the tokenizer's eos only, or max_new_tokens.
+    # The HF loop's stopping rule (eyrie.evaluate.specdec): the tokenizer's eos or max_new_tokens;
     # ignore_eos keeps vLLM from adding generation_config's other eos ids as stop tokens.
     params = SamplingParams(
         temperature=0.0,
@@ -394,36 +302,45 @@ def check_installed_vllm(target: str | Path) -> None:
         raise EvaluateError(f"{target}: " + "; ".join(problems))
 
 
-def evaluate_vllm(
-    target: str | Path,
-    draft_dir: str | Path,
-    eval_set: str | Path,
-    hf_eval: str | Path,
-    out: str | Path,
-    settings: dict,
-    *,
-    gpu_memory_utilization: float | None = None,
-) -> dict:
-    """Run the evaluation through vLLM and write the report JSON `out`; returns the report."""
-    cfg = parse_settings(settings, gpu_memory_utilization)
-    try:
-        info = inspect_target(target)
-    except TargetError as exc:
-        raise EvaluateError(str(exc)) from exc
-    draft_config = check_draft_config(draft_dir, info)
-    check_installed_vllm(target)
-    hf = read_hf_eval(hf_eval, cfg.K, cfg.max_new_tokens)
-    prompts = read_prompts(eval_set, cfg.num_prompts, info.vocab_size)
+@dataclass(frozen=True)
+class VllmEvalPaths:
+    """The stage's files, as given on the command line (written into the report as given)."""
+
+    target: str | Path
+    draft: str | Path  # exported draft folder
+    eval_set: str | Path  # eval.parquet with prompt_ids
+    hf_eval: str | Path  # eval.json of `eyrie evaluate`
+    out: str | Path  # eval_vllm.json to write
+
+
+@dataclass(frozen=True)
+class VllmPlan:
+    """What the CPU checks established before any engine starts."""
+
+    paths: VllmEvalPaths
+    cfg: VllmEvalSettings
+    settings: dict
+    draft_config: dict
+    hf: dict  # read_hf_eval's dict
+    prompts: list  # (sample_id, prompt ids)
+    max_model_len: int
+
+
+def check_hf_prompts(paths: VllmEvalPaths, hf: dict, prompts: list) -> None:
+    """The HF evaluation must have decoded these prompts; a different draft is only warned of."""
     if hf["num_prompts"] != len(prompts):
         raise EvaluateError(
-            f"{hf_eval}: evaluated {hf['num_prompts']} prompts, here "
-            f"{len(prompts)} from {eval_set}; rerun `eyrie evaluate` on this set"
+            f"{paths.hf_eval}: evaluated {hf['num_prompts']} prompts, here "
+            f"{len(prompts)} from {paths.eval_set}; rerun `eyrie evaluate` on this set"
         )
-    if hf["draft"] and Path(hf["draft"]).resolve() != Path(draft_dir).resolve():
+    if hf["draft"] and Path(hf["draft"]).resolve() != Path(paths.draft).resolve():
         log.warning(
-            "%s evaluated the draft %s; this run serves %s", hf_eval, hf["draft"], draft_dir
+            "%s evaluated the draft %s; this run serves %s", paths.hf_eval, hf["draft"], paths.draft
         )
 
+
+def resolve_max_model_len(cfg: VllmEvalSettings, info, prompts: list, eval_set) -> int:
+    """vllm.max_model_len, or (null) the longest prompt + max_new_tokens + K; within the target."""
     need = max(len(ids) for _, ids in prompts) + cfg.max_new_tokens + cfg.K
     max_pos = info.text_config.get("max_position_embeddings")
     if cfg.max_model_len is not None and cfg.max_model_len < need:
@@ -438,13 +355,37 @@ def evaluate_vllm(
             f"eval.max_new_tokens + K = {need}) exceeds the target's "
             f"max_position_embeddings {max_pos}; lower eval.max_new_tokens"
         )
+    return max_model_len
 
+
+def plan_evaluation(
+    paths: VllmEvalPaths, settings: dict, gpu_memory_utilization: float | None
+) -> VllmPlan:
+    """Every check that needs no GPU, in the order a user fixes them."""
+    cfg = parse_settings(settings, gpu_memory_utilization)
+    try:
+        info = inspect_target(paths.target)
+    except TargetError as exc:
+        raise EvaluateError(str(exc)) from exc
+    draft_config = check_draft_config(paths.draft, info)
+    check_installed_vllm(paths.target)
+    hf = read_hf_eval(paths.hf_eval, cfg.K, cfg.max_new_tokens)
+    prompts = read_prompts(paths.eval_set, cfg.num_prompts, info.vocab_size)
+    check_hf_prompts(paths, hf, prompts)
+    max_model_len = resolve_max_model_len(cfg, info, prompts, paths.eval_set)
+    return VllmPlan(paths, cfg, settings, draft_config, hf, prompts, max_model_len)
+
+
+def engine_requests(plan: VllmPlan) -> tuple[dict, dict]:
+    """(baseline, speculative) requests for run_engine: the same engine, with and without the
+    draft."""
+    cfg = plan.cfg
     engine = {
-        "model": str(Path(target).resolve()),
+        "model": str(Path(plan.paths.target).resolve()),
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "enforce_eager": cfg.enforce_eager,
-        "max_model_len": max_model_len,
+        "max_model_len": plan.max_model_len,
         "dtype": cfg.dtype,
         "disable_log_stats": False,  # get_metrics() needs the stat loggers
         # Prompts go as token ids and outputs come back as ids: no tokenizer code runs, so a
@@ -454,118 +395,143 @@ def evaluate_vllm(
     }
     # The target path is always passed: the draft's verifier.name_or_path may not resolve here.
     speculative = {
-        "model": str(Path(draft_dir).resolve()),
+        "model": str(Path(plan.paths.draft).resolve()),
         "method": "eagle3",
         "num_speculative_tokens": cfg.K,
     }
     common = {
         "engine": engine,
-        "prompts": [ids for _, ids in prompts],
+        "prompts": [ids for _, ids in plan.prompts],
         "max_new_tokens": cfg.max_new_tokens,
-        "eos_token_id": hf["eos_token_id"],
+        "eos_token_id": plan.hf["eos_token_id"],
     }
+    return {**common, "speculative_config": None}, {**common, "speculative_config": speculative}
+
+
+def run_engines(plan: VllmPlan) -> tuple[dict, dict]:
+    """The baseline and the speculative run's results (run_engine's dicts)."""
+    baseline, speculative = engine_requests(plan)
+    cfg = plan.cfg
     log.info(
         "evaluating %s through vLLM on %d prompts: K=%d, max_new_tokens=%d, eos %s, "
         "enforce_eager=%s, tensor_parallel_size=%d, max_model_len=%d",
-        draft_dir,
-        len(prompts),
+        plan.paths.draft,
+        len(plan.prompts),
         cfg.K,
         cfg.max_new_tokens,
-        hf["eos_token_id"],
+        plan.hf["eos_token_id"],
         cfg.enforce_eager,
         cfg.tensor_parallel_size,
-        max_model_len,
+        plan.max_model_len,
     )
     with tempfile.TemporaryDirectory(prefix="eyrie-eval-vllm-") as tmp:
-        base = run_engine("baseline", {**common, "speculative_config": None}, Path(tmp))
-        spec = run_engine("speculative", {**common, "speculative_config": speculative}, Path(tmp))
+        base = run_engine("baseline", baseline, Path(tmp))
+        spec = run_engine("speculative", speculative, Path(tmp))
+    return base, spec
 
-    diagnostic = diagnostic_path(out)
+
+def check_outputs_equal(plan: VllmPlan, base: dict, spec: dict) -> None:
+    """Every speculative output must equal the baseline's; otherwise write the diagnostic
+    (diagnostic_path) and fail. A stale diagnostic of an earlier failed run is removed."""
+    diagnostic = diagnostic_path(plan.paths.out)
     differ = []
-    for (sample_id, _), b, s in zip(prompts, base["outputs"], spec["outputs"]):
+    for (sample_id, _), b, s in zip(plan.prompts, base["outputs"], spec["outputs"]):
         at = first_difference(s, b)
         if at is not None:
             differ.append(
                 {"sample_id": sample_id, "first_difference": at, "baseline": b, "speculative": s}
             )
-    if differ:
-        write_json(
-            diagnostic,
-            {
-                "num_prompts": len(prompts),
-                "outputs_differ": len(differ),
-                "prompts": differ,
-                "counters": spec["counters"],
-                "enforce_eager": cfg.enforce_eager,
-                "provenance": provenance(settings),
-            },
-        )
-        first = differ[0]
-        raise EvaluateError(
-            f"{eval_set}: {len(differ)} of {len(prompts)} speculative outputs differ from vLLM's "
-            f"greedy outputs without speculation (first: prompt {first['sample_id']} at new token "
-            f"{first['first_difference']}); speculative decoding must not change greedy outputs; "
-            f"details in {diagnostic}"
-        )
-    diagnostic.unlink(missing_ok=True)  # a stale one from an earlier failed run
+    if not differ:
+        diagnostic.unlink(missing_ok=True)
+        return
+    write_json(
+        diagnostic,
+        {
+            "num_prompts": len(plan.prompts),
+            "outputs_differ": len(differ),
+            "prompts": differ,
+            "counters": spec["counters"],
+            "enforce_eager": plan.cfg.enforce_eager,
+            "provenance": provenance(plan.settings),
+        },
+    )
+    first = differ[0]
+    raise EvaluateError(
+        f"{plan.paths.eval_set}: {len(differ)} of {len(plan.prompts)} speculative outputs differ "
+        f"from vLLM's greedy outputs without speculation (first: prompt {first['sample_id']} at "
+        f"new token {first['first_difference']}); speculative decoding must not change greedy "
+        f"outputs; details in {diagnostic}"
+    )
 
-    m = spec["counters"]
-    hf_pp, pp = hf["per_position_acceptance"], m["per_position_acceptance"]
-    report = {
+
+def difference(counters: dict, hf: dict) -> dict:
+    """vLLM minus Hugging Face: AL and per-position acceptance (None where either is missing)."""
+    al, hf_al = counters["acceptance_length"], hf["acceptance_length"]
+    pp, hf_pp = counters["per_position_acceptance"], hf["per_position_acceptance"]
+    return {
+        "acceptance_length": None if None in (al, hf_al) else al - hf_al,
+        "per_position_acceptance": (
+            None
+            if pp is None or not isinstance(hf_pp, list) or len(hf_pp) != len(pp)
+            else [a - b for a, b in zip(pp, hf_pp)]
+        ),
+    }
+
+
+def build_report(plan: VllmPlan, spec: dict) -> dict:
+    """eval_vllm.json (docs/vllm.md, Evaluation through vLLM)."""
+    cfg, hf, m, n = plan.cfg, plan.hf, spec["counters"], len(plan.prompts)
+    counter_keys = ("num_drafts", "num_draft_tokens", "accepted_tokens", "accepted_at_position")
+    config_keys = (
+        "eagle_aux_hidden_state_layer_ids",
+        "draft_vocab_size",
+        "norm_before_residual",
+        "norm_before_fc",
+    )
+    return {
         "vllm_version": spec["vllm_version"],
         "K": cfg.K,
-        "num_prompts": len(prompts),
+        "num_prompts": n,
         "max_new_tokens": cfg.max_new_tokens,
-        "outputs_equal": len(prompts),
+        "outputs_equal": n,
         "output_tokens": sum(len(o) for o in spec["outputs"]),
         "acceptance_length": m["acceptance_length"],
-        "per_position_acceptance": pp,
-        "counters": {
-            k: m[k]
-            for k in ("num_drafts", "num_draft_tokens", "accepted_tokens", "accepted_at_position")
-        },
+        "per_position_acceptance": m["per_position_acceptance"],
+        "counters": {k: m[k] for k in counter_keys},
         "hf": {k: hf[k] for k in ("acceptance_length", "per_position_acceptance", "path")},
-        "difference": {  # vLLM minus Hugging Face
-            "acceptance_length": (
-                None
-                if None in (m["acceptance_length"], hf["acceptance_length"])
-                else m["acceptance_length"] - hf["acceptance_length"]
-            ),
-            "per_position_acceptance": (
-                None
-                if pp is None or not isinstance(hf_pp, list) or len(hf_pp) != len(pp)
-                else [a - b for a, b in zip(pp, hf_pp)]
-            ),
-        },
+        "difference": difference(m, hf),
         "eos_token_id": hf["eos_token_id"],
         "engine": {
             "dtype": spec["dtype"],
             "enforce_eager": cfg.enforce_eager,
             "tensor_parallel_size": cfg.tensor_parallel_size,
             "gpu_memory_utilization": cfg.gpu_memory_utilization,
-            "max_model_len": max_model_len,
+            "max_model_len": plan.max_model_len,
         },
-        "draft": str(draft_dir),
-        "draft_config": {
-            k: draft_config.get(k)
-            for k in (
-                "eagle_aux_hidden_state_layer_ids",
-                "draft_vocab_size",
-                "norm_before_residual",
-                "norm_before_fc",
-            )
-        },
-        "target": str(target),
-        "provenance": provenance(settings),
+        "draft": str(plan.paths.draft),
+        "draft_config": {k: plan.draft_config.get(k) for k in config_keys},
+        "target": str(plan.paths.target),
+        "provenance": provenance(plan.settings),
     }
-    write_json(out, report)
+
+
+def evaluate_vllm(
+    paths: VllmEvalPaths, settings: dict, *, gpu_memory_utilization: float | None = None
+) -> dict:
+    """Run the evaluation through vLLM and write the report JSON `paths.out`; returns the report."""
+    plan = plan_evaluation(paths, settings, gpu_memory_utilization)
+    base, spec = run_engines(plan)
+    check_outputs_equal(plan, base, spec)
+    report = build_report(plan, spec)
+    write_json(paths.out, report)
+    n = len(plan.prompts)
     log.info(
         "acceptance length: vLLM %s, Hugging Face %s; %d/%d outputs equal -> %s",
         report["acceptance_length"],
-        hf["acceptance_length"],
-        len(prompts),
-        len(prompts),
-        out,
+        plan.hf["acceptance_length"],
+        n,
+        n,
+        paths.out,
     )
     return report
 
@@ -598,15 +564,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    evaluate_vllm(
-        args.target,
-        args.draft,
-        args.eval_set,
-        args.hf_eval,
-        args.out,
-        args.settings,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-    )
+    paths = VllmEvalPaths(args.target, args.draft, args.eval_set, args.hf_eval, args.out)
+    evaluate_vllm(paths, args.settings, gpu_memory_utilization=args.gpu_memory_utilization)
     return 0
 
 

@@ -1,20 +1,11 @@
 """Preflight's vLLM part: will the installed vLLM load this target and return its hidden states?
 
-Loading a 1T-parameter target in vLLM takes ~18 minutes, and every vLLM release has broken
-hidden-state capture somewhere (docs/vllm.md, the catalog of known failures). These checks run on a
-CPU in seconds, before any GPU job, whenever `extract.backend: vllm` or `eval.vllm: true`:
-
-- the vLLM environment (`vllm.python`) answers `python -m eyrie.vllm.gather` with the facts of
-  the INSTALLED vLLM (preflight itself runs in the training environment, which has no vLLM);
-- the version is in the supported range, an adapter exists for the model_type, the adapter matches
-  the installed decoder layer / embedding method / helpers, the config has what vLLM's model needs,
-  the quantization config is loadable;
-- the extraction path (native or capture, docs/vllm.md) is chosen exactly as the backend will choose
-  it, and refused with the reason when it cannot return the layer ids;
-- tensor_parallel_size divides the attention heads, and the weights fit the GPUs with headroom.
-
-`vllm_checks` returns the problems (each with its fix), warnings and the `vllm` object of
-preflight.json; eyrie.preflight collects them with its own.
+Runs on a CPU in seconds whenever `extract.backend: vllm` or `eval.vllm: true`, before any GPU job:
+the vLLM environment (`vllm.python`) answers `python -m eyrie.vllm.gather` with the installed
+vLLM's facts; then the version range, the adapter against those facts, the config and its
+quantization, the extraction path (chosen exactly as the backend will), tensor parallelism and
+the weights' memory are checked. `vllm_checks` returns the problems (each with its fix), the
+warnings and preflight.json's `vllm` object. See docs/vllm.md (What preflight checks).
 """
 
 from __future__ import annotations
@@ -24,11 +15,13 @@ import math
 import os
 import subprocess
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyrie.arch.registry import adapter_for
 from eyrie.arch.target import TargetInfo, read_config
 from eyrie.errors import VllmAdapterError
+from eyrie.settings import vllm_uses
 from eyrie.vllm.adapters import SUPPORTED_VLLM, TESTED_VLLM
 from eyrie.vllm.checks import (
     choose_path,
@@ -38,7 +31,7 @@ from eyrie.vllm.checks import (
 )
 from eyrie.vllm.facts import VllmFacts
 
-FACTS_TIMEOUT_S = 120.0  # `import vllm` takes ~12 s on a 2-core machine; more means it hangs
+FACTS_TIMEOUT_S = 120.0  # far above what `import vllm` takes on a small machine: past it, it hangs
 
 
 # The weights may take this fraction of tp x gpu_memory_gib x gpu_memory_utilization; the rest is
@@ -61,16 +54,6 @@ SETUP_FIX = (
 REPO = Path(__file__).resolve().parents[2]
 
 
-# the vllm keys the checks read (enforce_eager and max_model_len change no verdict)
-VLLM_KEYS = (
-    "python",
-    "extraction_path",
-    "tensor_parallel_size",
-    "gpu_memory_gib",
-    "gpu_memory_utilization",
-)
-
-
 # facts per (vLLM python, config.json content), so a process asks each environment once per config
 _FACTS_CACHE: dict[tuple[str, str], dict] = {}
 
@@ -79,61 +62,10 @@ class VllmEnvError(Exception):
     """The vLLM environment could not answer (message names vllm.python and the fix)."""
 
 
-def uses(settings: dict) -> list[str]:
-    """What vLLM is used for in this run: "extract" (extract.backend: vllm), "eval" (eval.vllm)."""
-    out = []
-    if (settings.get("extract") or {}).get("backend") == "vllm":
-        out.append("extract")
-    if (settings.get("eval") or {}).get("vllm") is True:
-        out.append("eval")
-    return out
-
-
-# the vllm keys that change what the extraction backend writes (compared: a change reruns
-# preflight and, through it, extraction, which reruns for them anyway)
-VLLM_EXTRACT_KEYS = ("extraction_path", "tensor_parallel_size")
-
-
-def rule_settings(config: dict) -> dict:
-    """The settings compared by the preflight rule's params trigger: only what also changes the
-    extraction (preflight.json is an input of every later rule, so a preflight rerun reruns them)."""
-    out = {
-        "layers": config["layers"],
-        "extract": {"storage_dtype": config["extract"]["storage_dtype"]},
-        "trust_remote_code": config["target"]["trust_remote_code"],
-    }
-    if config["extract"]["backend"] == "vllm":
-        out["extract"]["backend"] = "vllm"
-        out["vllm"] = {k: config["vllm"][k] for k in VLLM_EXTRACT_KEYS}
-    return out
-
-
-def runtime_settings(config: dict) -> dict:
-    """What preflight also reads but that changes no shard or draft: whether vLLM evaluation is
-    asked for, the vLLM environment, the GPU memory it checks the weights against. It goes in the
-    command text (not compared), so changing it reruns nothing; preflight reads it whenever it
-    runs, and evaluate-vllm repeats the vLLM checks in its first seconds."""
-    if config["extract"]["backend"] != "vllm" and not config["eval"]["vllm"]:
-        return {}
-    return {
-        "eval": {"vllm": config["eval"]["vllm"]},
-        "vllm": {k: config["vllm"][k] for k in VLLM_KEYS},
-    }
-
-
-def merge_settings(settings: dict, runtime: dict) -> dict:
-    """settings with runtime's sections merged in (runtime keys win)."""
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in settings.items()}
-    for section, values in runtime.items():
-        out[section] = (
-            {**(out.get(section) or {}), **values} if isinstance(values, dict) else values
-        )
-    return out
-
-
 def resolve_python(python: str) -> Path:
-    """The vLLM environment's Python: a relative vllm.python is relative to the eyrie checkout (the
-    workflow's base directory, where scripts/setup-vllm.sh puts .venv-vllm), as the rules read it."""
+    """The vLLM environment's Python: a relative vllm.python is relative to the eyrie checkout
+    (the workflow's base directory, where scripts/setup-vllm.sh puts .venv-vllm), as the rules
+    read it."""
     p = Path(python).expanduser()
     return p if p.is_absolute() else REPO / p
 
@@ -229,9 +161,9 @@ def _moe_layers(text: dict, num_layers: int) -> int:
 
 
 def count_parameters(text: dict) -> int:
-    """Parameters of the language model described by a config (text_config for wrappers): embeddings,
-    attention (MLA when kv_lora_rank is set), dense or expert MLPs. Biases and norms are left out
-    (< 0.1%); vision towers of multimodal wrappers too."""
+    """Parameters of the language model described by a config (text_config for wrappers):
+    embeddings, attention (MLA when kv_lora_rank is set), dense or expert MLPs. Biases and norms
+    are left out (< 0.1%); vision towers of multimodal wrappers too."""
     H, L, V = text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]
     nh = text["num_attention_heads"]
     nkv = text.get("num_key_value_heads") or nh
@@ -363,8 +295,9 @@ def parallel_problems(info: TargetInfo, tp: int) -> list[str]:
 def quantization_check(
     config: dict, facts: VllmFacts | None
 ) -> tuple[dict | None, list[str], list[str]]:
-    """(what the report says about quantization, problems, warnings). A problem only for what vLLM
-    cannot load: a quantization_config without quant_method (vLLM reads quant_cfg["quant_method"])."""
+    """(what the report says about quantization, problems, warnings). A problem only for what
+    vLLM cannot load: a quantization_config without quant_method (vLLM reads
+    quant_cfg["quant_method"])."""
     text = config.get("text_config") or {}
     where, q = (
         ("config.json: text_config.quantization_config", text["quantization_config"])
@@ -399,26 +332,25 @@ def quantization_check(
     return report, [], []
 
 
-def vllm_checks(
-    target: Path,
-    info: TargetInfo,
-    aux_ids: list[int],
-    final_id: int,
-    settings: dict,
-    facts: VllmFacts | None = None,
-) -> dict:
-    """{"problems": [...], "warnings": [...], "report": preflight.json's `vllm` object}.
+@dataclass
+class VllmCheck:
+    """One check of the vLLM checks: what they read and what they found so far."""
 
-    `facts`: the installed vLLM's facts; None runs `vllm.python -m eyrie.vllm.gather` for them.
-    `aux_ids` empty means the layer ids did not resolve (reported elsewhere): no path is chosen.
-    """
-    v = dict(settings.get("vllm") or {})
-    used = uses(settings)
-    problems: list[str] = []
-    warnings: list[str] = []
-    config = read_config(target)
-    tp = int(v.get("tensor_parallel_size", 1))
-    report: dict = {
+    target: Path
+    info: TargetInfo
+    config: dict  # the target's config.json
+    vllm: dict  # the vllm settings
+    used: list[str]  # vllm_uses(settings)
+    aux_ids: list[int]  # empty: the layer ids did not resolve
+    final_id: int
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    report: dict = field(default_factory=dict)
+
+
+def base_report(used: list[str], tp: int) -> dict:
+    """preflight.json's `vllm` object before any check fills it in."""
+    return {
         "used_for": used,
         "python": None,
         "version": None,
@@ -433,93 +365,132 @@ def vllm_checks(
         "facts": None,
     }
 
-    # the adapter, from eyrie's registry (needs no vLLM)
+
+def check_adapter(check: VllmCheck):
+    """The adapter from eyrie's registry (needs no vLLM) and what it requires of the config."""
     try:
-        adapter = adapter_for(info.model_type)
-        report["adapter"] = adapter.family
+        adapter = adapter_for(check.info.model_type)
     except VllmAdapterError as exc:  # its message lists the supported model types
-        adapter = None
-        problems.append(f"{target / 'config.json'}: {exc}")
-    if adapter is not None:
-        problems += config_problems(adapter, config)
+        check.problems.append(f"{check.target / 'config.json'}: {exc}")
+        return None
+    check.report["adapter"] = adapter.family
+    check.problems += config_problems(adapter, check.config)
+    return adapter
 
-    # the installed vLLM's facts
-    if facts is None and adapter is not None:
-        python = resolve_python(str(v.get("python", ".venv-vllm/bin/python")))
-        if not (python.is_file() and os.access(python, os.X_OK)):
-            problems.append(
-                f"vllm.python={v.get('python')!r}: no vLLM environment there ({python} "
-                f"is not an executable file); {SETUP_FIX}"
-            )
-        else:
-            report["python"] = str(python)
-            try:
-                got = facts_for(python, [config])[0]
-                if "error" in got:
-                    problems.append(f"{target / 'config.json'}: {got['error']}")
-                else:
-                    facts = VllmFacts.from_json(got)
-            except VllmEnvError as exc:
-                problems.append(str(exc))
-    if facts is not None:
-        report["version"] = facts.version
-        report["facts"] = facts.to_json()
-        problems += version_problems(facts)
-        if facts.version not in TESTED_VLLM and not version_problems(facts):
-            warnings.append(
-                f"vLLM {facts.version} is in the supported range but untested (tested: "
-                f"{', '.join(TESTED_VLLM)}); docs/vllm.md says what to run on a GPU first"
-            )
-        if facts.architecture is None:
-            problems.append(
-                f"{target / 'config.json'}: no architectures entry; vLLM picks the model "
-                "class from architectures[0]: add it (e.g. from the original model)"
-            )
-        elif facts.architecture_class is None:
-            problems.append(
-                f"{target / 'config.json'}: architectures[0]={facts.architecture!r} is not "
-                f"a model vLLM {facts.version} knows; use a vLLM that supports it"
-            )
-        elif "eval" in used and not facts.eagle3_target:
-            problems.append(
-                f"eval.vllm: vLLM {facts.version}'s {facts.architecture_class} cannot be an "
-                "EAGLE-3 target (no set_aux_hidden_state_layers, so the draft gets no "
-                "hidden states); set eval.vllm: false or use a vLLM that supports it"
-            )
 
-    # the extraction path: chosen exactly as eyrie.vllm.backend will choose it
-    requested = str(v.get("extraction_path", "auto"))
-    if "extract" in used and adapter is not None and facts is not None and aux_ids:
-        layer_ids = list(aux_ids) + [final_id]
-        path, path_problems = choose_path(
-            requested, adapter, facts, config, layer_ids, info.num_hidden_layers
+def installed_facts(check: VllmCheck) -> VllmFacts | None:
+    """The installed vLLM's facts, asked of the environment at vllm.python."""
+    v = check.vllm
+    python = resolve_python(str(v.get("python", ".venv-vllm/bin/python")))
+    if not (python.is_file() and os.access(python, os.X_OK)):
+        check.problems.append(
+            f"vllm.python={v.get('python')!r}: no vLLM environment there ({python} "
+            f"is not an executable file); {SETUP_FIX}"
         )
-        problems += path_problems
-        refused = native_problems(facts, layer_ids, info.num_hidden_layers)
-        report["extraction_path"] = {
-            "requested": requested,
-            "chosen": path,
-            "layer_ids": layer_ids,
-            "native_refused": refused if path != "native" else [],
-            "returns": None
-            if path is None
-            else (
-                "vLLM's extract_hidden_states method + ExampleHiddenStatesConnector: one safetensors "
-                "file per request"
-                if path == "native"
-                else "eyrie.vllm.capture worker extension (eager): the residual stream at each id"
-            ),
-        }
+        return None
+    check.report["python"] = str(python)
+    try:
+        got = facts_for(python, [check.config])[0]
+    except VllmEnvError as exc:
+        check.problems.append(str(exc))
+        return None
+    if "error" in got:
+        check.problems.append(f"{check.target / 'config.json'}: {got['error']}")
+        return None
+    return VllmFacts.from_json(got)
 
-    quant, q_problems, q_warnings = quantization_check(config, facts)
-    report["quantization"] = quant
-    problems += q_problems
-    warnings += q_warnings
-    problems += parallel_problems(info, tp)
-    report["memory"], m_problems, m_warnings = memory_check(target, config, v, info)
-    problems += m_problems
-    warnings += m_warnings
-    return {"problems": problems, "warnings": warnings, "report": report}
+
+def check_facts(check: VllmCheck, facts: VllmFacts) -> None:
+    """The version range, and whether vLLM knows the architecture (as an EAGLE-3 target when
+    evaluation runs through vLLM)."""
+    check.report["version"] = facts.version
+    check.report["facts"] = facts.to_json()
+    check.problems += version_problems(facts)
+    if facts.version not in TESTED_VLLM and not version_problems(facts):
+        check.warnings.append(
+            f"vLLM {facts.version} is in the supported range but untested (tested: "
+            f"{', '.join(TESTED_VLLM)}); docs/vllm.md says what to check on a GPU first"
+        )
+    config_json = check.target / "config.json"
+    if facts.architecture is None:
+        check.problems.append(
+            f"{config_json}: no architectures entry; vLLM picks the model "
+            "class from architectures[0]: add it (e.g. from the original model)"
+        )
+    elif facts.architecture_class is None:
+        check.problems.append(
+            f"{config_json}: architectures[0]={facts.architecture!r} is not "
+            f"a model vLLM {facts.version} knows; use a vLLM that supports it"
+        )
+    elif "eval" in check.used and not facts.eagle3_target:
+        check.problems.append(
+            f"eval.vllm: vLLM {facts.version}'s {facts.architecture_class} cannot be an "
+            "EAGLE-3 target (no set_aux_hidden_state_layers, so the draft gets no "
+            "hidden states); set eval.vllm: false or use a vLLM that supports it"
+        )
+
+
+PATH_RETURNS = {
+    "native": "vLLM's extract_hidden_states method + ExampleHiddenStatesConnector: one "
+    "safetensors file per request",
+    "capture": "eyrie.vllm.capture worker extension (eager): the residual stream at each id",
+}
+
+
+def check_extraction_path(check: VllmCheck, adapter, facts: VllmFacts) -> None:
+    """The extraction path, chosen exactly as eyrie.vllm.backend will choose it."""
+    requested = str(check.vllm.get("extraction_path", "auto"))
+    layer_ids = list(check.aux_ids) + [check.final_id]
+    num_layers = check.info.num_hidden_layers
+    path, path_problems = choose_path(
+        requested, adapter, facts, check.config, layer_ids, num_layers
+    )
+    check.problems += path_problems
+    refused = native_problems(facts, layer_ids, num_layers)
+    check.report["extraction_path"] = {
+        "requested": requested,
+        "chosen": path,
+        "layer_ids": layer_ids,
+        "native_refused": refused if path != "native" else [],
+        "returns": None
+        if path is None
+        else PATH_RETURNS["native" if path == "native" else "capture"],
+    }
+
+
+def vllm_checks(
+    target: Path,
+    info: TargetInfo,
+    aux_ids: list[int],
+    final_id: int,
+    settings: dict,
+    *,
+    facts: VllmFacts | None = None,
+) -> dict:
+    """{"problems": [...], "warnings": [...], "report": preflight.json's `vllm` object}.
+
+    `facts`: the installed vLLM's facts; None runs `vllm.python -m eyrie.vllm.gather` for them.
+    `aux_ids` empty means the layer ids did not resolve (reported elsewhere): no path is chosen.
+    """
+    v = dict(settings.get("vllm") or {})
+    check = VllmCheck(target, info, read_config(target), v, vllm_uses(settings), aux_ids, final_id)
+    tp = int(v.get("tensor_parallel_size", 1))
+    check.report = base_report(check.used, tp)
+    adapter = check_adapter(check)
+    if facts is None and adapter is not None:
+        facts = installed_facts(check)
+    if facts is not None:
+        check_facts(check, facts)
+    if "extract" in check.used and adapter is not None and facts is not None and aux_ids:
+        check_extraction_path(check, adapter, facts)
+    check.report["quantization"], problems, warnings = quantization_check(check.config, facts)
+    check.problems += problems
+    check.warnings += warnings
+    check.problems += parallel_problems(info, tp)
+    check.report["memory"], problems, warnings = memory_check(target, check.config, v, info)
+    check.problems += problems
+    check.warnings += warnings
+    return {"problems": check.problems, "warnings": check.warnings, "report": check.report}
 
 
 def verdict(report: dict) -> str:
