@@ -14,6 +14,7 @@ WHEELS=(
 )
 PY=${PYTHON:-python3}
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${WHEELS[@]}"
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+  -d .whl "${WHEELS[@]}"
 echo "gpu-wheels: $(ls .whl/*.whl | wc -l) wheels in .whl ($(du -sh .whl | cut -f1))"

@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
-# Every GPU measurement of issue 5 in one go, on an NVIDIA machine (an H200 here). Measured
-# 2026-11-30, part by part: extraction 162 s, read_path 157 s, training 539 s on two GPUs (of
-# which speculators' run 199 s, 133 s of it compiling), so about 14 minutes in all; where a call
-# is limited to 10 minutes, run the parts one by one.
+# Every GPU measurement of BENCHMARKS.md in one go, on an NVIDIA machine (BENCHMARKS.md gives
+# each part's time); where one command may run only so long, run the parts one by one.
 #
 #   bash benchmarks/gpu-wheels.sh                 # where pip reaches an index: fills .whl/
-#   bash benchmarks/gpu.sh [extraction] [read_path] [training]     # on the GPU machine; default: all
+#   bash benchmarks/gpu.sh [extraction] [read_path] [training]  # on the GPU machine; default: all
 #
 # Installs .whl/*.whl (speculators 0.9.0 and what the image lacks) into a private folder when
 # present, then runs each benchmark; each prints its table and writes
-# benchmarks/results/<name>-<gpu>.json. With $OUT set (the device tool), the JSON files and the
-# logs are copied there too. Training runs its two-GPU scaling cell when two GPUs are visible.
+# benchmarks/results/<name>-<gpu>.json. With $OUT set (a folder to bring back from the GPU
+# machine), the JSON files and the logs are copied there too. Training runs its two-GPU scaling
+# cell when two GPUs are visible.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if compgen -G ".whl/*.whl" > /dev/null; then
   site=${TMPDIR:-/tmp}/eyrie-bench-site
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
-  export PYTHONPATH=$PYTHONPATH:$site   # after the image's own packages: only what it lacks comes from here
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" .whl/*.whl
+  # after the image's own packages: only what it lacks comes from here
+  export PYTHONPATH=$PYTHONPATH:$site
 fi
 parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(extraction read_path training)
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)

@@ -1,9 +1,9 @@
-"""FP8 hidden-state storage against bfloat16 on the demo target (issue 5, item 5): the same
+"""FP8 hidden-state storage against bfloat16 on the demo target: the same
 workflow run twice, changing only `extract.storage_dtype`, and compared on the evaluation's
 acceptance length, the trained draft's final loss and accuracies, and the shards' bytes.
 Goal: AL changes by at most 2% at half the bytes.
 
-    .venv/bin/python benchmarks/storage_al.py            # CPU: ~6 min per dtype on 2 idle cores
+    .venv/bin/python benchmarks/storage_al.py
 
 Each run is `snakemake -c 2 --configfile <config.yaml with target.name al_<dtype> and that
 storage_dtype>` from the repository root (results under results/al_<dtype>/; a run that is
@@ -75,11 +75,11 @@ def main() -> None:
     print(f"{'storage':12} {'AL':>7} {'per position':>22} {'final loss':>10} {'shard bytes':>12}")
     for d, r in rows.items():
         pos = " ".join(f"{x:.3f}" for x in r["per_position_acceptance"])
-        print(
-            f"{d:12} {r['acceptance_length']:>7.4f} {pos:>22} {r['final_loss']:>10.4f} {r['shard_bytes']:>12}"
-        )
+        al, loss, size = r["acceptance_length"], r["final_loss"], r["shard_bytes"]
+        print(f"{d:12} {al:>7.4f} {pos:>22} {loss:>10.4f} {size:>12}")
     print(
-        f"float8_e4m3 vs bfloat16: AL {100 * change:+.2f}% (goal within 2%), bytes {bytes_ratio:.3f}x"
+        f"float8_e4m3 vs bfloat16: AL {100 * change:+.2f}% (goal within 2%),"
+        f" bytes {bytes_ratio:.3f}x"
     )
     out = REPO / "benchmarks" / "results" / "storage_al-cpu.json"
     out.write_text(

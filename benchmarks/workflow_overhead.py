@@ -1,5 +1,5 @@
 """Workflow overhead: wall and CPU time of `snakemake -n` for configs with N tokenized/hidden-state
-shards (issue 5, item 4: goal <= 15 s at N = 10,000 on 2 cores), in two states:
+shards (goal: at most 15 s at N = 10,000 on 2 cores), in two states:
 
 - plan all: an empty working directory, so the dry run plans every job (N shard jobs, N/16
   engines and the rest);
@@ -9,7 +9,8 @@ shards (issue 5, item 4: goal <= 15 s at N = 10,000 on 2 cores), in two states:
 The peer, run the same way in the same run: a one-rule Snakefile with as many trivial jobs as the
 plan-all DAG, i.e. what Snakemake itself needs per job before any of this workflow's rules count.
 
-    .venv/bin/python benchmarks/workflow_overhead.py --shards 1000 2000 4000 10000 [--repeat 2] [--no-complete]
+    .venv/bin/python benchmarks/workflow_overhead.py --shards 1000 2000 4000 10000 \
+        [--repeat 2] [--no-complete]
 
 Prints a table and writes benchmarks/results/workflow_overhead.json. Times are the best of
 --repeat runs (the machine may be shared; CPU time is user + system of the snakemake process).
@@ -168,7 +169,8 @@ def measure(shards: int, repeat: int, timeout: float, complete: bool) -> dict:
 def slurm_probe_s(timeout: float = 15.0) -> float | None:
     """Seconds of `scontrol show config`, which the SLURM executor plugin runs (timeout 10 s) when
     Snakemake loads its plugins, i.e. in every cell of this benchmark; None without scontrol.
-    With SLURM's client tools installed and no controller answering, every call waits ~9 s."""
+    With SLURM's client tools installed and no controller answering, every call waits for it
+    (BENCHMARKS.md, "Workflow overhead")."""
     if shutil.which("scontrol") is None:
         return None
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv-vllm: vLLM (which pins its own torch) plus what eyrie's vLLM stages import, and
-# eyrie itself. Idempotent. About 9 GB and 2-6 minutes from PyPI.
+# eyrie itself. Idempotent. About 9 GB from PyPI (README.md gives the time).
 # On a CPU-only machine vLLM imports (preflight introspects it) but cannot run a model.
 # Usage: bash scripts/setup-vllm.sh     (EYRIE_VLLM_VENV=DIR to put it elsewhere)
 set -euo pipefail

@@ -50,7 +50,8 @@ wait_until() {
       gone=0
       probe "$@" && return 0
     fi
-    [ "$(date +%s)" -ge "$deadline" ] && why="no answer within ${WAIT}s (raise with EYRIE_SLURM_WAIT)"
+    [ "$(date +%s)" -ge "$deadline" ] \
+      && why="no answer within ${WAIT}s (raise with EYRIE_SLURM_WAIT)"
     if [ -n "$why" ]; then
       echo "slurm-local: $name did not come up: $why; last lines of $log:" >&2
       tail -n 15 "$log" >&2 2>/dev/null || true
@@ -304,7 +305,8 @@ start_slurmctld() {
   slurmctld_ok && return 0
   slurmctld 9>&- </dev/null >>"$STATE/log/slurmctld.log" 2>&1 \
     || die "slurmctld failed to start: read $STATE/log/slurmctld.log"
-  wait_until slurmctld slurmctld "$STATE/log/slurmctld.log" bash -c 'scontrol ping | grep -q "is UP"'
+  wait_until slurmctld slurmctld "$STATE/log/slurmctld.log" \
+    bash -c 'scontrol ping | grep -q "is UP"'
 }
 
 # slurmd runs and the node can take jobs (idle, or busy with jobs that survived a restart).
@@ -387,7 +389,7 @@ cmd_status() {
 cmd_down() {
   need_root
   # In three steps: slurmdbd outlives the controller (it takes the last accounting records) and
-  # MariaDB outlives slurmdbd. Each daemon takes ~2 s to exit here.
+  # MariaDB outlives slurmdbd.
   stop "slurmd:$STATE/run/slurmd.pid:slurmd" "slurmctld:$STATE/run/slurm/slurmctld.pid:slurmctld"
   stop "slurmdbd:$STATE/run/slurm/slurmdbd.pid:slurmdbd"
   stop "mariadb:$STATE/run/mysql/mariadb.pid:mariadbd" "munged:$STATE/run/munge/munged.pid:munged"

@@ -197,8 +197,8 @@ def test_speculators_launcher_times_each_batch():
 
 
 def test_train_step_benchmark_tiny(tmp_path):
-    """benchmarks/train_step_gpu.py --tiny on CPU: a variant builds the draft, trains its timed steps
-    on packed batches and prints its line; flex is refused on the CPU (no backward there)."""
+    """benchmarks/train_step_gpu.py --tiny on CPU: a variant builds the draft, trains its timed
+    steps on packed batches and prints its line; flex is refused on the CPU (no backward there)."""
     cmd = [sys.executable, str(REPO / "benchmarks" / "train_step_gpu.py"), "--tiny", "time"]
     env = dict(os.environ, EYRIE_BENCH_WORK=str(tmp_path))
     run = subprocess.run(

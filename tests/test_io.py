@@ -17,7 +17,7 @@ def test_a_failed_write_leaves_neither_output_nor_temporary(tmp_path):
 
 
 def test_what_a_killed_writer_left_is_removed_by_the_next_write(tmp_path):
-    """SIGKILL runs no cleanup: its temporary (another pid) stays until the output is written again."""
+    """SIGKILL runs no cleanup: its temporary (another pid) stays until the next write."""
     final = tmp_path / "shard_000.h5"
     stale = tmp_path / ".shard_000.h5.tmp-999999"
     other = tmp_path / ".shard_001.h5.tmp-999999"  # another output's: not ours to remove

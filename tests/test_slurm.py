@@ -275,7 +275,9 @@ def test_a_job_killed_for_its_time_limit_is_retried_with_more_time(tmp_path):
     """The profile's retries with attempt-scaled runtime: 1 minute, then 2 (here for a rule that
     needs 75 s; the profile's own values are 60 * attempt minutes and up)."""
     (tmp_path / "Snakefile").write_text(
-        'rule slow:\n    output: "done.txt"\n    shell: "sleep 75 && echo {resources.runtime} > {output}"\n'
+        "rule slow:\n"
+        '    output: "done.txt"\n'
+        '    shell: "sleep 75 && echo {resources.runtime} > {output}"\n'
     )
     proc = snakemake(
         tmp_path,

@@ -44,7 +44,7 @@ def cluster() -> None:
 @pytest.fixture(scope="module")
 def gpu_job(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """Runs one 2-GPU batch job to its end; returns its id and its output. Polls the controller
-    itself: `sbatch --wait` sleeps 2, 4, 8 s between its checks (a 1 s job took 2.6-10.6 s)."""
+    itself: `sbatch --wait` sleeps 2, 4, 8 s between its checks."""
     out = tmp_path_factory.mktemp("slurm") / "job.out"
     sub = run(
         "sbatch",

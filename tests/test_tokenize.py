@@ -378,7 +378,7 @@ def settings(**data):
 
 @pytest.fixture(autouse=True)
 def only_this_stage(monkeypatch):
-    """The real `eyrie` entry point, with only this stage registered (others import heavy modules)."""
+    """The real `eyrie` entry point, only this stage registered (the others import heavy code)."""
     monkeypatch.setattr(cli, "STAGES", {"tokenize": cli.STAGES["tokenize"]})
 
 
@@ -473,9 +473,14 @@ def test_cli_deterministic(target, tmp_path):
     for name in ("eval.parquet", "shard_000.parquet", "shard_001.parquet", "shard_002.parquet"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
     assert run_cli(target, inputs, tmp_path / "other", seed=1) == 0
-    order = lambda d: [
-        r["sample_id"] for n in ("eval", "shard_000") for r in read(tmp_path / d / f"{n}.parquet")
-    ]
+
+    def order(d: str) -> list:
+        return [
+            r["sample_id"]
+            for n in ("eval", "shard_000")
+            for r in read(tmp_path / d / f"{n}.parquet")
+        ]
+
     assert order("one") != order("other") and sorted(order("one")) != sorted(order("other"))
 
 
