@@ -21,6 +21,7 @@ from eyrie.evaluate import evaluate as ev
 from eyrie.evaluate import specdec as ev_specdec
 from eyrie.evaluate.evaluate import load_draft
 from eyrie.evaluate.specdec import (
+    Decoding,
     Eagle3Proposer,
     SpecStats,
     greedy_generate,
@@ -135,7 +136,7 @@ def test_eagle3_outputs_equal_greedy(case):
     for prompt in case["prompts"]:
         reference = greedy_generate(model, prompt, 12, eos)
         assert (
-            speculative_generate(model, prompt, propose, K, 12, eos, aux_ids=AUX, stats=stats)
+            speculative_generate(model, prompt, propose, Decoding(K, 12, eos, AUX), stats=stats)
             == reference
         )
     assert stats.num_drafts > 0 and stats.num_draft_tokens == K * stats.num_drafts
@@ -156,7 +157,7 @@ def test_hand_built_proposer_outputs_equal_greedy(case):
     for prompt in case["prompts"][:2]:
         for max_new in (1, 2, 9):
             assert speculative_generate(
-                model, prompt, sometimes_right, K, max_new, eos, aux_ids=AUX
+                model, prompt, sometimes_right, Decoding(K, max_new, eos, AUX)
             ) == greedy_generate(model, prompt, max_new, eos)
 
 
@@ -165,7 +166,7 @@ def test_oracle_acceptance_is_one_plus_k(case):
     max_new = 13
     stats = SpecStats(K)
     out = speculative_generate(
-        model, prompt, oracle(model), K, max_new, None, aux_ids=AUX, stats=stats
+        model, prompt, oracle(model), Decoding(K, max_new, None, AUX), stats=stats
     )
     assert out == greedy_generate(model, prompt, max_new, None)
     # the prefill gives 1 token, each verification K + 1: ceil(12 / 4) = 3 drafts
@@ -180,7 +181,7 @@ def test_always_wrong_proposer(case):
     model, prompt = case["model"], case["prompts"][1]
     stats = SpecStats(K)
     out = speculative_generate(
-        model, prompt, oracle(model, wrong_from=0), K, 10, None, aux_ids=AUX, stats=stats
+        model, prompt, oracle(model, wrong_from=0), Decoding(K, 10, None, AUX), stats=stats
     )
     assert out == greedy_generate(model, prompt, 10, None)
     m = stats.metrics()
@@ -193,7 +194,7 @@ def test_right_on_first_two_of_three(case):
     model, prompt = case["model"], case["prompts"][2]
     stats = SpecStats(K)
     out = speculative_generate(
-        model, prompt, oracle(model, wrong_from=2), K, 10, None, aux_ids=AUX, stats=stats
+        model, prompt, oracle(model, wrong_from=2), Decoding(K, 10, None, AUX), stats=stats
     )
     assert out == greedy_generate(model, prompt, 10, None)
     m = stats.metrics()

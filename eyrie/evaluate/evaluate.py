@@ -9,13 +9,14 @@ Every speculative output is checked token for token against plain greedy decodin
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from eyrie.errors import EvaluateError
 from eyrie.evaluate.specdec import (
+    Decoding,
     Eagle3Proposer,
     SpecStats,
     greedy_generate,
@@ -25,14 +26,12 @@ from eyrie.formats.report import read_report
 from eyrie.formats.tokenized import read_prompts
 from eyrie.formats.vocab import read_vocab
 from eyrie.io import atomic_path, provenance, write_json
+from eyrie.settings import load_settings
 
 log = logging.getLogger(__name__)
 
 
 UNTRAINED_SEED = 0
-
-
-DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -44,22 +43,10 @@ class EvalSettings:
 
 
 def parse_settings(settings: dict) -> EvalSettings:
-    """Check the eval settings (every problem at once, each naming its key); resolve device."""
-    ev = settings.get("eval")
-    if not isinstance(ev, dict):
-        raise EvaluateError(
-            "--settings: key 'eval' missing or not an object; pass the config's eval section"
-        )
-    problems = []
-    for key in ("num_speculative_tokens", "max_new_tokens", "num_prompts"):
-        value = ev.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            problems.append(f"eval.{key}={value!r} must be an integer >= 1")
-    device = ev.get("device", "auto")
-    if device not in DEVICES:
-        problems.append(f"eval.device={device!r} must be one of {', '.join(DEVICES)}")
-    if problems:
-        raise EvaluateError("invalid --settings: " + "; ".join(problems))
+    """The eval settings, checked by the schema (every problem at once, each naming its key), with
+    the device resolved."""
+    ev = load_settings(settings, ["eval"], EvaluateError)["eval"]
+    device = ev["device"]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
@@ -125,9 +112,11 @@ def load_draft(path: str | Path):
 
 
 def check_draft(
-    draft, path, aux_ids: list[int], hidden_size: int, d2t: torch.Tensor, t2d: torch.Tensor
+    draft, path, aux_ids: list[int], hidden_size: int, vocab_map: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
-    """The draft must read the aux layers the preflight chose and use this vocabulary map."""
+    """The draft must read the aux layers the preflight chose and use this vocabulary map
+    (`vocab_map`: d2t, t2d)."""
+    d2t, t2d = vocab_map
     draft_aux = list(draft.config.eagle_aux_hidden_state_layer_ids)
     if draft_aux != list(aux_ids):
         raise EvaluateError(
@@ -185,104 +174,133 @@ def plot(path: str | Path, K: int, trained: dict, untrained: dict) -> None:
     plt.close(fig)
 
 
-def evaluate(
-    target: str | Path,
-    draft_dir: str | Path,
-    vocab: str | Path,
-    eval_set: str | Path,
-    preflight: str | Path,
-    out: str | Path,
-    plot_path: str | Path,
-    settings: dict,
-) -> dict:
-    """Run the evaluation and write eval.json and eval.png; returns the report."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@dataclass(frozen=True)
+class EvalPaths:
+    """The stage's files, as given on the command line (written into the report as given)."""
 
+    target: str | Path
+    draft: str | Path  # exported draft folder
+    vocab: str | Path  # vocab.safetensors (d2t, t2d)
+    eval_set: str | Path  # eval.parquet with prompt_ids
+    preflight: str | Path  # preflight.json
+    out: str | Path  # eval.json to write
+    plot: str | Path  # eval.png to write
+
+
+@dataclass(frozen=True)
+class EvalInputs:
+    """The checked inputs: the preflight's aux ids, the vocabulary map, the prompts, the draft."""
+
+    aux_ids: list[int]
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    prompts: list  # (sample_id, prompt ids)
+    draft: object  # speculators' Eagle3DraftModel
+
+
+def check_inputs(paths: EvalPaths, cfg: EvalSettings) -> EvalInputs:
+    """Every input checked against the target before any model is loaded."""
     from eyrie.arch.target import inspect_target
-    from eyrie.draft import build_draft
     from eyrie.errors import TargetError
 
-    cfg = parse_settings(settings)
     try:
-        info = inspect_target(target)
+        info = inspect_target(paths.target)
     except TargetError as exc:
         raise EvaluateError(str(exc)) from exc
-    aux_ids = read_preflight(preflight, info.fingerprint, info.num_hidden_layers)
-    d2t, t2d = read_vocab(vocab, info.vocab_size)
-    prompts = read_prompts(eval_set, cfg.num_prompts, info.vocab_size)
-    draft = load_draft(draft_dir)
-    check_draft(draft, draft_dir, aux_ids, info.hidden_size, d2t, t2d)
+    aux_ids = read_preflight(paths.preflight, info.fingerprint, info.num_hidden_layers)
+    d2t, t2d = read_vocab(paths.vocab, info.vocab_size)
+    prompts = read_prompts(paths.eval_set, cfg.num_prompts, info.vocab_size)
+    draft = load_draft(paths.draft)
+    check_draft(draft, paths.draft, aux_ids, info.hidden_size, (d2t, t2d))
     verifier = draft.config.speculators_config.verifier.name_or_path
-    if verifier and Path(verifier).resolve() != Path(target).resolve():
-        log.warning("draft's verifier.name_or_path is %s, evaluating against %s", verifier, target)
-
+    if verifier and Path(verifier).resolve() != Path(paths.target).resolve():
+        log.warning(
+            "draft's verifier.name_or_path is %s, evaluating against %s", verifier, paths.target
+        )
     max_pos = info.text_config.get("max_position_embeddings")
     longest = max(len(p) for _, p in prompts) + cfg.max_new_tokens + cfg.K
     if isinstance(max_pos, int) and longest > max_pos:
         raise EvaluateError(
-            f"{eval_set}: longest prompt + eval.max_new_tokens + K = {longest} "
+            f"{paths.eval_set}: longest prompt + eval.max_new_tokens + K = {longest} "
             f"exceeds the target's max_position_embeddings {max_pos}; lower "
             "eval.max_new_tokens"
         )
+    return EvalInputs(aux_ids, d2t, t2d, prompts, draft)
+
+
+def load_target(target: str | Path, device: str):
+    """(the target in float32 on `device`, its tokenizer's eos id or None)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         log.warning("the tokenizer has no eos token: decoding stops at max_new_tokens only")
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
-    model = model.to(cfg.device).eval()
+    return model.to(device).eval(), eos_id
 
+
+def build_proposers(target: str | Path, inputs: EvalInputs, device: str) -> dict:
+    """{"trained": the exported draft, "untrained": a fresh draft of the same shape (the
+    baseline, seeded with UNTRAINED_SEED)} as EAGLE-3 proposers on `device`."""
+    from eyrie.draft import build_draft
+
+    draft = inputs.draft
     tl = draft.config.transformer_layer_config
     untrained = build_draft(
         target,
-        aux_ids,
-        d2t,
-        t2d,
+        inputs.aux_ids,
+        inputs.d2t,
+        inputs.t2d,
         num_layers=tl.num_hidden_layers,
         draft_arch=tl.model_type,
         norm_before_residual=draft.config.norm_before_residual,
         seed=UNTRAINED_SEED,
     )
-    proposers = {
-        "trained": Eagle3Proposer(draft.to(cfg.device)),
-        "untrained": Eagle3Proposer(untrained.to(cfg.device)),
+    return {
+        "trained": Eagle3Proposer(draft.to(device)),
+        "untrained": Eagle3Proposer(untrained.to(device)),
     }
-    stats = {name: SpecStats(cfg.K) for name in proposers}
 
-    log.info(
-        "evaluating %s on %d prompts: K=%d, max_new_tokens=%d, aux ids %s, device %s",
-        draft_dir,
-        len(prompts),
-        cfg.K,
-        cfg.max_new_tokens,
-        aux_ids,
-        cfg.device,
-    )
-    output_tokens = 0
-    for n, (sample_id, prompt_ids) in enumerate(prompts, 1):
-        reference = greedy_generate(model, prompt_ids, cfg.max_new_tokens, eos_id)
-        output_tokens += len(reference)
-        for name, propose in proposers.items():
-            got = speculative_generate(
-                model,
-                prompt_ids,
-                propose,
-                cfg.K,
-                cfg.max_new_tokens,
-                eos_id,
-                aux_ids=aux_ids,
-                stats=stats[name],
-            )
+
+@dataclass
+class Decoder:
+    """The target and the proposers: decodes one prompt greedily and speculatively with each,
+    counting into `stats` (one SpecStats per proposer)."""
+
+    model: object
+    proposers: dict
+    decoding: Decoding
+    stats: dict = field(init=False)
+
+    def __post_init__(self):
+        self.stats = {name: SpecStats(self.decoding.K) for name in self.proposers}
+
+    def decode(self, sample_id: str, prompt_ids: list[int], where) -> list[int]:
+        """The target's greedy output; each proposer's speculative output must equal it."""
+        d = self.decoding
+        reference = greedy_generate(self.model, prompt_ids, d.max_new_tokens, d.eos_id)
+        for name, propose in self.proposers.items():
+            got = speculative_generate(self.model, prompt_ids, propose, d, stats=self.stats[name])
             if got != reference:
                 at = next(
                     (i for i, (a, b) in enumerate(zip(got, reference)) if a != b),
                     min(len(got), len(reference)),
                 )
                 raise EvaluateError(
-                    f"{eval_set}: prompt {sample_id}: speculative output with the {name} draft "
+                    f"{where}: prompt {sample_id}: speculative output with the {name} draft "
                     f"differs from the target's greedy output at new token {at} ({len(got)} vs "
                     f"{len(reference)} tokens); speculative decoding must not change greedy outputs"
                 )
+        return reference
+
+
+def decode_prompts(decoder: Decoder, prompts: list, where) -> int:
+    """Decode every prompt (a log line each); returns the number of output tokens."""
+    output_tokens = 0
+    for n, (sample_id, prompt_ids) in enumerate(prompts, 1):
+        reference = decoder.decode(sample_id, prompt_ids, where)
+        output_tokens += len(reference)
         log.info(
             "prompt %d/%d (%s): %d prompt + %d new tokens; AL so far trained %.3f, untrained %.3f",
             n,
@@ -290,32 +308,54 @@ def evaluate(
             sample_id,
             len(prompt_ids),
             len(reference),
-            *(stats[k].metrics()["acceptance_length"] or 1.0 for k in ("trained", "untrained")),
+            *(
+                decoder.stats[k].metrics()["acceptance_length"] or 1.0
+                for k in ("trained", "untrained")
+            ),
         )
+    return output_tokens
 
+
+def evaluate(paths: EvalPaths, settings: dict) -> dict:
+    """Run the evaluation and write eval.json and eval.png; returns the report."""
+    cfg = parse_settings(settings)
+    inputs = check_inputs(paths, cfg)
+    model, eos_id = load_target(paths.target, cfg.device)
+    proposers = build_proposers(paths.target, inputs, cfg.device)
+    decoder = Decoder(model, proposers, Decoding(cfg.K, cfg.max_new_tokens, eos_id, inputs.aux_ids))
+    log.info(
+        "evaluating %s on %d prompts: K=%d, max_new_tokens=%d, aux ids %s, device %s",
+        paths.draft,
+        len(inputs.prompts),
+        cfg.K,
+        cfg.max_new_tokens,
+        inputs.aux_ids,
+        cfg.device,
+    )
+    output_tokens = decode_prompts(decoder, inputs.prompts, paths.eval_set)
     report = {
         "K": cfg.K,
-        "num_prompts": len(prompts),
+        "num_prompts": len(inputs.prompts),
         "max_new_tokens": cfg.max_new_tokens,
         "output_tokens": output_tokens,
-        "trained": stats["trained"].metrics(),
-        "untrained": stats["untrained"].metrics(),
+        "trained": decoder.stats["trained"].metrics(),
+        "untrained": decoder.stats["untrained"].metrics(),
         "outputs_match_target_greedy": True,
-        "aux_layer_ids": aux_ids,
+        "aux_layer_ids": inputs.aux_ids,
         "eos_token_id": eos_id,
-        "draft": str(draft_dir),
-        "target": str(target),
+        "draft": str(paths.draft),
+        "target": str(paths.target),
         "untrained_seed": UNTRAINED_SEED,
         "device": cfg.device,
         "provenance": provenance(settings),
     }
-    plot(plot_path, cfg.K, report["trained"], report["untrained"])
-    write_json(out, report)
+    plot(paths.plot, cfg.K, report["trained"], report["untrained"])
+    write_json(paths.out, report)
     log.info(
         "acceptance length: trained %s, untrained %s -> %s",
         report["trained"]["acceptance_length"],
         report["untrained"]["acceptance_length"],
-        out,
+        paths.out,
     )
     return report
 
@@ -336,14 +376,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    evaluate(
-        args.target,
-        args.draft,
-        args.vocab,
-        args.eval_set,
-        args.preflight,
-        args.out,
-        args.plot,
-        args.settings,
+    paths = EvalPaths(
+        args.target, args.draft, args.vocab, args.eval_set, args.preflight, args.out, args.plot
     )
+    evaluate(paths, args.settings)
     return 0

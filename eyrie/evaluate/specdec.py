@@ -94,25 +94,34 @@ def greedy_generate(
     return out
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How each prompt is decoded: K drafted tokens per verification, at most max_new_tokens new
+    tokens, a stop at eos_id (None: none); the target layers whose states the proposer reads."""
+
+    K: int
+    max_new_tokens: int
+    eos_id: int | None
+    aux_ids: list[int]
+
+
 @torch.no_grad()
 def speculative_generate(
     target,
     prompt_ids: list[int],
     propose: Proposer,
-    K: int,
-    max_new_tokens: int,
-    eos_id: int | None,
-    *,
-    aux_ids: list[int],
+    decoding: Decoding,
     stats: SpecStats | None = None,
 ) -> list[int]:
     """Greedy speculative decoding; returns the new tokens (cut at EOS / max_new_tokens)."""
+    K, aux_ids = decoding.K, decoding.aux_ids
+    limits = (decoding.max_new_tokens, decoding.eos_id)
     device = next(target.parameters()).device
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)  # [P]
     greedy, aux = target_step(target, ids, aux_ids)  # [P], [P, A*H]
     out = [int(greedy[-1])]  # prefill gives token 1
     ids = torch.cat([ids, greedy[-1:]])  # [L]; aux covers ids[:-1]
-    while not _finished(out, max_new_tokens, eos_id):
+    while not _finished(out, *limits):
         L = len(ids)
         draft = [int(t) for t in propose(ids, aux, K)]
         if len(draft) != K:
@@ -129,7 +138,7 @@ def speculative_generate(
         out += new
         ids = torch.cat([ids, ids.new_tensor(new)])  # [L + n + 1]
         aux = aux_all[: L + n]  # states of ids[:-1], verified
-    return _cut(out, max_new_tokens, eos_id)
+    return _cut(out, *limits)
 
 
 class Eagle3Proposer:
