@@ -8,7 +8,8 @@ benchmarks/training_gpu.py's build_target), trained as `eyrie train` does on a G
 kl_div loss (eager), gradient clipping, AdamW. Batches are random, packed from documents of
 1,023-2,047 tokens with 2 padding positions after each and the tail padded (document id -1).
 
-    python benchmarks/train_step_gpu.py time attn=sdpa,T=4096 attn=flex,T=4096 attn=flex,T=8192,packs=1
+    python benchmarks/train_step_gpu.py time attn=sdpa,T=4096 attn=flex,T=4096 \
+        attn=flex,T=8192,packs=1
     python benchmarks/train_step_gpu.py repeat
 
 time: one process per variant (keys: attn=sdpa|flex, T=tokens per pack, packs=per step (2),

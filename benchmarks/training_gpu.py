@@ -1,5 +1,5 @@
-"""Draft training on one GPU (issue 5, item 3): eyrie's `eyrie train` against speculators 0.9.0's own
-trainer (`torchrun -m speculators.train`, its defaults otherwise), in one run, on the same hidden
+"""Draft training on one GPU: eyrie's `eyrie train` against speculators 0.9.0's own trainer
+(`torchrun -m speculators.train`, its defaults otherwise), in one run, on the same hidden
 states, the same draft and the same token budget per optimizer step.
 
   data   random bf16 hidden states (seeded; samples of --min-len..--max-len tokens, loss mask on
@@ -29,17 +29,18 @@ step time blocked waiting for data (eyrie: its own `data_wait_s` per step; specu
 launcher times each `next()` on its train loader). With --gpus 2: eyrie's scaling (2 processes
 against 1 on the same global batch of 2 x --packs-per-step packs: --packs-per-step per rank) and
 the largest difference of their final weights and losses.
-Goals (issue 5): eyrie/speculators tokens/s >= 1.2, peak memory <= 1.0x, data wait < 5%;
+Goals (BENCHMARKS.md): eyrie/speculators tokens/s >= 1.2, peak memory <= 1.0x, data wait < 5%;
 2-GPU scaling >= 1.8x with results identical to one GPU.
 
-    python benchmarks/training_gpu.py                 # H200: the BENCHMARKS.md run (~3-4 min)
+    python benchmarks/training_gpu.py                 # H200: the BENCHMARKS.md run
     python benchmarks/training_gpu.py --gpus 2        # also eyrie on 2 GPUs (nvidia-h200-x2)
     python benchmarks/training_gpu.py --tiny          # small shapes on CPU: checks the script
 
-speculators' trainer needs a CUDA device (under torchrun it calls torch.accelerator.set_device_index,
-which fails without an accelerator; its Trainer moves the model to device index LOCAL_RANK and
-autocasts on "cuda"); on a machine without one, (B) is skipped and only its data path (the
-conversion, read back by its ArrowDataset and collated by its CollateFn) is checked.
+speculators' trainer needs a CUDA device (under torchrun it calls
+torch.accelerator.set_device_index, which fails without an accelerator; its Trainer moves the
+model to device index LOCAL_RANK and autocasts on "cuda"); on a machine without one, (B) is
+skipped and only its data path (the conversion, read back by its ArrowDataset and collated by its
+CollateFn) is checked.
 Prints a table and writes benchmarks/results/training-<device>.json (training-tiny-cpu.json).
 """
 
@@ -455,7 +456,8 @@ def speculators_flags(world: dict, conv: dict, root: Path, args, shape: dict) ->
 
 
 def speculators_settings(flags: list[str]) -> dict:
-    """The settings speculators resolves from `flags` (its defaults for the rest) that bear on speed."""
+    """The settings speculators resolves from `flags` (its defaults for the rest) that bear on
+    speed."""
     from speculators.train.config import TrainConfig
 
     a = TrainConfig.resolve(flags).flatten()
@@ -490,7 +492,8 @@ def speculators_settings(flags: list[str]) -> dict:
 def check_speculators_setup(world: dict, conv: dict, root: Path, args, shape: dict) -> dict:
     """Without a GPU: speculators' own config resolution of the run's flags, its vocabulary map
     loading, draft construction from the target folder and train loader (no workers), and one
-    forward with its loss on a batch (sdpa and eager loss on the CPU); what its trainer would get."""
+    forward with its loss on a batch (sdpa and eager loss on the CPU); what its trainer would
+    get."""
     import speculators.train.cli as cli
     from hs_connectors import HiddenStatesBackend
     from speculators.losses import resolve_loss_config
@@ -742,9 +745,8 @@ def main() -> None:
             P2 = 2 * args.packs_per_step
             runs["eyrie_1x"] = run_eyrie(world, work / "run_eyrie_1x", args, 1, device, P2)
             phases["eyrie_1x_s"] = time.perf_counter() - t
-            log(
-                f"eyrie, 1 process, {P2} packs per step: {runs['eyrie_1x']['tokens_per_s']:.0f} tok/s"
-            )
+            tok_s = runs["eyrie_1x"]["tokens_per_s"]
+            log(f"eyrie, 1 process, {P2} packs per step: {tok_s:.0f} tok/s")
             t = time.perf_counter()
             runs["eyrie_2"] = run_eyrie(world, work / "run_eyrie_2", args, 2, device, P2)
             phases["eyrie_2_s"] = time.perf_counter() - t
@@ -778,7 +780,8 @@ def main() -> None:
 
     print(
         f"\ndraft training on {name} ({date.today()}): 1 layer, hidden {shape['hidden']}, vocab "
-        f"{shape['vocab']} -> {shape['draft_vocab']}, {TTT_STEPS} TTT steps, {budget} tokens per step "
+        f"{shape['vocab']} -> {shape['draft_vocab']}, {TTT_STEPS} TTT steps, {budget} tokens per "
+        "step "
         f"(eyrie {args.packs_per_step} x {args.max_tokens}), samples {args.min_len}-{args.max_len} "
         f"tokens, {args.warmup} warm-up steps left out"
     )
@@ -801,20 +804,23 @@ def main() -> None:
     if ratios:
         pm = ratios["peak_memory"]
         print(
-            f"eyrie / speculators: tokens/s {ratios['tokens_per_s']:.2f}x (goal >= 1.2), peak memory "
+            f"eyrie / speculators: tokens/s {ratios['tokens_per_s']:.2f}x (goal >= 1.2), "
+            "peak memory "
             f"{'n/a' if pm is None else f'{pm:.2f}x'} (goal <= 1.0)"
         )
     print(f"eyrie data wait {100 * e['data_wait_fraction']:.1f}% of step time (goal < 5%)")
     if scaling is not None:
         same = "identical" if parity["weights_identical"] else "not identical"
         print(
-            f"eyrie 2 processes / 1: {scaling:.2f}x tokens/s (goal >= 1.8); final weights max |diff| "
+            f"eyrie 2 processes / 1: {scaling:.2f}x tokens/s (goal >= 1.8); "
+            "final weights max |diff| "
             f"{parity['weights_max_abs_diff']:.3g} ({same}), losses max |diff| "
             f"{parity['loss_max_abs_diff']}"
         )
     print("phases (s): " + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))
 
-    name_ = f"training-{'tiny-' if args.tiny else ''}{name.split()[-1].lower() if cuda else device}.json"
+    machine = name.split()[-1].lower() if cuda else device
+    name_ = f"training-{'tiny-' if args.tiny else ''}{machine}.json"
     out = args.out or REPO / "benchmarks" / "results" / name_
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(

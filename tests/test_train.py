@@ -206,11 +206,21 @@ def test_loss_falls_and_outputs_are_written(world, tmp_path):
     assert config["eagle_aux_hidden_state_layer_ids"] == AUX_IDS
 
 
+# train_settings(epochs=2, checkpoint_every=4) on the tiny world, CPU, float32: steps 1-6
+PINNED_LOSSES = [0.0422352, 0.0311719, 0.0310989, 0.0239363, 0.0237341, 0.0253273]
+PINNED_GRAD_NORMS = [0.143954, 0.0916425, 0.0669164, 0.0337197, 0.0289787, 0.0314863]
+
+
 def test_interrupted_runs_resume_to_identical_weights(world, tmp_path):
     settings = train_settings(epochs=2, checkpoint_every=4)
     full = run_train(world, tmp_path / "a", settings)
     steps = full["steps"]
     assert steps > 10
+    # The first steps' values, pinned: a change to what a training step computes shows here.
+    first = [json.loads(ln) for ln in (tmp_path / "a" / "train" / "metrics.jsonl").open()][:6]
+    assert [r["loss"] for r in first] == pytest.approx(PINNED_LOSSES, rel=1e-4)
+    assert [r["grad_norm"] for r in first] == pytest.approx(PINNED_GRAD_NORMS, rel=1e-4)
+    assert [(r["tokens"], r["loss_tokens"]) for r in first][:2] == [(117, 54), (69, 23)]
 
     b = tmp_path / "b"
     # 1. a planned stop through the CLI (checkpoint at step 3, exit code 3, no outputs)

@@ -1,8 +1,8 @@
 """Real `eyrie train` processes: torchrun + DDP against one process, and runs killed with SIGKILL
 that resume exactly; plus the torchrun command builder.
 
-Each subprocess pays the imports (torch, transformers, speculators: ~10 s per process on 2 cores),
-so the runs are shared through module fixtures and kept to a few dozen tiny steps.
+Each subprocess pays the imports (torch, transformers, speculators), so the runs are shared
+through module fixtures and kept to a few dozen tiny steps.
 """
 
 from __future__ import annotations
@@ -26,17 +26,15 @@ from train_helpers import build_world, train_settings
 from eyrie.cli import build_parser
 from eyrie.cli import main as cli_main
 from eyrie.errors import EyrieError
-from eyrie.train.launch import Dist, launch_command, rdzv_port
+from eyrie.train.launch import Dist, Workers, launch_command, rdzv_port
 from eyrie.train.recipe import train
 from eyrie.train.train import worker_args
 
 # DDP runs: 4 packs per step, so each of the 2 ranks accumulates 2 packs (no_sync on the first).
 DDP = dict(epochs=4, packs_per_step=4, checkpoint_every=2, log_every=4)
-# Measured on CPU (gloo, 1 thread per rank): 2 ranks x 2 packs vs 1 process x 4 packs differ by
-# at most 3.3e-7 absolute (2e-6 relative) after 24 steps: the gradient sum is associated as
-# (g0+g1)+(g2+g3) instead of ((g0+g1)+g2)+g3, a few float32 ulps, which Adam carries on. With
-# packs_per_step=2 (one pack per rank) the weights were bitwise equal: 0.5*g0 + 0.5*g1 is one
-# rounding either way. The tolerance keeps ~10x headroom over the measured difference.
+# 2 ranks x 2 packs against 1 process x 4 packs: the gradient sum is associated as (g0+g1)+(g2+g3)
+# instead of ((g0+g1)+g2)+g3, a few float32 ulps that Adam carries on (docs/training.md); with one
+# pack per rank the weights are bitwise equal. The tolerance leaves about 10x headroom.
 RTOL, ATOL = 2e-5, 3e-6
 
 
@@ -279,7 +277,7 @@ def test_killed_run_resumes_to_identical_weights(world, tmp_path, caplog):
 
 
 def test_torchrun_command_one_node():
-    cmd = launch_command(["train", "--x", "1"], 4, 1, {}, "/py")
+    cmd = launch_command(["train", "--x", "1"], Workers(4, 1), {}, "/py")
     assert cmd == [
         "/py",
         "-m",
@@ -297,7 +295,7 @@ def test_torchrun_command_one_node():
 
 def test_torchrun_command_several_nodes_under_slurm():
     env = {"SLURM_JOB_ID": "4711", "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_JOB_NUM_NODES": "2"}
-    cmd = launch_command(["train"], 8, 2, env, "/py", first_host="gpu03")
+    cmd = launch_command(["train"], Workers(8, 2), env, "/py", first_host="gpu03")
     assert cmd == [
         "srun",
         "--nodes",
@@ -327,12 +325,12 @@ def test_torchrun_command_several_nodes_under_slurm():
 
 def test_torchrun_command_refuses_what_cannot_work():
     with pytest.raises(EyrieError, match="--nnodes 2 needs a SLURM allocation"):
-        launch_command(["train"], 8, 2, {}, "/py")
+        launch_command(["train"], Workers(8, 2), {}, "/py")
     env = {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_NUM_NODES": "1"}
     with pytest.raises(EyrieError, match="--nnodes 2 but SLURM job 1 has 1 node"):
-        launch_command(["train"], 8, 2, env, "/py", first_host="n1")
+        launch_command(["train"], Workers(8, 2), env, "/py", first_host="n1")
     with pytest.raises(EyrieError, match="both must be >= 1"):
-        launch_command(["train"], 0, 1, {}, "/py")
+        launch_command(["train"], Workers(0, 1), {}, "/py")
 
 
 def test_worker_arguments_parse_back_to_the_same_namespace(tmp_path):

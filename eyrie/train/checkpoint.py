@@ -1,7 +1,16 @@
-"""eyrie.train.checkpoint: TODO docstring."""
+"""A training run's resumable state: its run id, its step checkpoints and its metrics file.
+
+Contract: `--state-dir/<run id>/step_<N>/` holds model.safetensors, state.pt (optimizer, scheduler
+and RNG states) and position.json; a folder appears only complete (renamed into place), and
+loading one restores every RNG to where the saving run was. The run id hashes the settings that
+change the weights and the identity of every input file. Layout and semantics: docs/training.md
+("Resume").
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import random
@@ -11,12 +20,40 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eyrie.arch.target import fingerprint, read_config
 from eyrie.io import atomic_path
+from eyrie.train.config import NOT_IN_RUN_ID, TrainSettings
 
 log = logging.getLogger(__name__)
 
 
 KEEP_CHECKPOINTS = 2
+
+
+def _file_identity(path: Path, content: bool) -> dict:
+    st = path.stat()
+    ident = {"name": path.name, "size": st.st_size}
+    if content:
+        ident["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    else:  # large files: name, size and modification time
+        ident["mtime_ns"] = st.st_mtime_ns
+    return ident
+
+
+def run_id(
+    cfg: TrainSettings, target: Path, preflight: Path, vocab: Path, shards: list[Path]
+) -> str:
+    """16 hex digits naming the run: what changes the weights, never the number of processes."""
+    weights = sorted(p for p in target.iterdir() if p.suffix == ".safetensors")
+    ident = {
+        "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_RUN_ID},
+        "target_config": fingerprint(read_config(target)),
+        "target_weights": [_file_identity(p, content=False) for p in weights],
+        "preflight": _file_identity(preflight, content=True),
+        "vocab": _file_identity(vocab, content=True),
+        "shards": [_file_identity(p, content=False) for p in shards],
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _rng_state() -> dict:
@@ -83,6 +120,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
+    """Restore the weights, optimizer, scheduler and RNG states of `path`; its position."""
     from safetensors.torch import load_file
 
     device = next(model.parameters()).device
@@ -107,3 +145,10 @@ def _metric_records(path: Path, up_to_step: int) -> list[str]:
         if step <= up_to_step:
             lines.append(ln)
     return lines
+
+
+def truncate_metrics(path: Path, up_to_step: int) -> None:
+    """Cut metrics.jsonl back to the records of steps <= up_to_step (a resumed checkpoint's)."""
+    lines = _metric_records(path, up_to_step)
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(f"{ln}\n" for ln in lines))

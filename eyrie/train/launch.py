@@ -1,13 +1,11 @@
 """Start and join the processes of a multi-process training run (torchrun + DDP).
 
-`eyrie train --nproc-per-node N --nnodes M` with N*M > 1, started outside torchrun, re-executes
-itself under `python -m torch.distributed.run` (`launch_command`, a pure function of the
-arguments and the environment): one node runs `--standalone`; several nodes run one torchrun per
-node through `srun` inside the SLURM allocation, meeting at a c10d rendezvous on the
-allocation's first host. The parent forwards SIGTERM/SIGINT to torchrun and returns its exit
-status. Each worker then finds its place in the run from torchrun's environment
-(`Dist.from_env`: WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE) and joins the process group
-(`Dist.start`: nccl on CUDA, gloo on CPU).
+Contract: `eyrie train` with more than one process, started outside torchrun, re-executes itself
+under `python -m torch.distributed.run` (`launch_command`, a pure function of the arguments and
+the environment: `--standalone` on one node, one torchrun per node through `srun` inside a SLURM
+allocation otherwise) and returns torchrun's exit status. Each worker finds its place from
+torchrun's environment (`Dist.from_env`) and joins the process group (`Dist.start`: nccl on
+CUDA, gloo on CPU). Launching: docs/training.md.
 """
 
 from __future__ import annotations
@@ -48,10 +46,24 @@ def rdzv_port(env: Mapping[str, str]) -> int:
     return DEFAULT_RDZV_PORT + int(env.get("SLURM_JOB_ID", "0")) % 1000
 
 
+@dataclass(frozen=True)
+class Workers:
+    """The processes of a run: `nproc` per node (one per GPU) on `nnodes` nodes."""
+
+    nproc: int
+    nnodes: int
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1 or self.nnodes < 1:
+            raise EyrieError(
+                f"--nproc-per-node {self.nproc} --nnodes {self.nnodes}: both must be >= 1 "
+                "(processes per node = GPUs per node; 1 for a CPU run)"
+            )
+
+
 def launch_command(
     worker_args: list[str],
-    nproc: int,
-    nnodes: int,
+    workers: Workers,
     env: Mapping[str, str],
     python: str,
     first_host: str | None = None,
@@ -64,15 +76,26 @@ def launch_command(
     --rdzv-endpoint <first_host>:<port> --module eyrie ...`; `first_host` is the allocation's first
     host (`first_slurm_host`).
     """
-    if nproc < 1 or nnodes < 1:
-        raise EyrieError(
-            f"--nproc-per-node {nproc} --nnodes {nnodes}: both must be >= 1 "
-            "(processes per node = GPUs per node; 1 for a CPU run)"
-        )
+    nproc, nnodes = workers.nproc, workers.nnodes
     torchrun = [python, "-m", "torch.distributed.run"]
     tail = ["--module", "eyrie", *worker_args]
     if nnodes == 1:
         return [*torchrun, "--standalone", "--nproc-per-node", str(nproc), *tail]
+    job = _slurm_job(nnodes, env, first_host)
+    # --kill-on-bad-exit: a node whose torchrun fails ends the step instead of leaving the
+    # others waiting at the rendezvous until the time limit.
+    return [
+        *("srun", "--nodes", str(nnodes), "--ntasks-per-node", "1", "--kill-on-bad-exit=1"),
+        *torchrun,
+        *("--nnodes", str(nnodes), "--nproc-per-node", str(nproc)),
+        *("--rdzv-backend", "c10d", "--rdzv-id", job),
+        *("--rdzv-endpoint", f"{first_host}:{rdzv_port(env)}"),
+        *tail,
+    ]
+
+
+def _slurm_job(nnodes: int, env: Mapping[str, str], first_host: str | None) -> str:
+    """The SLURM job id of a multi-node run, once its allocation is known to fit."""
     job = env.get("SLURM_JOB_ID")
     if not job or not env.get("SLURM_JOB_NODELIST"):
         raise EyrieError(
@@ -91,28 +114,7 @@ def launch_command(
             f"--nnodes {nnodes}: no first host for SLURM_JOB_NODELIST="
             f"{env['SLURM_JOB_NODELIST']} (scontrol show hostnames gave nothing)"
         )
-    # --kill-on-bad-exit: a node whose torchrun fails ends the step instead of leaving the
-    # others waiting at the rendezvous until the time limit.
-    return [
-        "srun",
-        "--nodes",
-        str(nnodes),
-        "--ntasks-per-node",
-        "1",
-        "--kill-on-bad-exit=1",
-        *torchrun,
-        "--nnodes",
-        str(nnodes),
-        "--nproc-per-node",
-        str(nproc),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-id",
-        job,
-        "--rdzv-endpoint",
-        f"{first_host}:{rdzv_port(env)}",
-        *tail,
-    ]
+    return job
 
 
 def first_slurm_host(nodelist: str) -> str | None:
@@ -133,19 +135,19 @@ def first_slurm_host(nodelist: str) -> str | None:
     return out[0] if out else None
 
 
-def relaunch(worker_args: list[str], nproc: int, nnodes: int) -> int:
+def relaunch(worker_args: list[str], workers: Workers) -> int:
     """Run this stage again as nproc*nnodes torchrun workers; torchrun's exit status.
 
     The workers' lines (and torchrun's report of a failed rank) go to this process's stdout and
     stderr, so the rule's log holds them all.
     """
-    env = os.environ
+    env, nproc, nnodes = os.environ, workers.nproc, workers.nnodes
     host = (
         first_slurm_host(env["SLURM_JOB_NODELIST"])
         if nnodes > 1 and env.get("SLURM_JOB_NODELIST")
         else None
     )
-    cmd = launch_command(worker_args, nproc, nnodes, env, sys.executable, host)
+    cmd = launch_command(worker_args, workers, env, sys.executable, host)
     log.info(
         "starting %d processes (%d per node on %d node(s)): %s",
         nproc * nnodes,

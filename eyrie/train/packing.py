@@ -1,32 +1,19 @@
-"""The data path of draft training: EAGLE-3 alignment of one sample, packing, epoch order.
+"""The data path of draft training: EAGLE-3 alignment of a sample, packing, the plan, loading.
 
-Alignment (`shift_sample`): a captured sample of T tokens x_0..x_{T-1} holds, per token t, the
-target's aux-layer states g_t (context x_0..x_t) and its final state y_t, whose distribution
-through the target's norm and lm_head predicts x_{t+1}. EAGLE-3 trains position j on g_j and
-the embedding of x_{j+1}, against the target distribution from y_{j+1}, which predicts x_{j+2};
-so the loss at j counts iff x_{j+2} is an assistant token (loss_mask[j+2]; 0 at the last
-position). Every aligned tensor has length T-1; samples with fewer than 3 tokens or no
-assistant token from x_2 on have nothing to predict and are skipped (`PackedShards.skipped`).
-
-Packing (`pack`, `PackedShards.batch`): samples are packed greedily, in an order shuffled per
-epoch by a seeded generator (`epoch_order`), into batches of at most `max_tokens` positions.
-Each sample is truncated to `max_tokens - gap` positions and followed by `gap` = ttt_steps - 1
-padding positions (document id -1, loss mask 0), so it takes min(length, max_tokens - gap) + gap
-positions: TTT step s compares a position's logits with the target s positions later
-(speculators' align_for_step), which without the gap would reach into the next sample.
-`document_ids` keep the samples of a batch apart. The plan (every epoch's batches) is a function
-of the settings and the shards alone.
-
-Loading (`Prefetcher`): a background thread builds the packs of the coming steps (in pinned host
-memory when they go to a GPU, hidden states in their stored dtype when widening them on the
-device gives the same float32 values, float8 as codes and scales that `decode_batch` decodes
-there) while the main thread trains, at most `depth` steps ahead.
+Contract: `shift_sample` aligns a sample of T tokens to T-1 training positions (the loss counts at
+j iff x_{j+2} is an assistant token); `pack` fills batches of at most `max_tokens` positions, each
+sample followed by ttt_steps - 1 padding positions (document id -1, loss mask 0) so no TTT step
+reaches into the next sample; `Plan` (every epoch's packs, shuffled per epoch by the seed) is a
+function of the settings and the shards alone; `Prefetcher` builds the coming steps' batches in a
+background thread, float8 shards as codes that `decode_batch` decodes on the device.
+Alignment, packing and loading: docs/training.md.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -108,6 +95,7 @@ def pack(lengths: list[int], order: list[int], max_tokens: int, gap: int) -> lis
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The order of the samples in `epoch`: a permutation seeded by `seed` and the epoch."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n, generator=g).tolist()
 
@@ -116,8 +104,8 @@ class PackedShards:
     """All samples of the shards, addressed by a flat index; `batch(indices)` packs some of them.
 
     `values_checked=True` says every stored value was scanned before (train's verify_shards pass,
-    or eyrie.formats.hidden.validate_shard): reads then skip the per-sample finite check. Otherwise each
-    sample is checked as it is read (a shard is never handed out with inf/NaN unnoticed).
+    or eyrie.formats.hidden.validate_shard): reads then skip the per-sample finite check.
+    Otherwise each sample is checked as it is read (no inf/NaN is handed out unnoticed).
     """
 
     def __init__(
@@ -187,47 +175,24 @@ class PackedShards:
     ) -> dict[str, torch.Tensor]:
         """Packed batch, each value [1, L, ...]: hidden_states `dtype` [1, L, n_aux*H],
         verifier_last_hidden_states `dtype` [1, L, H], input_ids/position_ids/document_ids
-        int64 [1, L], loss_mask bool [1, L]. After each sample come `gap` = ttt_steps - 1
-        padding positions (document id -1, loss mask 0): TTT step s compares a position's
-        logits with the target s positions later (speculators' align_for_step), which without
-        the gap would reach into the next sample.
+        int64 [1, L], loss_mask bool [1, L]; each sample followed by `gap` padding positions.
 
         Hidden states go from the file's pages (ShardReader maps them) straight into the
-        preallocated batch: one pass (float8 shards: dequantized to float32 first, then copied).
-        `dtype` float32 is the training dtype; `transfer_dtype` keeps the stored values as they
-        are, for a widening to float32 on the device (uint8 for float8 shards: their codes, plus
-        hidden_states_scale / verifier_last_hidden_states_scale float32 [1, L]; decode_batch).
-        `pin`: page-locked host memory (CUDA).
-        `pad_to`: at least this many positions, the rest padding like the gaps (document id -1,
-        loss mask 0, zeros): one shape for every pack, so a compiled draft compiles once."""
-        H, n_aux, gap = self.hidden_size, self.n_aux, self.gap
+        preallocated batch. `dtype` float32 is the training dtype; `transfer_dtype` keeps the
+        stored values for a widening to float32 on the device (uint8 for float8 shards: their
+        codes, plus hidden_states_scale / verifier_last_hidden_states_scale float32 [1, L] for
+        decode_batch). `pin`: page-locked host memory (CUDA). `pad_to`: at least this many
+        positions, the rest padding like the gaps: one shape for a compiled draft."""
+        gap = self.gap
         sizes = [min(self.lengths[i], self.max_tokens - gap) for i in indices]
         L = sum(sizes) + gap * len(indices)
-        L_all = max(L, pad_to or 0)
         codes = dtype == torch.uint8  # float8 shards: codes as stored + per-token scales
         if codes and self.transfer_dtype != torch.uint8:
             raise EyrieError(
                 "PackedShards.batch: uint8 (float8 codes) needs every shard stored as float8_e4m3"
             )
-        out = {
-            "hidden_states": torch.empty(L_all, n_aux * H, dtype=dtype, pin_memory=pin),
-            "verifier_last_hidden_states": torch.empty(L_all, H, dtype=dtype, pin_memory=pin),
-            "input_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin),
-            "loss_mask": torch.empty(L_all, dtype=torch.bool, pin_memory=pin),
-            "position_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin),
-            "document_ids": torch.empty(L_all, dtype=torch.long, pin_memory=pin),
-        }
-        if codes:
-            for scale in CODE_SCALES.values():
-                out[scale] = torch.empty(L_all, dtype=torch.float32, pin_memory=pin)
-        keys = [
-            "input_ids",
-            "loss_mask",
-            "position_ids",
-            "hidden_states",
-            "verifier_last_hidden_states",
-            *(CODE_SCALES.values() if codes else ()),
-        ]
+        out = self._empty(max(L, pad_to or 0), dtype, pin, codes)
+        keys = [k for k in out if k != "document_ids"]
         pos = 0
         for doc, (i, n) in enumerate(zip(indices, sizes)):
             r_i, s_i = self.refs[i]
@@ -243,16 +208,75 @@ class PackedShards:
             v[L:].fill_(-1 if k == "document_ids" else 0)
         return {k: v.unsqueeze(0) for k, v in out.items()}
 
+    def _empty(self, L: int, dtype: torch.dtype, pin: bool, codes: bool) -> dict[str, torch.Tensor]:
+        """The batch's tensors of L positions, unfilled (float8 codes: with their scales)."""
+        H, n_aux = self.hidden_size, self.n_aux
+        out = {
+            "hidden_states": torch.empty(L, n_aux * H, dtype=dtype, pin_memory=pin),
+            "verifier_last_hidden_states": torch.empty(L, H, dtype=dtype, pin_memory=pin),
+            "input_ids": torch.empty(L, dtype=torch.long, pin_memory=pin),
+            "loss_mask": torch.empty(L, dtype=torch.bool, pin_memory=pin),
+            "position_ids": torch.empty(L, dtype=torch.long, pin_memory=pin),
+            "document_ids": torch.empty(L, dtype=torch.long, pin_memory=pin),
+        }
+        if codes:
+            for scale in CODE_SCALES.values():
+                out[scale] = torch.empty(L, dtype=torch.float32, pin_memory=pin)
+        return out
+
     def close(self) -> None:
         for r in self.readers:
             r.close()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every epoch's packs (lists of sample indices) in training order, and the steps they make:
+    each step takes `packs_per_step` consecutive packs; a trailing remainder is dropped."""
+
+    epochs: list[list[list[int]]]
+    packs_per_step: int
+    steps_per_epoch: list[int]
+    total_steps: int
+    dropped: int  # trailing packs too few for a step, over all epochs
+
+    @classmethod
+    def build(cls, data: PackedShards, seed: int, epochs: int, packs_per_step: int) -> "Plan":
+        plan = [
+            pack(data.lengths, epoch_order(len(data), seed, e), data.max_tokens, data.gap)
+            for e in range(epochs)
+        ]
+        steps = [len(p) // packs_per_step for p in plan]
+        dropped = sum(len(p) % packs_per_step for p in plan)
+        return cls(plan, packs_per_step, steps, sum(steps), dropped)
+
+    def steps_from(
+        self, epoch: int, step_in_epoch: int, rank: int, k: int
+    ) -> list[tuple[int, int, list[list[int]], list[list[int]]]]:
+        """(epoch, step in epoch, rank's k packs, all packs) of every step from a position on;
+        rank r trains the step's packs r*k .. r*k+k-1."""
+        P, out = self.packs_per_step, []
+        for e in range(epoch, len(self.epochs)):
+            for s in range(step_in_epoch if e == epoch else 0, self.steps_per_epoch[e]):
+                packs = self.epochs[e][s * P : (s + 1) * P]
+                out.append((e, s, packs[rank * k : (rank + 1) * k], packs))
+        return out
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """How the loader lays a pack out (`PackedShards.batch`'s dtype, pin and pad_to)."""
+
+    dtype: torch.dtype = torch.float32
+    pin: bool = False
+    pad_to: int | None = None
 
 
 class Prefetcher:
     """Builds the packs of the coming steps in a background thread, at most `depth` steps ahead.
 
     `steps`: for each step, in order, the packs (lists of sample indices) this process trains.
-    `get()` returns the next step's batches (each as `PackedShards.batch(pack, dtype, pin, pad_to)`); an
+    `get()` returns the next step's batches (each `data.batch` of a pack, laid out by `spec`); an
     exception raised in the thread is raised again by `get()`, with the thread's traceback.
     `close()` (also on leaving a `with`) stops the thread and waits for it; it runs as a daemon,
     so a process that ends without close() (a signal's exit) does not wait for it.
@@ -263,12 +287,10 @@ class Prefetcher:
         data: PackedShards,
         steps: Iterable[list[list[int]]],
         *,
-        dtype: torch.dtype = torch.float32,
-        pin: bool = False,
+        spec: BatchSpec = BatchSpec(),
         depth: int = 2,
-        pad_to: int | None = None,
     ):
-        self._data, self._dtype, self._pin, self._pad_to = data, dtype, pin, pad_to
+        self._data, self._spec = data, spec
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -288,7 +310,8 @@ class Prefetcher:
     def _run(self, steps: list[list[list[int]]]) -> None:
         try:
             for packs in steps:
-                batches = [self._data.batch(p, self._dtype, self._pin, self._pad_to) for p in packs]
+                spec = self._spec
+                batches = [self._data.batch(p, spec.dtype, spec.pin, spec.pad_to) for p in packs]
                 if not self._put(("ok", batches)):
                     return
             self._put(("end", None))

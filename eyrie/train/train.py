@@ -1,4 +1,10 @@
-"""eyrie.train.train: TODO docstring."""
+"""`eyrie train`: train the EAGLE-3 draft on hidden-state shards (the train stage's entry).
+
+Contract: the arguments name the inputs and outputs (`TrainPaths`) and the `train` settings; with
+more than one process (`--nproc-per-node` x `--nnodes`) the command re-executes itself under
+torchrun and each worker runs the recipe (`eyrie.train.recipe.TrainRecipe`). Exit status 0 when
+training finished, 3 after a planned stop (`--stop-after-steps`). Docs: docs/training.md.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,8 @@ import os
 from pathlib import Path
 
 from eyrie.errors import EyrieError
-from eyrie.train.launch import Dist, relaunch, under_torchrun
-from eyrie.train.recipe import train
+from eyrie.train.launch import Dist, Workers, relaunch, under_torchrun
+from eyrie.train.recipe import TrainPaths, TrainRecipe
 
 log = logging.getLogger(__name__)
 
@@ -73,29 +79,19 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nproc_per_node < 1 or args.nnodes < 1:
-        raise EyrieError(
-            f"--nproc-per-node {args.nproc_per_node} --nnodes {args.nnodes}: both must "
-            "be >= 1 (processes per node = GPUs per node; 1 for a CPU run)"
-        )
-    if args.nproc_per_node * args.nnodes > 1 and not under_torchrun(os.environ):
-        return relaunch(worker_args(args), args.nproc_per_node, args.nnodes)
+    workers = Workers(args.nproc_per_node, args.nnodes)
+    if workers.nproc * workers.nnodes > 1 and not under_torchrun(os.environ):
+        return relaunch(worker_args(args), workers)
     dist = Dist.from_env()
     if dist.world > 1 and getattr(args, "threads", None):  # --threads is the node's: share it
         from eyrie.runtime import set_torch_threads
 
         set_torch_threads(args.threads, share=dist.local_world)
+    paths = TrainPaths(
+        args.target, args.preflight, args.vocab, args.shards, args.out_dir, args.state_dir
+    )
     try:
-        summary = train(
-            args.target,
-            args.preflight,
-            args.vocab,
-            args.shards,
-            args.out_dir,
-            args.state_dir,
-            args.settings,
-            stop_after_steps=args.stop_after_steps,
-        )
+        summary = TrainRecipe(paths, args.settings).run(args.stop_after_steps)
     except EyrieError as exc:
         if dist.world > 1:  # which process said it (every rank that fails prints its line)
             raise EyrieError(f"rank {dist.rank}/{dist.world}: {exc}") from exc
