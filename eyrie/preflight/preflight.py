@@ -1,9 +1,9 @@
-"""Preflight: CPU-only checks, in seconds, that gate every GPU-costly job.
+"""The preflight stage: CPU-only checks, in seconds, that gate every GPU-costly job.
 
-Every problem is collected (not just the first), each with its fix. The report is written only
-when there is none, so a failed preflight leaves nothing that downstream rules could consume.
-When vLLM is used (extract.backend: vllm or eval.vllm: true), eyrie.vllm.preflight_checks adds its checks
-of the installed vLLM and the report gains a `vllm` object (docs/vllm.md).
+Every problem is collected (not just the first), each with its fix; the report (preflight.json) is
+written only when there is none, so a failed preflight leaves nothing for later rules to consume.
+When vLLM is used (extract.backend: vllm or eval.vllm: true), eyrie.vllm.preflight_checks adds its
+checks of the installed vLLM and the report a `vllm` object (docs/vllm.md, What preflight checks).
 """
 
 from __future__ import annotations
@@ -14,19 +14,16 @@ from pathlib import Path
 
 from eyrie.arch.target import inspect_target, resolve_layer_ids
 from eyrie.errors import PreflightError, TargetError
-from eyrie.formats.codecs import STORAGE_DTYPES
 from eyrie.io import provenance, write_json
 from eyrie.preflight.checks import Check, check_storage, check_tokenizer, check_weights
+from eyrie.settings import default, load_settings, merge_settings, vllm_uses
 from eyrie.vllm import preflight_checks as vllm_preflight
 
 log = logging.getLogger(__name__)
 
 
-def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, settings: dict) -> dict:
-    check = Check([], [])
-    layers = settings.get("layers", {})
-    extract = settings.get("extract", {})
-    trust = bool(settings.get("trust_remote_code", False))
+def read_target(target: Path, trust: bool, check: Check):
+    """The target's TargetInfo; code shipped with it is a problem unless trusted."""
     try:
         info = inspect_target(target)
     except TargetError as exc:
@@ -36,21 +33,59 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
             f"{target}: the config or tokenizer ships its own code (auto_map); set "
             "target.trust_remote_code: true if you trust this model folder"
         )
-    aux_ids: list[int] = []
-    final_id = info.num_hidden_layers
-    ids_ok = False
+    return info
+
+
+def layer_ids(aux_setting: list[int] | None, info, check: Check) -> tuple[list[int], int]:
+    """(aux ids, final id); no aux ids when they do not resolve (a problem)."""
     try:
-        aux_ids, final_id = resolve_layer_ids(layers.get("aux_ids"), info.num_hidden_layers)
-        ids_ok = True
+        return resolve_layer_ids(aux_setting, info.num_hidden_layers)
     except TargetError as exc:
         check.problem(str(exc))
+        return [], info.num_hidden_layers
+
+
+def training_tokens(tokenize_report: Path, check: Check) -> int:
+    """Tokens of the training shards; shards without an assistant token are a problem."""
+    report = json.loads(Path(tokenize_report).read_text())
+    tokens = sum(int(s["tokens"]) for s in report["shards"])
+    if sum(int(s["assistant_tokens"]) for s in report["shards"]) == 0:
+        check.problem(
+            f"{tokenize_report}: no assistant tokens in the training shards, so "
+            "nothing can be learnt; check the data and the chat template"
+        )
+    return tokens
+
+
+def target_entry(target: Path, info, tokenizer_hash: str | None) -> dict:
+    """preflight.json's `target` object."""
+    return {
+        "path": str(Path(target).resolve()),
+        "model_type": info.model_type,
+        "wrapper_model_type": info.wrapper_model_type,
+        "family": info.architecture.family,
+        "num_hidden_layers": info.num_hidden_layers,
+        "hidden_size": info.hidden_size,
+        "vocab_size": info.vocab_size,
+        "fingerprint": info.fingerprint,
+        "tokenizer_hash": tokenizer_hash,
+    }
+
+
+def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, settings: dict) -> dict:
+    """Every check, all problems at once (PreflightError); returns preflight.json's content."""
+    check = Check([], [])
+    # read from the checked copy; the provenance records `settings` as given
+    loaded = load_settings(settings, error=PreflightError)
+    aux_setting = (loaded.get("layers") or {}).get("aux_ids")
+    trust = loaded["trust_remote_code"]
+    info = read_target(target, trust, check)
+    aux_ids, final_id = layer_ids(aux_setting, info, check)
     check_weights(target, check)
     vllm_report = None
-    if vllm_preflight.uses(settings):
+    if vllm_uses(loaded):
         # no path is chosen for layer ids that did not resolve (that problem is reported above)
-        got = vllm_preflight.vllm_checks(
-            target, info, aux_ids if ids_ok else [], final_id, settings
-        )
+        got = vllm_preflight.vllm_checks(target, info, aux_ids, final_id, loaded)
         check.problems += got["problems"]
         check.warnings += got["warnings"]
         vllm_report = got["report"]
@@ -59,20 +94,9 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
         tok_hash = check_tokenizer(target, trust, check)
     storage = None
     if tokenize_report is not None:
-        report = json.loads(Path(tokenize_report).read_text())
-        tokens = sum(int(s["tokens"]) for s in report["shards"])
-        if sum(int(s["assistant_tokens"]) for s in report["shards"]) == 0:
-            check.problem(
-                f"{tokenize_report}: no assistant tokens in the training shards, so "
-                "nothing can be learnt; check the data and the chat template"
-            )
-        dtype = extract.get("storage_dtype", "bfloat16")
-        if dtype not in STORAGE_DTYPES:
-            check.problem(f"extract.storage_dtype {dtype!r}: use one of {sorted(STORAGE_DTYPES)}")
-        else:
-            storage = check_storage(
-                tokens, len(aux_ids) + 1, info.hidden_size, dtype, out_dir, check
-            )
+        tokens = training_tokens(tokenize_report, check)
+        dtype = (loaded.get("extract") or {}).get("storage_dtype", default("extract.storage_dtype"))
+        storage = check_storage(tokens, len(aux_ids) + 1, info.hidden_size, dtype, out_dir, check)
     if check.problems:
         raise PreflightError(
             f"preflight found {len(check.problems)} problem(s) for {target}:\n  "
@@ -80,17 +104,7 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
         )
     return {
         "ok": True,
-        "target": {
-            "path": str(Path(target).resolve()),
-            "model_type": info.model_type,
-            "wrapper_model_type": info.wrapper_model_type,
-            "family": info.architecture.family,
-            "num_hidden_layers": info.num_hidden_layers,
-            "hidden_size": info.hidden_size,
-            "vocab_size": info.vocab_size,
-            "fingerprint": info.fingerprint,
-            "tokenizer_hash": tok_hash,
-        },
+        "target": target_entry(target, info, tok_hash),
         "aux_layer_ids": aux_ids,
         "final_layer_id": final_id,
         "storage": storage,
@@ -122,7 +136,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    settings = vllm_preflight.merge_settings(args.settings, args.runtime)
+    settings = merge_settings(args.settings, args.runtime)
     report = preflight(args.target, args.tokenize_report, args.out.parent, settings)
     write_json(args.out, report)
     t = report["target"]
