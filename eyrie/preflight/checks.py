@@ -1,4 +1,10 @@
-"""eyrie.preflight.checks: TODO docstring."""
+"""Preflight's checks of the target folder and the disk, shared by the preflight stage.
+
+Weights in safetensors, a tokenizer whose chat template gives every sample conversation an
+assistant loss mask, room for the hidden states. A check adds its problems, each with its fix, to
+a `Check` instead of raising, so preflight reports them all at once (docs/vllm.md, What preflight
+checks).
+"""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from eyrie.arch.target import fingerprint, read_config
@@ -28,22 +29,18 @@ from eyrie.train.config import TrainSettings
 log = logging.getLogger(__name__)
 
 
-def export(
-    target: str | Path,
-    train_dir: str | Path,
-    out_dir: str | Path,
-    settings: dict,
-    *,
-    num_speculative_tokens: int | None = None,
-) -> dict:
-    """Write `out_dir` (config.json, config.py, model.safetensors, provenance.json)."""
-    from speculators.config import VerifierConfig
+@dataclass(frozen=True)
+class TrainedDraft:
+    """A training run's draft folder and summary, checked to be a draft vLLM serves as trained."""
 
-    cfg = TrainSettings.from_settings(settings)
-    K = num_speculative_tokens if num_speculative_tokens is not None else cfg.ttt_steps
-    if K < 1:
-        raise ExportError(f"--num-speculative-tokens {K}: must be >= 1")
-    target, train_dir, out_dir = Path(target).resolve(), Path(train_dir), Path(out_dir)
+    train_dir: Path
+    draft_dir: Path  # train_dir/draft
+    arch: str  # transformer_layer_config.model_type
+    summary: dict  # train.json
+
+
+def read_trained(train_dir: Path) -> TrainedDraft:
+    """The run in `train_dir`: its files present, no flag vLLM ignores, a layer type vLLM serves."""
     draft_dir, summary_path = train_dir / "draft", train_dir / "train.json"
     for path in (draft_dir / "config.json", draft_dir / "model.safetensors", summary_path):
         if not path.is_file():
@@ -62,30 +59,47 @@ def export(
             f"vLLM serves EAGLE-3 drafts of type {', '.join(DRAFT_ARCHS)}"
         )
     summary = json.loads(summary_path.read_text())
-    target_config = read_config(target)
-    have_fp, trained_fp = fingerprint(target_config), summary.get("target", {}).get("fingerprint")
+    return TrainedDraft(train_dir, draft_dir, arch, summary)
+
+
+def check_target(trained: TrainedDraft, target: Path) -> str:
+    """The target's fingerprint, which must be the one the draft was trained for."""
+    have_fp = fingerprint(read_config(target))
+    trained_fp = trained.summary.get("target", {}).get("fingerprint")
     if have_fp != trained_fp:
         raise ExportError(
-            f"{summary_path}: the draft was trained for target fingerprint {trained_fp} "
-            f"but {target} has {have_fp}; export against the target it was trained for"
+            f"{trained.train_dir / 'train.json'}: the draft was trained for target fingerprint "
+            f"{trained_fp} but {target} has {have_fp}; export against the target it was trained "
+            "for"
         )
+    return have_fp
 
-    reference = load_draft(draft_dir, verifier=target)
+
+def configure(reference, target: Path, K: int) -> list[str]:
+    """Set what the export writes beyond the trained config: the target hidden size, the
+    verifier (the target, absolute) and K; returns the verifier's architectures."""
+    from speculators.config import VerifierConfig
+
     verifier = VerifierConfig.from_pretrained(str(target))
-    hidden = reference.hidden_size
     c = reference.config
-    c.target_hidden_size = hidden
+    c.target_hidden_size = reference.hidden_size
     c.speculators_config.verifier = VerifierConfig(
         name_or_path=str(target), architectures=verifier.architectures
     )
-    proposal = c.speculators_config.proposal_methods[0]
-    proposal.speculative_tokens = K
-    expect_config = {
+    c.speculators_config.proposal_methods[0].speculative_tokens = K
+    return verifier.architectures
+
+
+def expected_config(
+    reference, trained: TrainedDraft, target: Path, K: int, architectures: list[str]
+) -> dict:
+    """Dotted config.json key -> the value the export must hold (validate_export checks it)."""
+    return {
         "speculators_model_type": "eagle3",
-        "transformer_layer_config.model_type": arch,
-        "target_hidden_size": hidden,
+        "transformer_layer_config.model_type": trained.arch,
+        "target_hidden_size": reference.hidden_size,
         "draft_vocab_size": reference.draft_vocab_size,
-        "eagle_aux_hidden_state_layer_ids": list(summary["aux_layer_ids"]),
+        "eagle_aux_hidden_state_layer_ids": list(trained.summary["aux_layer_ids"]),
         "norm_output": False,
         "fc_norm": False,
         "speculators_config.algorithm": "eagle3",
@@ -93,16 +107,37 @@ def export(
         "speculators_config.proposal_methods.0.proposal_type": "greedy",
         "speculators_config.proposal_methods.0.speculative_tokens": K,
         "speculators_config.verifier.name_or_path": str(target),
-        "speculators_config.verifier.architectures": list(verifier.architectures),
+        "speculators_config.verifier.architectures": list(architectures),
     }
+
+
+def export(
+    target: str | Path,
+    train_dir: str | Path,
+    out_dir: str | Path,
+    settings: dict,
+    *,
+    num_speculative_tokens: int | None = None,
+) -> dict:
+    """Write `out_dir` (config.json, config.py, model.safetensors, provenance.json)."""
+    cfg = TrainSettings.from_settings(settings)
+    K = num_speculative_tokens if num_speculative_tokens is not None else cfg.ttt_steps
+    if K < 1:
+        raise ExportError(f"--num-speculative-tokens {K}: must be >= 1")
+    target, train_dir, out_dir = Path(target).resolve(), Path(train_dir), Path(out_dir)
+    trained = read_trained(train_dir)
+    have_fp = check_target(trained, target)
+    reference = load_draft(trained.draft_dir, verifier=target)
+    architectures = configure(reference, target, K)
+    expect = expected_config(reference, trained, target, K, architectures)
     with atomic_path(out_dir) as tmp:
         reference.save_pretrained(tmp)
-        validate_export(tmp, reference, K, expect_config)
+        validate_export(tmp, reference, K, expect)
         write_json(
             tmp / "provenance.json",
             {
                 "trained_in": str(train_dir.resolve()),
-                "train_run_id": summary.get("run_id"),
+                "train_run_id": trained.summary.get("run_id"),
                 "target": {"path": str(target), "fingerprint": have_fp},
                 "num_speculative_tokens": K,
                 "tensors": expected_tensors(reference),
