@@ -1,9 +1,15 @@
-# Paths and per-rule settings. Each rule's `params.settings` holds exactly the config sections
-# that change its output (Snakemake's `params` rerun trigger compares their text).
+# The validated config, the paths every rule uses, and the helpers that build params from
+# eyrie.workflow's settings table (docs/contracts.md).
 
-import json
+import os
+import sys
 
 from eyrie.settings import settings_json, validate_config
+from eyrie.workflow import engine_sockets, prepare, runtime_settings, settings_param
+
+
+configfile: os.path.join(workflow.basedir, "config", "config.yaml")
+
 
 config = validate_config(config)  # all schema errors at once, each naming its key
 
@@ -19,9 +25,19 @@ CONVERSATIONS = config["data"]["conversations"] or (
     [f"resources/{NAME}/conversations.jsonl"] if DEMO else []
 )
 if not CONVERSATIONS:
-    raise ValueError("data.conversations: empty; list your conversation files (.jsonl/.json/.parquet)")
+    raise ValueError(
+        "data.conversations: empty; list your conversation files (.jsonl/.json/.parquet)"
+    )
 SHARDS = [f"{i:03d}" for i in range(config["data"]["num_shards"])]
 TRUST = config["target"]["trust_remote_code"]
+GROUP_SIZE = config["extract"]["group_size"]
+VLLM_EXTRACT = config["extract"]["backend"] == "vllm"
+# GPUs of one vLLM engine (extraction with the vllm backend, evaluation through vLLM).
+VLLM_GPUS = config["vllm"]["tensor_parallel_size"]
+VLLM_PYTHON = os.path.join(workflow.basedir, config["vllm"]["python"])
+
+# The rules' `eyrie` on the PATH and the engine socket placeholders (eyrie.workflow.prepare).
+prepare(workflow.basedir, sys.executable, engine_sockets(RESULTS, SHARDS, GROUP_SIZE))
 
 
 def _all_cores() -> int:
@@ -38,8 +54,9 @@ def _all_cores() -> int:
 CORES = _all_cores()
 
 
-def settings(**sections):
-    return settings_json(sections)
+def settings(rule_name: str) -> str:
+    """params.settings of a rule: the config keys the settings table says it compares."""
+    return settings_param(config, rule_name)
 
 
 def gpus(device: str, count: int = 1) -> int:
@@ -48,5 +65,36 @@ def gpus(device: str, count: int = 1) -> int:
     return 0 if device == "cpu" else count
 
 
-# GPUs of one vLLM engine (extraction with the vllm backend, evaluation through vLLM).
-VLLM_GPUS = config["vllm"]["tensor_parallel_size"]
+# Folders passed to the stages. Functions of the wildcards only: Snakemake still compares their
+# values (a function of input or output would leave the params trigger), as for the plain strings.
+def target_dir(wildcards) -> str:
+    """The target folder (its files stand for it in the inputs: TARGET_FILES)."""
+    return TARGET
+
+
+def tokenized_dir(wildcards) -> str:
+    return f"results/{wildcards.name}/tokenized"
+
+
+def demo_target_dir(wildcards) -> str:
+    return f"results/{wildcards.name}/target"
+
+
+def train_dir(wildcards) -> str:
+    return f"results/{wildcards.name}/train"
+
+
+def draft_dir(wildcards) -> str:
+    return f"results/{wildcards.name}/draft"
+
+
+def engine_socket(wildcards):
+    """The socket of the engine serving this shard's group (ancient: its mtime never matters)."""
+    group = int(wildcards.shard) // GROUP_SIZE
+    return ancient(f"results/{wildcards.name}/hidden/engine_{group:03d}.sock")
+
+
+def engine_log(wildcards, input):
+    """The engine's log, named in the shard's errors (derived from the input: not compared)."""
+    group = os.path.basename(input.engine)[len("engine_") : -len(".sock")]
+    return f"logs/{wildcards.name}/extract_engine/engine_{group}.log"

@@ -15,12 +15,12 @@ rule tokenize_conversations:
     output:
         eval="results/{name}/tokenized/eval.parquet",
         report="results/{name}/tokenized/report.json",
-    params:
-        settings=settings(data=config["data"], trust_remote_code=TRUST),
-        target=TARGET,
-        out_dir="results/{name}/tokenized",
     log:
         "logs/{name}/tokenize_conversations.log",
+    params:
+        settings=settings("tokenize_conversations"),
+        target=target_dir,
+        out_dir=tokenized_dir,
     shell:
         "eyrie --threads {threads} tokenize --target {params.target} --inputs {input.conversations:q}"
         " --out-dir {params.out_dir} --settings {params.settings:q} > {log} 2>&1"
@@ -32,13 +32,13 @@ rule build_vocab_map:
         target=TARGET_FILES,
     output:
         "results/{name}/vocab/vocab.safetensors",
-    params:
-        settings=settings(vocab=config["vocab"]),
-        target=TARGET,
-        # the shards report.json lists, in order (the tokenize stage writes them all at once)
-        shards=expand("results/{{name}}/tokenized/shard_{shard}.parquet", shard=SHARDS),
     log:
         "logs/{name}/build_vocab_map.log",
+    params:
+        settings=settings("build_vocab_map"),
+        target=target_dir,
+        # the shards report.json lists, in order (the tokenize stage writes them all at once)
+        shards=expand("results/{{name}}/tokenized/shard_{shard}.parquet", shard=SHARDS),
     shell:
         "eyrie --threads {threads} vocab --target {params.target} --shards {params.shards} --out {output}"
         " --settings {params.settings:q} > {log} 2>&1"

@@ -5,10 +5,10 @@
 rule build_demo_conversations:
     output:
         "resources/{name}/conversations.jsonl",
-    params:
-        settings=settings(demo={k: config["demo"][k] for k in ("seed", "num_conversations")}),
     log:
         "logs/{name}/build_demo_conversations.log",
+    params:
+        settings=settings("build_demo_conversations"),
     shell:
         "eyrie --threads {threads} demo-conversations --out {output} --settings {params.settings:q} > {log} 2>&1"
 
@@ -20,14 +20,14 @@ rule build_demo_target:
         "results/{name}/target/config.json",
         "results/{name}/target/tokenizer_config.json",
         "results/{name}/target/model.safetensors",
-    params:
-        settings=settings(demo={k: v for k, v in config["demo"].items() if k != "num_conversations"}),
-        out_dir="results/{name}/target",
     log:
         "logs/{name}/build_demo_target.log",
     benchmark:
         "results/{name}/benchmarks/build_demo_target.tsv"
     threads: CORES
+    params:
+        settings=settings("build_demo_target"),
+        out_dir=demo_target_dir,
     shell:
         "eyrie --threads {threads} demo-target --conversations {input} --out-dir {params.out_dir}"
         " --settings {params.settings:q} > {log} 2>&1"

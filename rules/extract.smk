@@ -3,47 +3,15 @@
 # over a unix socket (a Snakemake service). Only missing or stale shards rebuild, and their
 # group's engine with them. Why each piece is there: docs/extraction.md.
 
-import os
-
-GROUP_SIZE = config["extract"]["group_size"]
-# group_size and engine_wait_s change no shard's content: they stay out of params (no rerun).
-VLLM_EXTRACT = config["extract"]["backend"] == "vllm"
-EXTRACT_SETTINGS = settings(
-    extract={k: v for k, v in config["extract"].items() if k not in ("group_size", "engine_wait_s")},
-    layers=config["layers"],
-    trust_remote_code=TRUST,
-    # the vllm keys that can change the states (only with the vllm backend: no rerun otherwise)
-    **({"vllm": {k: config["vllm"][k] for k in
-                 ("extraction_path", "tensor_parallel_size", "enforce_eager", "max_model_len")}}
-       if VLLM_EXTRACT else {}),
-)
+# The engine's --settings are its shard jobs' params.settings (a client must match its engine).
+EXTRACT_SETTINGS = settings("extract_hidden_states")
 # The engine runs in the environment of its backend: vLLM pins its own torch (envs/vllm.txt).
 ENGINE_COMMAND = (
-    f"{os.path.join(workflow.basedir, config['vllm']['python'])} -m eyrie.cli extract-engine"
+    f"{VLLM_PYTHON} -m eyrie.cli extract-engine"
     f" --gpu-memory-utilization {config['vllm']['gpu_memory_utilization']}"
-    if VLLM_EXTRACT else "eyrie extract-engine"
+    if VLLM_EXTRACT
+    else "eyrie extract-engine"
 )
-
-# A service output always counts as missing; shard jobs take their engine's socket as ancient()
-# input and an empty placeholder stands for it between runs (Snakemake deletes the socket after
-# each run), so an engine runs only when one of its shards has to.
-for _group in sorted({int(s) // GROUP_SIZE for s in SHARDS}):
-    _socket = f"{RESULTS}/hidden/engine_{_group:03d}.sock"
-    if not os.path.lexists(_socket):
-        os.makedirs(os.path.dirname(_socket), exist_ok=True)
-        open(_socket, "w").close()
-
-
-def engine_socket(wildcards):
-    """The socket of the engine serving this shard's group (ancient: its mtime never matters)."""
-    group = int(wildcards.shard) // GROUP_SIZE
-    return ancient(f"results/{wildcards.name}/hidden/engine_{group:03d}.sock")
-
-
-def engine_log(wildcards, input):
-    """The engine's log, named in the shard's errors (derived from the input: not compared)."""
-    group = os.path.basename(input.engine)[len("engine_") : -len(".sock")]
-    return f"logs/{wildcards.name}/extract_engine/engine_{group}.log"
 
 
 # The engine job must never be planned for reasons of its own: Snakemake records metadata for
@@ -85,11 +53,6 @@ rule extract_hidden_states:
         engine=engine_socket,
     output:
         "results/{name}/hidden/shard_{shard}.h5",
-    params:
-        settings=EXTRACT_SETTINGS,
-        target=TARGET,
-        shard="results/{name}/tokenized/shard_{shard}.parquet",
-        engine_log=engine_log,
     log:
         "logs/{name}/extract_hidden_states/shard_{shard}.log",
     benchmark:
@@ -100,7 +63,12 @@ rule extract_hidden_states:
     threads: 0
     resources:
         mem_mb=100,
-    # engine_wait_s comes from config in the command text, not params: changing it reruns nothing.
+    params:
+        settings=EXTRACT_SETTINGS,
+        target=target_dir,
+        shard="results/{name}/tokenized/shard_{shard}.parquet",
+        engine_log=engine_log,
+    # engine_wait_s: command text, not compared (changing it reruns nothing)
     shell:
         "eyrie extract --engine {input.engine} --engine-log {params.engine_log}"
         " --engine-wait-s {config[extract][engine_wait_s]} --target {params.target} --shard {params.shard}"

@@ -1,12 +1,8 @@
-# CPU-only checks in seconds; every GPU-costly rule takes the report as input.
-# With extract.backend: vllm or eval.vllm: true preflight also checks the installed vLLM
-# (eyrie.vllm.preflight_checks, docs/vllm.md). params.settings holds what changes the extraction;
-# PREFLIGHT_RUNTIME (the vLLM environment, GPU memory, eval.vllm) is read but not compared, so
-# changing it reruns nothing downstream.
+# CPU-only checks in seconds; every GPU-costly rule takes the report as input. With vLLM in use
+# it also checks the installed vLLM (docs/vllm.md). --runtime holds what it reads but does not
+# compare (the vLLM environment, GPU memory, eval.vllm): changing that reruns nothing.
 
-from eyrie.vllm.preflight_checks import rule_settings, runtime_settings
-
-PREFLIGHT_RUNTIME = settings(**runtime_settings(config))
+PREFLIGHT_RUNTIME = settings_json(runtime_settings(config, "preflight"))
 
 
 rule preflight:
@@ -15,11 +11,11 @@ rule preflight:
         report="results/{name}/tokenized/report.json",
     output:
         "results/{name}/preflight.json",
-    params:
-        settings=settings(**rule_settings(config)),
-        target=TARGET,
     log:
         "logs/{name}/preflight.log",
+    params:
+        settings=settings("preflight"),
+        target=target_dir,
     shell:
         "eyrie --threads {threads} preflight --target {params.target} --tokenize-report {input.report}"
         " --out {output} --settings {params.settings:q} --runtime {PREFLIGHT_RUNTIME:q} > {log} 2>&1"

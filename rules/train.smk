@@ -10,13 +10,12 @@ rule train_draft:
     output:
         draft=directory("results/{name}/train/draft"),
         metrics="results/{name}/train/metrics.jsonl",
-        curves=report("results/{name}/train/curves.png", caption="../docs/report/curves.rst", category="Training"),
+        curves=report(
+            "results/{name}/train/curves.png",
+            caption="../docs/report/curves.rst",
+            category="Training",
+        ),
         summary="results/{name}/train/train.json",
-    params:
-        settings=settings(train=config["train"]),
-        target=TARGET,
-        out_dir="results/{name}/train",
-        state_dir="results/{name}/train_state",
     log:
         "logs/{name}/train_draft.log",
     benchmark:
@@ -28,6 +27,11 @@ rule train_draft:
     resources:
         gpu=gpus(config["train"]["device"]),
         nodes=1,
+    params:
+        settings=settings("train_draft"),
+        target=target_dir,
+        out_dir=train_dir,
+        state_dir="results/{name}/train_state",
     shell:
         "eyrie --threads {threads} train --nproc-per-node $(( {resources.gpu} > 0 ? {resources.gpu} / {resources.nodes} : 1 ))"
         " --nnodes {resources.nodes} --target {params.target} --preflight {input.preflight} --vocab {input.vocab}"
@@ -42,13 +46,13 @@ rule export_draft:
     output:
         "results/{name}/draft/config.json",
         "results/{name}/draft/model.safetensors",
-    params:
-        settings=settings(train=config["train"]),
-        target=TARGET,
-        train_dir="results/{name}/train",
-        out_dir="results/{name}/draft",
     log:
         "logs/{name}/export_draft.log",
+    params:
+        settings=settings("export_draft"),
+        target=target_dir,
+        train_dir=train_dir,
+        out_dir=draft_dir,
     shell:
         "eyrie --threads {threads} export --target {params.target} --train-dir {params.train_dir}"
         " --out-dir {params.out_dir} --settings {params.settings:q} > {log} 2>&1"
