@@ -15,6 +15,7 @@ import math
 import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -162,15 +163,31 @@ def greedy_sample(
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-def train_target(conversations_path: str | Path, out_dir: str | Path, settings: dict) -> dict:
-    """Build, train and save the demo target; return the training summary (demo_training.json)."""
-    demo = demo_settings(settings, SETTINGS_KEYS)
-    check_shapes(demo)
-    t0 = time.perf_counter()
-    seed, seq_len, steps = int(demo["seed"]), int(demo["seq_len"]), int(demo["train_steps"])
-    threads = num_threads()
-    torch.set_num_threads(threads)
+@dataclass(frozen=True)
+class DemoData:
+    """The conversations, the tokenizer trained on them, and the training windows."""
 
+    conversations: list[list[dict]]
+    tokenizer: object  # PreTrainedTokenizerFast
+    token_lists: list[list[int]]  # one per conversation
+    held_idx: list[int]  # conversations kept out of training
+    train_idx: list[int]
+    windows: torch.Tensor  # [W, seq_len] int64
+    num_tokens: int  # training tokens before packing
+
+
+@dataclass(frozen=True)
+class DemoTraining:
+    """The model and what steps it."""
+
+    model: LlamaForCausalLM
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def prepare_data(conversations_path: str | Path, demo: dict, threads: int) -> DemoData:
+    """Train the tokenizer, split off the held-out conversations, tokenize and pack the rest."""
+    seed, seq_len = int(demo["seed"]), int(demo["seq_len"])
     conversations = read_conversations(conversations_path)
     tokenizer = build_chat_tokenizer(
         (text for conv in conversations for m in conv for text in (m["role"], m["content"])),
@@ -182,7 +199,6 @@ def train_target(conversations_path: str | Path, out_dir: str | Path, settings: 
             len(tokenizer),
             demo["vocab_size"],
         )
-
     order = list(range(len(conversations)))
     random.Random(seed).shuffle(order)
     n_held = max(1, round(HELD_OUT_FRACTION * len(order))) if len(order) > 1 else 0
@@ -206,18 +222,28 @@ def train_target(conversations_path: str | Path, out_dir: str | Path, settings: 
         len(tokenizer),
         threads,
     )
+    return DemoData(conversations, tokenizer, token_lists, held_idx, train_idx, windows, num_tokens)
 
-    torch.manual_seed(seed)
-    config = build_config(demo, tokenizer)
-    model = LlamaForCausalLM(config)
+
+def build_training(demo: dict, tokenizer) -> DemoTraining:
+    """A Llama from scratch (seeded with demo.seed), AdamW and the warmup + cosine schedule."""
+    steps = int(demo["train_steps"])
+    torch.manual_seed(int(demo["seed"]))
+    model = LlamaForCausalLM(build_config(demo, tokenizer))
     model.train()
-    num_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=demo["learning_rate"], betas=(0.9, 0.95), weight_decay=0.01
     )
     warmup = max(1, min(100, steps // 10))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup, steps))
+    return DemoTraining(model, optimizer, scheduler)
 
+
+def train_steps(training: DemoTraining, windows: torch.Tensor, demo: dict) -> list[dict]:
+    """demo.train_steps steps over shuffled windows (reshuffled when they run out); returns the
+    loss curve (a point every LOG_EVERY steps and at the last)."""
+    model, optimizer = training.model, training.optimizer
+    seed, steps = int(demo["seed"]), int(demo["train_steps"])
     gen = torch.Generator().manual_seed(seed)
     perm, cursor = torch.randperm(len(windows), generator=gen), 0
     curve, t_log, tokens_since = [], time.perf_counter(), 0
@@ -236,7 +262,7 @@ def train_target(conversations_path: str | Path, out_dir: str | Path, settings: 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        scheduler.step()
+        training.scheduler.step()
         tokens_since += batch.numel()
         if step % LOG_EVERY == 0 or step == steps - 1:
             now = time.perf_counter()
@@ -254,23 +280,45 @@ def train_target(conversations_path: str | Path, out_dir: str | Path, settings: 
             log.info(
                 "step %d/%d loss %.4f lr %.2e %.0f tok/s", step + 1, steps, loss.item(), lr, tps
             )
-    train_wall = time.perf_counter() - t0
+    return curve
 
-    held = [token_lists[i] for i in held_idx]
-    eval_loss = held_out_loss(model, held, seq_len) if held else None
-    sample = None
-    if held:
-        messages = conversations[held_idx[0]]
-        sample = {"messages": messages, "greedy_answer": greedy_sample(model, tokenizer, messages)}
+
+def held_out(model, data: DemoData, seq_len: int) -> tuple[float | None, dict | None]:
+    """(held-out loss, a greedy answer to the first held-out conversation); None without any."""
+    held = [data.token_lists[i] for i in data.held_idx]
+    if not held:
+        return None, None
+    eval_loss = held_out_loss(model, held, seq_len)
+    messages = data.conversations[data.held_idx[0]]
+    return eval_loss, {
+        "messages": messages,
+        "greedy_answer": greedy_sample(model, data.tokenizer, messages),
+    }
+
+
+def train_target(conversations_path: str | Path, out_dir: str | Path, settings: dict) -> dict:
+    """Build, train and save the demo target; return the training summary (demo_training.json)."""
+    demo = demo_settings(settings, SETTINGS_KEYS)
+    check_shapes(demo)
+    t0 = time.perf_counter()
+    threads = num_threads()
+    torch.set_num_threads(threads)
+    data = prepare_data(conversations_path, demo, threads)
+    training = build_training(demo, data.tokenizer)
+    model, tokenizer = training.model, data.tokenizer
+    num_params = sum(p.numel() for p in model.parameters())
+    curve = train_steps(training, data.windows, demo)
+    train_wall = time.perf_counter() - t0
+    eval_loss, sample = held_out(model, data, int(demo["seq_len"]))
     summary = {
         "settings": demo,
         "vocab_size": len(tokenizer),
         "ln_vocab": math.log(len(tokenizer)),
         "num_parameters": num_params,
-        "num_conversations": len(conversations),
-        "num_held_out": n_held,
-        "num_train_tokens": num_tokens,
-        "num_windows": len(windows),
+        "num_conversations": len(data.conversations),
+        "num_held_out": len(data.held_idx),
+        "num_train_tokens": data.num_tokens,
+        "num_windows": len(data.windows),
         "threads": threads,
         "loss_curve": curve,
         "final_loss": curve[-1]["loss"] if curve else None,
@@ -286,7 +334,6 @@ def train_target(conversations_path: str | Path, out_dir: str | Path, settings: 
         None if eval_loss is None else round(eval_loss, 4),
         summary["ln_vocab"],
     )
-
     with atomic_path(out_dir) as tmp:
         model.save_pretrained(tmp)  # config.json, generation_config.json, model.safetensors
         tokenizer.save_pretrained(tmp)  # tokenizer.json, tokenizer_config.json, chat template
