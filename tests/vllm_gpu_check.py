@@ -39,7 +39,7 @@ def make_config(kind: str):
             max_position_embeddings=1024,
             torch_dtype="bfloat16",
         )
-    # vLLM needs scoring_func/topk_method of the real models to build the router (REFERENCE §5)
+    # vLLM needs scoring_func/topk_method of the real models to build the router
     return DeepseekV3Config(
         vocab_size=1024,
         hidden_size=256,

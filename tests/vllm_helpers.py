@@ -31,7 +31,7 @@ LLAMA = {
     "vocab_size": 320,
     "torch_dtype": "bfloat16",
 }
-# a tiny DeepSeek-V3: what vLLM needs to build its MoE routing included (REFERENCE §5)
+# a tiny DeepSeek-V3, with the routing keys (scoring_func, topk_method, ...) vLLM's MoE needs
 DEEPSEEK = {
     "model_type": "deepseek_v3",
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -57,7 +57,7 @@ DEEPSEEK = {
     "topk_method": "noaux_tc",
     "torch_dtype": "bfloat16",
 }
-# Kimi-K2.5's shape (REFERENCE §3): a multimodal wrapper, the language model in text_config only
+# Kimi-K2.5's shape: a multimodal wrapper, the language model in text_config only
 KIMI_K25 = {
     "model_type": "kimi_k25",
     "architectures": ["KimiK25ForConditionalGeneration"],

@@ -1,4 +1,8 @@
-"""eyrie.formats.draft: TODO docstring."""
+"""The exported draft's format (docs/export-format.md): the config fields every export writes,
+the draft layer types and the flags vLLM serves, speculators' loader, and `validate_export`, which
+requires a folder to load in speculators with exactly the trained draft's tensors and outputs.
+Imports nothing from eyrie.train: the vLLM evaluation reads its constants in the vLLM environment.
+"""
 
 from __future__ import annotations
 

@@ -88,6 +88,74 @@ def parse_settings(settings: dict, gpu_memory_utilization: float | None = None) 
     )
 
 
+def read_draft_config(draft_dir: Path) -> dict:
+    """The exported draft's config.json as a JSON object."""
+    path = draft_dir / "config.json"
+    if not path.is_file():
+        raise EvaluateError(f"{path}: not found; pass an exported draft folder (`eyrie export`)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise EvaluateError(f"{path}: not valid JSON ({exc}); re-export the draft") from exc
+    if not isinstance(config, dict):
+        raise EvaluateError(f"{path}: not a JSON object; re-export the draft")
+    return config
+
+
+def format_problems(config: dict) -> list[str]:
+    """What vLLM would serve differently from the trained draft: the method, flags, layer type."""
+    problems = []
+    if config.get("speculators_model_type") != "eagle3":
+        problems.append(
+            f"speculators_model_type is {config.get('speculators_model_type')!r}, not "
+            "'eagle3'; this stage serves EAGLE-3 drafts only"
+        )
+    for flag, reason in UNSERVABLE_FLAGS.items():
+        if config.get(flag):
+            problems.append(
+                f"{flag} is true, but {reason}: the served network would differ from "
+                f"the trained one; retrain with {flag} off"
+            )
+    layer = config.get("transformer_layer_config") or {}
+    if layer.get("model_type") not in DRAFT_ARCHS:
+        problems.append(
+            f"transformer_layer_config.model_type {layer.get('model_type')!r}; vLLM "
+            f"serves EAGLE-3 drafts of type {', '.join(DRAFT_ARCHS)}"
+        )
+    return problems
+
+
+def target_problems(config: dict, info) -> list[str]:
+    """Shapes and layer ids that belong to another target than `info`."""
+    problems = []
+    layer = config.get("transformer_layer_config") or {}
+    hidden = config.get("target_hidden_size") or layer.get("hidden_size")
+    if hidden != info.hidden_size:
+        problems.append(
+            f"target_hidden_size {hidden!r} but the target's hidden_size is "
+            f"{info.hidden_size}; use a draft trained for this target"
+        )
+    if layer.get("vocab_size") != info.vocab_size:
+        problems.append(
+            f"transformer_layer_config.vocab_size {layer.get('vocab_size')!r} but the "
+            f"target's vocab_size is {info.vocab_size}; use a draft trained for this target"
+        )
+    draft_vocab = config.get("draft_vocab_size")
+    if not _posint(draft_vocab) or draft_vocab > info.vocab_size:
+        problems.append(
+            f"draft_vocab_size {draft_vocab!r} must be an integer within "
+            f"1..{info.vocab_size}; re-export the draft"
+        )
+    aux = config.get("eagle_aux_hidden_state_layer_ids")
+    N = info.num_hidden_layers
+    if not (isinstance(aux, list) and aux and all(isinstance(i, int) and 0 <= i < N for i in aux)):
+        problems.append(
+            f"eagle_aux_hidden_state_layer_ids {aux!r} must be a non-empty list of "
+            f"layer ids within 0..{N - 1} (the target has {N} layers)"
+        )
+    return problems
+
+
 def check_draft_config(draft_dir: str | Path, info) -> dict:
     """Refuse, from config.json alone, a draft vLLM would not serve as trained (all problems at
     once): not EAGLE-3, flags vLLM 0.22 ignores (fc_norm, norm_output), another target's shapes,
@@ -194,9 +262,9 @@ def run_engine(name: str, request: dict, workdir: Path) -> dict:
 
     Each of the two runs (baseline, speculative) gets a fresh Python process rather than two LLM
     instances in this one: process exit releases GPU memory, vLLM's engine-core and worker
-    processes and NCCL state on every vLLM version, whereas deleting an LLM and emptying the CUDA
-    cache has leaked memory in some releases; and vLLM's Prometheus registry, which get_metrics()
-    reads, is process-global, so in a fresh process the speculative run's counters start at zero.
+    processes and NCCL state, which deleting an LLM in-process does not reliably do; and vLLM's
+    Prometheus registry, which get_metrics() reads, is process-global, so in a fresh process the
+    speculative run's counters start at zero.
     """
     req_path, res_path = workdir / f"{name}.request.json", workdir / f"{name}.result.json"
     req_path.write_text(json.dumps(request))
