@@ -107,7 +107,10 @@ def test_conversations_deterministic_and_well_formed(tmp_path, conversations_fil
 
 
 def test_clean_summary():
-    doc = "reduce(function, iterable[, initial]) -> value\n\nApply a ``function`` of two\n   arguments.\n\nMore."
+    doc = (
+        "reduce(function, iterable[, initial]) -> value\n\n"
+        "Apply a ``function`` of two\n   arguments.\n\nMore."
+    )
     assert clean_summary(doc) == "Apply a `function` of two arguments."
     assert clean_summary("Short.") is None
     assert clean_summary(">>> example()\nthat is all there is") is None
@@ -162,9 +165,10 @@ def test_bad_conversations_file_names_file_and_line(tmp_path, capsys):
 
 
 def test_settings_errors(tmp_path, conversations_file):
-    with pytest.raises(EyrieError, match="demo.num_conversations is missing"):
-        write_conversations(tmp_path / "c.jsonl", {"demo": {"seed": 0}})
-    with pytest.raises(EyrieError, match="missing object 'demo'"):
+    # the schema checks the section (a missing key takes its default: tests/test_config.py)
+    with pytest.raises(EyrieError, match="demo.num_conversations: 0 is less than the minimum of 1"):
+        write_conversations(tmp_path / "c.jsonl", {"demo": {"seed": 0, "num_conversations": 0}})
+    with pytest.raises(EyrieError, match="demo: missing"):
         write_conversations(tmp_path / "c.jsonl", {})
     with pytest.raises(EyrieError, match="demo.hidden_size=30 is not divisible"):
         train_target(
