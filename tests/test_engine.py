@@ -303,7 +303,7 @@ class Stubborn:
 
 eyrie.extract.extractor.Extractor = Stubborn
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
-sys.exit(engine.serve({str(sock)!r}, "t", "p.json", {{}}, idle_exit_s=60))
+sys.exit(engine.serve({str(sock)!r}, engine.Load("t", "p.json", {{}}), idle_exit_s=60))
 """
     proc = subprocess.Popen(
         [sys.executable, "-c", script], stdout=log.open("w"), stderr=subprocess.STDOUT

@@ -29,6 +29,7 @@ from eyrie.extract.extractor import (
 from eyrie.extract.hf import HFBackend
 from eyrie.formats.hidden import ShardReader
 from eyrie.formats.tokenized import read_tokenized
+from eyrie.settings import validate_config
 
 TEXTS = [
     "the quick brown fox jumps over the lazy dog",
@@ -295,9 +296,9 @@ def test_bad_settings_and_shard_are_refused(tmp_path):
     bad["extract"]["device"] = "tpu"
     with pytest.raises(EyrieError) as err:
         extract_shard(target, shard, preflight, out, bad)
-    assert "extract.device='tpu'" in str(err.value) and "extract.max_tokens_per_batch=0" in str(
+    assert "extract.device: 'tpu' is not one of" in str(
         err.value
-    )
+    ) and "extract.max_tokens_per_batch: 0 is less than the minimum" in str(err.value)
     bad = settings(64)
     bad["layers"]["aux_ids"] = [1, 4]
     with pytest.raises(EyrieError, match="layers.aux_ids.*out of range"):
@@ -375,15 +376,20 @@ def test_backend_registry_and_vllm_settings_pass_through():
     s["extract"]["backend"] = "vllm"
     with pytest.raises(EyrieError, match="extract.backend=vllm but --settings has no vllm section"):
         parse_settings(s)
-    s["vllm"] = {"tensor_parallel_size": 2, "anything": ["kept"]}
+    # the vllm section reaches the backend as the config has it (schema defaults filled)
+    s["vllm"] = {"tensor_parallel_size": 2}
     cfg = parse_settings(s)
-    assert cfg.backend == "vllm" and cfg.vllm == {"tensor_parallel_size": 2, "anything": ["kept"]}
+    defaults = validate_config({"target": {"name": "t"}})["vllm"]
+    assert cfg.backend == "vllm" and cfg.vllm == {**defaults, "tensor_parallel_size": 2}
+    s["vllm"]["anything"] = ["kept"]
+    with pytest.raises(EyrieError, match="vllm.anything: unknown key"):
+        parse_settings(s)
     s["extract"]["backend"] = "tpu"
     s["vllm"] = 3
     with pytest.raises(EyrieError) as err:
         parse_settings(s)
-    assert "extract.backend='tpu': use one of ['hf', 'vllm']" in str(err.value)
-    assert "vllm=3: use the config's vllm section" in str(err.value)
+    assert "extract.backend: 'tpu' is not one of ['hf', 'vllm']" in str(err.value)
+    assert "vllm: 3 is not of type 'object'" in str(err.value)
 
 
 def test_plan_batches_respects_budget():
@@ -447,7 +453,7 @@ def test_gpu_staging_writes_what_the_host_path_writes(tmp_path, storage):
     """The GPU path (stored representation computed on the device, non-blocking copies into
     pinned buffers, writes at file offsets from the writer thread) stores exactly the bytes that
     ShardWriter.put stores from the same values on the host; a non-finite row is named."""
-    from eyrie.extract.extractor import PinnedStaging, _write_staged
+    from eyrie.extract.extractor import PinnedStaging, _Writers
     from eyrie.formats.codecs import stored_tensors
     from eyrie.formats.hidden import ShardMeta, ShardWriter
 
@@ -461,31 +467,88 @@ def test_gpu_staging_writes_what_the_host_path_writes(tmp_path, storage):
         for i in range(3):
             w.put(i, aux[i], final[i])
     staging = PinnedStaging(slots=2)
-    with ShardWriter(tmp_path / "gpu.h5", meta, ["a", "b", "c"], ids, ids) as w:
+    gpu = tmp_path / "gpu.h5"
+    with ShardWriter(gpu, meta, ["a", "b", "c"], ids, ids) as w, _Writers(w, gpu) as writers:
         for batch in ([2, 0], [1]):  # length-sorted batches, as the backend yields them
             stored, bad = stored_tensors(
                 torch.cat([aux[i] for i in batch]).cuda(),
                 torch.cat([final[i] for i in batch]).cuda(),
                 storage,
             )
-            _write_staged(
-                w,
-                staging.stage(batch, [lengths[i] for i in batch], stored, bad),
-                tmp_path / "gpu.h5",
-            )
-    host, gpu = raw(tmp_path / "host.h5"), raw(tmp_path / "gpu.h5")
+            writers.submit(staging.stage(batch, [lengths[i] for i in batch], stored, bad, storage))
+        writers.join()
     names = ["aux_hidden", "final_hidden"] + (
         ["aux_scale", "final_scale"] if "float8" in storage else []
     )
     for k in names:
-        with h5py.File(tmp_path / "host.h5") as fh, h5py.File(tmp_path / "gpu.h5") as fg:
+        with h5py.File(tmp_path / "host.h5") as fh, h5py.File(gpu) as fg:
             assert np.array_equal(fh[k][:], fg[k][:]), k
-    ShardReader(tmp_path / "gpu.h5").read(2)  # and it reads back, values checked
+    ShardReader(gpu).read(2)  # and it reads back, values checked
 
     aux[0][5, 7] = float("nan")
     stored, bad = stored_tensors(aux[0].cuda(), final[0].cuda(), storage)
+    bad_path = tmp_path / "bad.h5"
     with (
-        pytest.raises(EyrieError, match="sample 0: non-finite"),
-        ShardWriter(tmp_path / "bad.h5", meta, ["a", "b", "c"], ids, ids) as w,
+        pytest.raises(EyrieError, match="sample 0: non-finite aux_hidden"),
+        ShardWriter(bad_path, meta, ["a", "b", "c"], ids, ids) as w,
+        _Writers(w, bad_path) as writers,
     ):
-        _write_staged(w, staging.stage([0], [7], stored, bad), tmp_path / "bad.h5")
+        writers.submit(staging.stage([0], [7], stored, bad, storage))
+        writers.join()
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float16", "float32", "float8_e4m3"])
+def test_one_write_path_stores_the_same_bytes_for_host_and_staged_batches(tmp_path, storage):
+    """Every backend's batch takes one write path: a HostBatch (converted by the writer thread)
+    and a StagedBatch (converted where the states are, here on the CPU, as on a GPU) store the
+    bytes ShardWriter.put stores; a non-finite value is named with its sample and dataset, the
+    same way on both."""
+    from eyrie.extract.extractor import HostBatch, StagedBatch, _Writers
+    from eyrie.formats.codecs import stored_tensors, transfer_dtype
+    from eyrie.formats.hidden import ShardMeta, ShardWriter
+
+    H, n_aux, lengths = 16, 3, [7, 3, 12]
+    ids = [list(range(n)) for n in lengths]
+    meta = ShardMeta("fp", "tok", [1, 2, 3], 4, H, storage_dtype=storage)
+    torch.manual_seed(0)
+    dtype = transfer_dtype(storage, torch.float32)
+    aux = [(torch.randn(n, n_aux * H) * 3).to(dtype) for n in lengths]
+    final = [torch.randn(n, H).to(dtype) for n in lengths]
+
+    class Done:  # a copy that has landed already
+        def synchronize(self):
+            pass
+
+    def staged(batch: list[int], aux, final) -> StagedBatch:
+        stored, bad = stored_tensors(torch.cat(aux), torch.cat(final), storage)
+        host = {
+            k: v.view(torch.uint16).numpy() if v.dtype == torch.int16 else v.numpy()
+            for k, v in stored.items()
+        }
+        bounds = np.cumsum([0] + [len(a) for a in aux])
+        rows = [{k: v[a:b] for k, v in host.items()} for a, b in zip(bounds[:-1], bounds[1:])]
+        return StagedBatch(
+            batch, [len(a) for a in aux], rows, bad.numpy(), Done(), storage, free=lambda: None
+        )
+
+    def write(path, make) -> None:
+        with ShardWriter(path, meta, ["a", "b", "c"], ids, ids) as w, _Writers(w, path) as ws:
+            for batch in ([2, 0], [1]):
+                ws.submit(make(batch, [aux[i] for i in batch], [final[i] for i in batch]))
+            ws.join()
+
+    with ShardWriter(tmp_path / "put.h5", meta, ["a", "b", "c"], ids, ids) as w:
+        for i in range(3):
+            w.put(i, aux[i], final[i])
+    write(tmp_path / "host.h5", lambda b, a, f: HostBatch(b, a, f, storage))
+    write(tmp_path / "staged.h5", staged)
+    want = (tmp_path / "put.h5").read_bytes()
+    assert (tmp_path / "host.h5").read_bytes() == want
+    assert (tmp_path / "staged.h5").read_bytes() == want
+
+    final[0][5, 7] = float("nan")
+    for make in (lambda b, a, f: HostBatch(b, a, f, storage), staged):
+        path = tmp_path / "bad.h5"
+        with pytest.raises(EyrieError, match=f"{path}: sample 0: non-finite final_hidden values"):
+            write(path, make)
+        assert not path.exists()

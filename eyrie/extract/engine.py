@@ -1,26 +1,16 @@
-"""`eyrie extract-engine`: one target load serving many shard extractions over a unix socket.
+"""`eyrie extract-engine`: one target load serving many shard extractions over a unix socket
+(`eyrie extract --engine SOCKET` is the client, eyrie.extract.protocol the wire format).
 
-Loading a large target takes ~18 minutes, so one engine loads it once and extracts a whole group
-of shards, while each shard stays its own Snakemake job and output (`eyrie extract --engine S`
-is the client; rules/extract.smk, docs/extraction.md). The design follows what was measured with
-Snakemake's service() outputs (CLUSTER.md "service()"):
-
-- the socket is bound BEFORE the model loads: consumer jobs wait only `--latency-wait` for their
-  input file, and connections made during the load queue in the listen backlog;
-- requests run strictly one at a time on the loaded model (main thread; the backlog queues);
-- Snakemake never checks a service's exit status, so every failure goes to the client as a reply
-  (a failed model load is replied to every client that connects) and the client has timeouts;
-- the engine exits after `--idle-exit-s` without a connection once loaded (an engine without
-  consumers must not hang the run), first answering any client that connected at that moment,
-  and promptly on SIGTERM/SIGINT (forced after STOP_GRACE_S if a library swallows the stop or
-  the interpreter's shutdown hangs); an empty placeholder file is left where its socket was.
-
-Protocol: one JSON line each way per connection. Request `{"shard": path, "out": path}` (plus
-`"settings"`, which must equal the engine's own). Reply `{"ok": true, "out": path, "seconds": s}`
-or `{"ok": false, "error": "<Type>: <message>", "traceback": "..."}`.
-
-This module imports only the standard library at the top: the engine binds its socket before
-torch is imported, and clients stay small.
+The contract with Snakemake's service() jobs (docs/extraction.md):
+- the socket is bound before the model loads; clients that connect during the load wait in the
+  listen backlog;
+- requests run one at a time on the loaded model, in the main thread;
+- every failure reaches the client as a reply (a failed load is the reply to every client that
+  connects), since Snakemake never checks a service's exit status;
+- the engine exits after `--idle-exit-s` without a connection once loaded (first answering any
+  client that connected at that moment), and promptly on SIGTERM/SIGINT (forced STOP_GRACE_S
+  later if the stop is swallowed), leaving an empty placeholder file where its socket was.
+Only the standard library is imported at the top: the socket is bound before torch is imported.
 """
 
 from __future__ import annotations
@@ -34,38 +24,20 @@ import socket
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from eyrie.errors import EngineError
-from eyrie.extract.protocol import (
-    READ_TIMEOUT_S,
-    _read_line,
-    _send,
-    _sun_path,
-    error_reply,
-)
+from eyrie.extract.protocol import READ_TIMEOUT_S, error_reply, read_line, send, sun_path
 
 log = logging.getLogger(__name__)
 
-
 DEFAULT_IDLE_EXIT_S = 60.0
-
-
 POLL_S = 0.5  # accept() timeout: how often the engine checks its idle clock
-
-
-STOP_GRACE_S = 5.0  # after SIGTERM/SIGINT: then the exit is forced (a library swallowed the stop,
-
-
-_stop_signum = 0  # set by the signal handler of serve(): a stop in progress (0: none)
-
-
-def _raise_if_stopping(exc: BaseException | None) -> None:
-    """A stop in progress that a library turned into an error (numpy's C init inside `import
-    torch` makes it "cannot load module more than once") or swallowed is still a stop."""
-    if _stop_signum:
-        raise _Stop(_stop_signum) from exc
+# after SIGTERM/SIGINT, the exit is forced this much later (a library swallowed the stop, or the
+# interpreter's shutdown waits on a thread that will not end)
+STOP_GRACE_S = 5.0
 
 
 class _Stop(BaseException):
@@ -75,6 +47,57 @@ class _Stop(BaseException):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+class _StopSignals:
+    """SIGTERM/SIGINT while `serve` runs: the first raises _Stop wherever the main thread is (a
+    load or a request unwinds, removing its temporary files) and starts a watchdog that ends
+    the process STOP_GRACE_S later if that has not."""
+
+    def __init__(self):
+        self.signum = 0  # the stop in progress (0: none)
+        self.engine: Engine | None = None  # closed by a forced exit
+        self._watchdog: threading.Timer | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> _StopSignals:
+        self.signum, self.engine, self._watchdog = 0, None, None
+        self._previous = {
+            s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)
+        }
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def check(self, exc: BaseException | None = None) -> None:
+        """A stop in progress that a library turned into an error (numpy's C init inside `import
+        torch` makes it "cannot load module more than once") or swallowed is still a stop."""
+        if self.signum:
+            raise _Stop(self.signum) from exc
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+        if self._watchdog is None:
+            self._watchdog = threading.Timer(STOP_GRACE_S, self._force_exit, args=(signum,))
+            self._watchdog.daemon = True
+            self._watchdog.start()
+        raise _Stop(signum)
+
+    def _force_exit(self, signum: int) -> None:
+        log.error(
+            "engine: still running %g s after %s: forcing the exit",
+            STOP_GRACE_S,
+            signal.Signals(signum).name,
+        )
+        if self.engine is not None:
+            self.engine.close()
+        logging.shutdown()
+        os._exit(128 + signum)
+
+
+_stop = _StopSignals()
 
 
 class Engine:
@@ -93,7 +116,7 @@ class Engine:
         if os.path.lexists(self.path):
             self.path.unlink()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with _sun_path(self.path) as address:
+        with sun_path(self.path) as address:
             self.sock.bind(address)
         self.sock.listen(socket.SOMAXCONN)
         self.sock.settimeout(POLL_S)
@@ -138,7 +161,7 @@ class Engine:
             try:
                 conn, _ = self.sock.accept()
             except socket.timeout:
-                _raise_if_stopping(None)  # swallowed somewhere on its way here
+                _stop.check()  # swallowed somewhere on its way here
                 idle = time.monotonic() - idle_since
                 if idle >= self.idle_exit_s:
                     self._drain(handle)
@@ -160,7 +183,7 @@ class Engine:
         conn.settimeout(READ_TIMEOUT_S)
         self.busy = True  # stays True if a signal unwinds the request (exit status 128 + signal)
         try:
-            line = _read_line(conn)
+            line = read_line(conn)
             if not line:
                 log.info("engine: a client connected and closed without a request")
                 self.busy = False
@@ -170,7 +193,7 @@ class Engine:
                 raise EngineError(f"request {line[:200]!r} is not a JSON object")
             reply = handle(request)
         except Exception as exc:  # every failure goes to the client (and the log)
-            _raise_if_stopping(exc)
+            _stop.check(exc)
             log.error(
                 "engine: request failed: %s: %s\n%s",
                 type(exc).__name__,
@@ -181,7 +204,7 @@ class Engine:
         self.served += 1
         self.failed += not reply.get("ok")
         try:
-            _send(conn, reply)
+            send(conn, reply)
         except OSError as exc:
             log.error(
                 "engine: could not reply (the client is gone): %s: %s\n%s",
@@ -213,106 +236,86 @@ def _extract_handler(extractor, settings: dict) -> Callable[[dict], dict]:
     return handle
 
 
-def serve(
-    socket_path: str | Path,
-    target: str | Path,
-    preflight: str | Path,
-    settings: dict,
-    idle_exit_s: float = DEFAULT_IDLE_EXIT_S,
-    torch_threads: int | None = None,
-    gpu_memory_utilization: float | None = None,
-) -> int:
-    """Bind, load the target once, serve until idle or signalled. Returns the exit status.
+@dataclass(frozen=True)
+class Load:
+    """What an engine loads: the target, its passed preflight report and the extraction settings,
+    which every client must send alike. `gpu_memory_utilization` (vLLM backend) changes no
+    shard, so it stays out of `settings` and only reaches the backend."""
 
-    `gpu_memory_utilization` (vLLM backend) changes no shard, so it is not part of `settings`
-    (which clients must match): it only reaches the backend.
-    """
+    target: str | Path
+    preflight: str | Path
+    settings: dict
+    torch_threads: int | None = None
+    gpu_memory_utilization: float | None = None
+
+    def extractor(self):
+        """The loaded Extractor (the one model load)."""
+        if self.torch_threads:
+            from eyrie.runtime import set_torch_threads
+
+            set_torch_threads(self.torch_threads)
+        from eyrie.extract.extractor import Extractor
+
+        settings = self.settings
+        if self.gpu_memory_utilization is not None:
+            vllm = {
+                **(settings.get("vllm") or {}),
+                "gpu_memory_utilization": self.gpu_memory_utilization,
+            }
+            settings = {**settings, "vllm": vllm}
+        return Extractor(self.target, self.preflight, settings)
+
+
+def serve(socket_path: str | Path, load: Load, idle_exit_s: float = DEFAULT_IDLE_EXIT_S) -> int:
+    """Bind, load the target once, serve until idle or signalled. Returns the exit status."""
     engine = None
-    watchdog: list[threading.Timer] = []
-
-    def force_exit(signum: int) -> None:
-        log.error(
-            "engine: still running %g s after %s: forcing the exit",
-            STOP_GRACE_S,
-            signal.Signals(signum).name,
-        )
-        if engine is not None:
-            engine.close()
-        logging.shutdown()
-        os._exit(128 + signum)
-
-    def on_signal(signum, frame) -> None:
-        global _stop_signum
-        _stop_signum = _stop_signum or signum
-        # The stop unwinds the load or the request (temporary files are cleaned on the way);
-        # if that has not ended the process within STOP_GRACE_S, the watchdog ends it.
-        if not watchdog:
-            watchdog.append(threading.Timer(STOP_GRACE_S, force_exit, args=(signum,)))
-            watchdog[0].daemon = True
-            watchdog[0].start()
-        raise _Stop(signum)
-
-    global _stop_signum
-    _stop_signum = 0
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        engine = Engine(socket_path, idle_exit_s)
-        engine.busy = True
-        t0 = time.monotonic()
+    with _stop:
         try:
-            if torch_threads:
-                from eyrie.runtime import set_torch_threads
-
-                set_torch_threads(torch_threads)
-            from eyrie.extract.extractor import Extractor
-
-            load_settings = settings
-            if gpu_memory_utilization is not None:
-                load_settings = {
-                    **settings,
-                    "vllm": {
-                        **(settings.get("vllm") or {}),
-                        "gpu_memory_utilization": gpu_memory_utilization,
-                    },
-                }
-            extractor = Extractor(target, preflight, load_settings)
-        except Exception as exc:
-            _raise_if_stopping(exc)
-            log.error(
-                "engine: loading the target failed: %s: %s\n%s",
-                type(exc).__name__,
-                exc,
-                traceback.format_exc(),
+            engine = _stop.engine = Engine(socket_path, idle_exit_s)
+            return _load_and_serve(engine, load)
+        except _Stop as stop:
+            busy = engine is not None and engine.busy
+            log.info(
+                "engine: %s received%s: exiting",
+                stop,
+                " while busy (the work in progress is abandoned)" if busy else "",
             )
-            failure = error_reply(exc)
-            engine.busy = False
-            # Snakemake does not look at a service's exit status: the clients must hear it.
-            engine.serve(lambda request: failure)
-            return 1
-        engine.busy = False
-        log.info(
-            "engine: loaded target %s in %.1f s (load 1 of this engine)",
-            target,
-            time.monotonic() - t0,
-        )
-        try:
-            engine.serve(_extract_handler(extractor, settings))
+            return 128 + stop.signum if busy else 0
         finally:
-            extractor.close()
-        return 0
-    except _Stop as stop:
-        busy = engine is not None and engine.busy
-        log.info(
-            "engine: %s received%s: exiting",
-            stop,
-            " while busy (the work in progress is abandoned)" if busy else "",
+            if engine is not None:
+                engine.close()
+
+
+def _load_and_serve(engine: Engine, load: Load) -> int:
+    """0 after serving shards until idle; 1 after serving a failed load's error until idle."""
+    engine.busy = True
+    t0 = time.monotonic()
+    try:
+        extractor = load.extractor()
+    except Exception as exc:
+        _stop.check(exc)
+        log.error(
+            "engine: loading the target failed: %s: %s\n%s",
+            type(exc).__name__,
+            exc,
+            traceback.format_exc(),
         )
-        return 128 + stop.signum if busy else 0
+        failure = error_reply(exc)
+        engine.busy = False
+        # Snakemake does not look at a service's exit status: the clients must hear it.
+        engine.serve(lambda request: failure)
+        return 1
+    engine.busy = False
+    log.info(
+        "engine: loaded target %s in %.1f s (load 1 of this engine)",
+        load.target,
+        time.monotonic() - t0,
+    )
+    try:
+        engine.serve(_extract_handler(extractor, load.settings))
     finally:
-        if engine is not None:
-            engine.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        extractor.close()
+    return 0
 
 
 def add_arguments(parser) -> None:
@@ -354,12 +357,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    return serve(
-        args.socket,
+    load = Load(
         args.target,
         args.preflight,
         args.settings,
-        idle_exit_s=args.idle_exit_s,
         torch_threads=args.torch_threads,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
+    return serve(args.socket, load, idle_exit_s=args.idle_exit_s)

@@ -1,19 +1,17 @@
-"""eyrie.extract.extract: TODO docstring."""
+"""`eyrie extract`: one tokenized shard into one HDF5 hidden-state shard.
+
+With `--engine SOCKET` this is a light client: it sends the shard to a running `eyrie
+extract-engine` and waits for its reply (eyrie.extract.protocol; no torch, h5py or pyarrow is
+imported). Without it, the target is loaded here for this one shard (eyrie.extract.extractor).
+docs/extraction.md.
+"""
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING
-
-from eyrie.extract.extractor import extract_shard
-
-if TYPE_CHECKING:
-    pass
-log = logging.getLogger(__name__)
+from eyrie.extract import protocol
 
 
 def add_arguments(parser) -> None:
-    from eyrie.extract.protocol import DEFAULT_WAIT_S
     from eyrie.runtime import settings_arg
 
     parser.add_argument("--target", required=True, help="Hugging Face model folder of the target")
@@ -38,7 +36,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--engine-wait-s",
         type=float,
-        default=DEFAULT_WAIT_S,
+        default=protocol.DEFAULT_WAIT_S,
         help="with --engine: how long to wait for the engine's socket to accept "
         "(extract.engine_wait_s; default %(default)g)",
     )
@@ -49,9 +47,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     if args.engine:
-        from eyrie.extract.protocol import request
-
-        request(
+        protocol.request(
             args.engine,
             args.shard,
             args.out,
@@ -60,5 +56,7 @@ def run(args) -> int:
             engine_log=args.engine_log,
         )
     else:
+        from eyrie.extract.extractor import extract_shard
+
         extract_shard(args.target, args.shard, args.preflight, args.out, args.settings)
     return 0

@@ -1,26 +1,11 @@
-"""`eyrie extract`: target hidden states of tokenized shards into HDF5 shards.
+"""Extraction of target hidden states into HDF5 shards: `Extractor` (one target load, many
+shards) and the one write path every backend's batches take.
 
-One model load serves many shards: `Extractor` checks the settings, the target and the preflight
-report and opens a backend (the one load), then `extract(shard, out)` writes one HDF5 shard per
-call. `eyrie extract` runs one Extractor for one shard (standalone), or with `--engine SOCKET`
-sends its shard to a running `eyrie extract-engine` that holds the loaded target (eyrie.extract.engine;
-docs/extraction.md).
-
-A backend yields hidden states; the writer path here is shared by all backends. Backend "hf": a
-Hugging Face transformers forward of the target's base model (no lm_head, so no logits) with
-hooks that capture the residual stream in vLLM layer-id semantics (eyrie.arch.hooks): aux ids k
-(stream entering layer k) and id N (last layer output, before the final norm). Samples are sorted
-by length and packed into right-padded batches of at most `extract.max_tokens_per_batch` padded
-tokens. Writing to HDF5 runs in a background thread so it overlaps the next forward pass.
-
-On a GPU the host never waits for the device within a batch: the real (unpadded) rows are cast to
-their stored representation (bfloat16 bits, or float8 codes and scales) and checked finite on the
-GPU, then copied without blocking into one of a few pinned host buffers (`PinnedStaging`); the
-writer thread waits for that copy, writes each sample at its file offset and hands the buffer
-back, while the main thread already runs the next batch's forward pass.
-
-torch, pyarrow and h5py are imported where they are used: the `--engine` client path imports
-none of them (a group of shard clients then costs a few MB each, not ~250 MB).
+`Extractor(target, preflight, settings)` checks the settings, the target and its preflight
+report, then opens the backend named by `extract.backend` (`BACKENDS`: the one model load);
+`extract(shard, out)` writes one shard per call. Every backend yields `StoredBatch`es, which
+writer threads turn into stored rows and write at their file offsets while the next batch runs.
+docs/extraction.md (the engine and its clients), docs/shard-format.md ("Extraction").
 """
 
 from __future__ import annotations
@@ -36,11 +21,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import numpy as np
 
-from eyrie.arch.target import (
-    inspect_target,
-    resolve_layer_ids,
-    tokenizer_hash,
-)
+from eyrie.arch.target import inspect_target, resolve_layer_ids, tokenizer_hash
 from eyrie.errors import ExtractError
 from eyrie.formats.tokenized import Tokenized, read_tokenized
 from eyrie.io import provenance
@@ -48,55 +29,114 @@ from eyrie.io import provenance
 if TYPE_CHECKING:
     import torch
 
-    from eyrie.formats.hidden import ShardWriter
+    from eyrie.formats.hidden import ShardMeta, ShardWriter
+
 log = logging.getLogger(__name__)
 
-
 DEVICES = ("auto", "cpu", "cuda")
-
-
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-
 
 # backend name -> "module:Class", imported only when chosen (vLLM is not installed everywhere)
 BACKENDS = {"hf": "eyrie.extract.hf:HFBackend", "vllm": "eyrie.vllm.backend:VllmBackend"}
 
-
 PROGRESS_EVERY_S = 5.0
 
-
 # writer threads: writes at file offsets release the GIL, and one thread's page-cache writes
-# (~2 GB/s) are slower than a GPU's hidden states of a shallow wide target
+# are slower than a GPU's hidden states of a shallow wide target
 WRITERS = 4
 
+# Shapes of one sample's states: (aux [T_i, n_aux*H], final [T_i, H])
+Shapes = tuple[tuple[int, ...], tuple[int, ...]]
 
-# (sample indices, aux [T_i, n_aux*H] per sample, final [T_i, H] per sample), CPU, storage dtype
-States = tuple[list[int], list["torch.Tensor"], list["torch.Tensor"]]
+
+def _non_finite(out: Path, i: int, name: str, storage_dtype: str) -> str:
+    return (
+        f"{out}: sample {i}: non-finite {name} values (compute dtype or "
+        f"storage_dtype={storage_dtype} overflows; use bfloat16 or float32)"
+    )
+
+
+class StoredBatch:
+    """What every backend yields: samples `batch` (indices into the shard) whose hidden states
+    reach the writer in the shard's stored representation.
+
+    `shapes[j]` (aux, final) of sample batch[j] is known at once, before the values. A writer
+    thread iterates `stored(out)`: (sample index, {dataset name: numpy [T_i, ...]} as stored),
+    raising ExtractError at the first sample holding a non-finite value; then `release()`.
+    """
+
+    batch: list[int]
+    shapes: list[Shapes]
+
+    def stored(self, out: Path) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Free what holds the values (called once per batch, written or not)."""
 
 
 @dataclass
-class StagedBatch:
-    """A batch in its stored representation, copied (or still being copied) from the GPU into a
-    pinned host buffer. `rows[j]`: {dataset name: numpy [T_i, ...]} of sample batch[j] (views into
-    the buffer); `bad`: [N] host flags of non-finite rows, valid after `wait()`."""
+class HostBatch(StoredBatch):
+    """States on the host, CPU tensors in `transfer_dtype`: aux[j] [T_i, n_aux*H] and final[j]
+    [T_i, H] of sample batch[j]. The writer thread converts them (stored_arrays), so the
+    conversion overlaps the backend's next batch."""
+
+    batch: list[int]
+    aux: list[torch.Tensor]
+    final: list[torch.Tensor]
+    storage_dtype: str
+
+    def __post_init__(self):
+        if not len(self.batch) == len(self.aux) == len(self.final):
+            raise ExtractError(
+                f"extraction backend: a batch of {len(self.batch)} samples came with "
+                f"{len(self.aux)} aux and {len(self.final)} final tensors"
+            )
+        self.shapes = [(tuple(a.shape), tuple(f.shape)) for a, f in zip(self.aux, self.final)]
+
+    def stored(self, out: Path) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        from eyrie.formats.codecs import non_finite_dataset, stored_arrays
+
+        for i, a, f in zip(self.batch, self.aux, self.final):
+            rows = stored_arrays(a, f, self.storage_dtype)
+            name = non_finite_dataset(rows, self.storage_dtype)
+            if name is not None:
+                raise ExtractError(_non_finite(out, i, name, self.storage_dtype))
+            yield i, rows
+
+
+@dataclass
+class StagedBatch(StoredBatch):
+    """Rows already in the stored representation (stored_tensors on the GPU), copied or still
+    being copied into a pinned host buffer. `rows[j]`: {dataset name: numpy [T_i, ...]} of
+    sample batch[j] (views into the buffer); `bad`: [N] flags of stored_tensors. Both hold
+    their values once the `done` event has passed; `free` hands the buffer back."""
 
     batch: list[int]
     lengths: list[int]
     rows: list[dict[str, np.ndarray]]
     bad: np.ndarray
-    done: "torch.cuda.Event"
-    release: "Callable[[], None]"
+    done: torch.cuda.Event
+    storage_dtype: str
+    free: Callable[[], None]
 
-    def wait(self, out: Path) -> None:
-        """Block until the copy has landed; raise if a row is not finite (storage overflow)."""
+    def __post_init__(self):
+        self.shapes = [(r["aux_hidden"].shape, r["final_hidden"].shape) for r in self.rows]
+
+    def stored(self, out: Path) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        from eyrie.formats.codecs import HIDDEN
+
         self.done.synchronize()
         if self.bad.any():
-            row = int(np.argmax(self.bad))
-            j = int(np.searchsorted(np.cumsum(self.lengths), row, side="right"))
-            raise ExtractError(
-                f"{out}: sample {self.batch[j]}: non-finite hidden states (compute "
-                "dtype or storage_dtype overflows; use bfloat16 or float32)"
-            )
+            bounds = np.cumsum(self.lengths)
+            j = int(np.searchsorted(bounds, int(np.argmax(self.bad != 0)), side="right"))
+            flags = np.bitwise_or.reduce(self.bad[bounds[j] - self.lengths[j] : bounds[j]])
+            name = HIDDEN[0] if flags & 1 else HIDDEN[1]  # aux first, as HostBatch checks
+            raise ExtractError(_non_finite(out, self.batch[j], name, self.storage_dtype))
+        yield from zip(self.batch, self.rows)
+
+    def release(self) -> None:
+        self.free()
 
 
 class PinnedStaging:
@@ -118,18 +158,15 @@ class PinnedStaging:
         lengths: list[int],
         stored: dict[str, torch.Tensor],
         bad: torch.Tensor,
+        storage_dtype: str,
     ) -> StagedBatch:
-        """stored: {name: device tensor [N, ...]} (N = sum(lengths), samples in batch order)."""
+        """stored, bad: of stored_tensors, on the device ([N, ...], N = sum(lengths), samples in
+        batch order)."""
         import torch
 
-        t = time.monotonic()
-        buf = self.free.get()
-        self.wait_s += time.monotonic() - t
         parts = [*stored.items(), ("bad", bad.view(torch.uint8))]
         sizes = [-(-x.numel() * x.element_size() // self.ALIGN) * self.ALIGN for _, x in parts]
-        if buf is None or buf.numel() < sum(sizes):
-            del buf  # a larger batch than before (a long sample alone): grow this slot
-            buf = torch.empty(int(sum(sizes) * 1.25), dtype=torch.uint8, pin_memory=True)
+        buf = self._buffer(sum(sizes))
         host, at = {}, 0
         for (name, x), size in zip(parts, sizes):
             view = buf[at : at + x.numel() * x.element_size()].view(x.dtype).view(x.shape)
@@ -141,8 +178,26 @@ class PinnedStaging:
         bounds = np.concatenate([[0], np.cumsum(lengths)])
         rows = [{name: host[name][a:b] for name in stored} for a, b in zip(bounds[:-1], bounds[1:])]
         return StagedBatch(
-            batch, list(lengths), rows, host["bad"].view(bool), done, lambda: self.free.put(buf)
+            list(batch),
+            list(lengths),
+            rows,
+            host["bad"],
+            done,
+            storage_dtype,
+            free=lambda: self.free.put(buf),
         )
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A free buffer of at least `nbytes` (waits for one; grows it for a larger batch)."""
+        import torch
+
+        t = time.monotonic()
+        buf = self.free.get()
+        self.wait_s += time.monotonic() - t
+        if buf is None or buf.numel() < nbytes:
+            del buf  # a larger batch than before (a long sample alone): grow this slot
+            buf = torch.empty(int(nbytes * 1.25), dtype=torch.uint8, pin_memory=True)
+        return buf
 
 
 @dataclass(frozen=True)
@@ -154,20 +209,18 @@ class ExtractSettings:
     max_tokens_per_batch: int
     aux_ids: list[int] | None
     trust_remote_code: bool
-    vllm: dict = field(
-        default_factory=dict
-    )  # the vllm section, untouched (the vllm backend checks it)
+    # the config's vllm section, untouched (the vllm backend checks it)
+    vllm: dict = field(default_factory=dict)
 
 
 class Backend(Protocol):
-    """What a backend provides. The constructor is the (one) model load:
-    `Backend(target: Path, info: TargetInfo, cfg: ExtractSettings, aux_ids: list[int], final_id: int)`.
-    """
+    """What a backend provides. The constructor is the (one) model load: `Backend(target: Path,
+    info: TargetInfo, cfg: ExtractSettings, aux_ids: list[int], final_id: int)`."""
 
-    def states(self, input_ids: list[np.ndarray], storage: torch.dtype) -> Iterator[States]:
+    def states(self, input_ids: list[np.ndarray], storage: torch.dtype) -> Iterator[StoredBatch]:
         """Hidden states of every sample of `input_ids` (token ids int32 [T_i] each), batch after
-        batch, each sample exactly once: as CPU tensors in the `storage` dtype (States), or as a
-        StagedBatch already in the stored representation (the HF backend on a GPU)."""
+        batch, each sample exactly once; host tensors travel in the `storage` dtype
+        (transfer_dtype)."""
 
     def close(self) -> None:
         """Release the model (GPU memory, worker processes)."""
@@ -316,18 +369,9 @@ class Extractor:
         import torch
 
         from eyrie.formats.codecs import transfer_dtype
-        from eyrie.formats.hidden import ShardMeta, ShardWriter
+        from eyrie.formats.hidden import ShardWriter
 
         sample_ids, input_ids, loss_masks = tokenized or read_tokenized(shard, self.info.vocab_size)
-        meta = ShardMeta(
-            target_fingerprint=self.info.fingerprint,
-            tokenizer_hash=self.tokenizer_hash,
-            aux_layer_ids=self.aux_ids,
-            final_layer_id=self.final_id,
-            hidden_size=self.info.hidden_size,
-            storage_dtype=self.cfg.storage_dtype,
-            producer={"settings": self.settings, "provenance": provenance(self.settings)},
-        )
         lengths = [len(x) for x in input_ids]
         log.info(
             "extract %s: %d samples, %d tokens, aux ids %s, final id %d -> %s %s",
@@ -339,121 +383,130 @@ class Extractor:
             out,
             self.cfg.storage_dtype,
         )
-        # float8_e4m3: states arrive in the compute dtype and ShardWriter.put quantizes them
         storage = transfer_dtype(self.cfg.storage_dtype, self.cfg.dtype)
-        start = last_log = time.monotonic()
-        write_wait_s = 0.0
-        done_samples = done_tokens = 0
+        progress = _Progress(lengths)
         with (
-            ShardWriter(out, meta, sample_ids, input_ids, loss_masks) as writer,
-            ThreadPoolExecutor(max_workers=WRITERS) as pool,
+            ShardWriter(out, self._meta(), sample_ids, input_ids, loss_masks) as writer,
+            _Writers(writer, Path(out)) as writers,
             torch.inference_mode(),
         ):
-            pending: list[Future] = []
             for item in self.backend.states(input_ids, storage):
-                if isinstance(item, StagedBatch):
-                    batch = item.batch
-                    try:
-                        self._check_staged(item, lengths)
-                    except BaseException:
-                        item.release()  # the backend's buffers outlive this shard
-                        raise
-                    job = pool.submit(_write_staged, writer, item, Path(out))
-                else:
-                    batch, aux, final = item
-                    self._check(batch, aux, final, lengths)
-                    job = pool.submit(_write_batch, writer, batch, aux, final)
-                pending.append(job)
-                # a failed write surfaces at once; at most two batches wait for the writer
-                while pending and (pending[0].done() or len(pending) > 2):
-                    t = time.monotonic()
-                    pending.pop(0).result()  # re-raises a failed write
-                    write_wait_s += time.monotonic() - t
-                done_samples += len(batch)
-                done_tokens += sum(lengths[i] for i in batch)
-                now = time.monotonic()
-                if now - last_log >= PROGRESS_EVERY_S:
-                    log.info(
-                        "%d/%d samples, %d tokens, %.0f tokens/s",
-                        done_samples,
-                        len(lengths),
-                        done_tokens,
-                        done_tokens / (now - start),
-                    )
-                    last_log = now
-            t = time.monotonic()
-            for job in pending:
-                job.result()
-            write_wait_s += time.monotonic() - t
-        elapsed = time.monotonic() - start
+                try:
+                    self._check(item, lengths)
+                except BaseException:
+                    item.release()  # the backend's buffers outlive this shard
+                    raise
+                writers.submit(item)
+                progress.add(item.batch)
+            writers.join()
+        progress.wrote(out, writers.wait_s, self.load_s)
+        return Path(out)
+
+    def _meta(self) -> ShardMeta:
+        from eyrie.formats.hidden import ShardMeta
+
+        return ShardMeta(
+            target_fingerprint=self.info.fingerprint,
+            tokenizer_hash=self.tokenizer_hash,
+            aux_layer_ids=self.aux_ids,
+            final_layer_id=self.final_id,
+            hidden_size=self.info.hidden_size,
+            storage_dtype=self.cfg.storage_dtype,
+            producer={"settings": self.settings, "provenance": provenance(self.settings)},
+        )
+
+    def _check(self, item: StoredBatch, lengths: list[int]) -> None:
+        """A backend's batch: per sample aux [T_i, n_aux*H] and final [T_i, H]."""
+        H, n_aux = self.info.hidden_size, len(self.aux_ids)
+        for i, (a, f) in zip(item.batch, item.shapes):
+            if tuple(f[1:]) != (H,) or tuple(a[1:]) != (n_aux * H,):
+                raise ExtractError(
+                    f"{self.target}: captured hidden size {f[-1]} (aux "
+                    f"{a[-1]}) but config.json says hidden_size={H} "
+                    f"({n_aux} aux layers: {n_aux * H})"
+                )
+            if f[0] != lengths[i] or a[0] != lengths[i]:
+                raise ExtractError(
+                    f"backend {self.cfg.backend}: sample {i} has {lengths[i]} tokens "
+                    f"but {f[0]} final / {a[0]} aux rows"
+                )
+
+
+class _Writers:
+    """Writer threads for one shard: each writes a submitted batch's stored rows at their file
+    offsets, then releases the batch. A failed write surfaces at the next `submit`; at most
+    two batches wait for a writer (the time the backend waits for them: `wait_s`)."""
+
+    def __init__(self, writer: ShardWriter, out: Path):
+        self.writer, self.out = writer, out
+        self.pool = ThreadPoolExecutor(max_workers=WRITERS)
+        self.pending: list[Future] = []
+        self.wait_s = 0.0
+
+    def __enter__(self) -> _Writers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(wait=True)  # a failed shard: the writes under way end first
+
+    def submit(self, item: StoredBatch) -> None:
+        self.pending.append(self.pool.submit(self._write, item))
+        while self.pending and (self.pending[0].done() or len(self.pending) > 2):
+            self._result(self.pending.pop(0))
+
+    def join(self) -> None:
+        """Wait for every write; re-raises a failed one."""
+        while self.pending:
+            self._result(self.pending.pop(0))
+
+    def _result(self, job: Future) -> None:
+        t = time.monotonic()
+        job.result()  # re-raises a failed write
+        self.wait_s += time.monotonic() - t
+
+    def _write(self, item: StoredBatch) -> None:
+        try:
+            for i, rows in item.stored(self.out):
+                self.writer.put_stored(i, rows)
+        finally:
+            item.release()
+
+
+class _Progress:
+    """Samples and tokens done for one shard: a log line every PROGRESS_EVERY_S, and the last."""
+
+    def __init__(self, lengths: list[int]):
+        self.lengths = lengths
+        self.samples = self.tokens = 0
+        self.start = self.last_log = time.monotonic()
+
+    def add(self, batch: list[int]) -> None:
+        self.samples += len(batch)
+        self.tokens += sum(self.lengths[i] for i in batch)
+        now = time.monotonic()
+        if now - self.last_log >= PROGRESS_EVERY_S:
+            log.info(
+                "%d/%d samples, %d tokens, %.0f tokens/s",
+                self.samples,
+                len(self.lengths),
+                self.tokens,
+                self.tokens / (now - self.start),
+            )
+            self.last_log = now
+
+    def wrote(self, out: str | Path, write_wait_s: float, load_s: float) -> None:
+        elapsed = time.monotonic() - self.start
         log.info(
             "wrote %s: %d samples, %d tokens in %.1f s (%.0f tokens/s; waiting for writes "
             "%.1f s; target loaded once in %.1f s)",
             out,
-            len(lengths),
-            sum(lengths),
+            len(self.lengths),
+            sum(self.lengths),
             elapsed,
-            sum(lengths) / max(elapsed, 1e-9),
+            sum(self.lengths) / max(elapsed, 1e-9),
             write_wait_s,
-            self.load_s,
+            load_s,
         )
-        return Path(out)
-
-    def _check_staged(self, staged: StagedBatch, lengths: list[int]) -> None:
-        H, n_aux = self.info.hidden_size, len(self.aux_ids)
-        for i, rows in zip(staged.batch, staged.rows):
-            a, f = rows["aux_hidden"], rows["final_hidden"]
-            if a.shape != (lengths[i], n_aux * H) or f.shape != (lengths[i], H):
-                raise ExtractError(
-                    f"{self.target}: sample {i}: captured aux {a.shape} final "
-                    f"{f.shape}, expected ({lengths[i]}, {n_aux * H}) and "
-                    f"({lengths[i]}, {H}) (config.json hidden_size={H})"
-                )
-
-    def _check(
-        self,
-        batch: list[int],
-        aux: list[torch.Tensor],
-        final: list[torch.Tensor],
-        lengths: list[int],
-    ) -> None:
-        """A backend's batch: per sample aux [T_i, n_aux*H] and final [T_i, H]."""
-        H, n_aux = self.info.hidden_size, len(self.aux_ids)
-        if not len(batch) == len(aux) == len(final):
-            raise ExtractError(
-                f"backend {self.cfg.backend}: a batch of {len(batch)} samples came "
-                f"with {len(aux)} aux and {len(final)} final tensors"
-            )
-        for i, a, f in zip(batch, aux, final):
-            if f.shape[-1] != H or a.shape[-1] != n_aux * H:
-                raise ExtractError(
-                    f"{self.target}: captured hidden size {f.shape[-1]} (aux "
-                    f"{a.shape[-1]}) but config.json says hidden_size={H} "
-                    f"({n_aux} aux layers: {n_aux * H})"
-                )
-            if f.shape[0] != lengths[i] or a.shape[0] != lengths[i]:
-                raise ExtractError(
-                    f"backend {self.cfg.backend}: sample {i} has {lengths[i]} tokens "
-                    f"but {f.shape[0]} final / {a.shape[0]} aux rows"
-                )
-
-
-def _write_staged(writer: ShardWriter, staged: StagedBatch, out: Path) -> None:
-    """The writer thread's side of a staged batch: wait for its copy, write, free the buffer."""
-    try:
-        staged.wait(out)
-        for i, rows in zip(staged.batch, staged.rows):
-            writer.put_stored(i, rows)
-    finally:
-        staged.release()
-
-
-def _write_batch(
-    writer: ShardWriter, batch: list[int], aux: list[torch.Tensor], final: list[torch.Tensor]
-) -> None:
-    """aux[j]: [T_i, n_aux*H]; final[j]: [T_i, H] of sample i = batch[j] (CPU, storage dtype)."""
-    for i, a, f in zip(batch, aux, final):
-        writer.put(i, a, f)
 
 
 def extract_shard(

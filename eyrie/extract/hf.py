@@ -1,4 +1,9 @@
-"""eyrie.extract.hf: TODO docstring."""
+"""Extraction backend "hf": a Hugging Face transformers forward of the target's base model (no
+lm_head) with hooks that capture the residual stream in vLLM layer-id semantics
+(eyrie.arch.hooks). Samples run in length-sorted, right-padded batches (`plan_batches`); on a
+CPU each batch is yielded as a HostBatch, on a GPU it is cast and checked on the device and
+staged into pinned buffers (StagedBatch). docs/shard-format.md ("Extraction").
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,15 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from eyrie.arch.target import (
-    TargetInfo,
-)
+from eyrie.arch.target import TargetInfo
 from eyrie.errors import ExtractError
-from eyrie.extract.extractor import ExtractSettings, PinnedStaging, States, plan_batches
+from eyrie.extract.extractor import (
+    ExtractSettings,
+    HostBatch,
+    PinnedStaging,
+    StoredBatch,
+    plan_batches,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +45,7 @@ def load_target(path: str | Path, device: str, dtype: torch.dtype, trust_remote_
     return model.to(device).eval()
 
 
-def _forward_device(
+def forward_batch(
     model, batch: list[np.ndarray], aux_ids: list[int], final_id: int, device: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One right-padded batch through the target's base model: (aux [B, T_max, n_aux*H],
@@ -59,26 +68,9 @@ def _forward_device(
     if missing:
         raise ExtractError(
             f"layer id {missing[0]} was not captured by the forward pass of "
-            f"{type(model).__name__}; its architecture entry in eyrie.arch.target is wrong"
+            f"{type(model).__name__}; its architecture entry in eyrie.arch.registry is wrong"
         )
     return torch.cat([captured[k] for k in aux_ids], dim=-1), captured[final_id]
-
-
-def forward_batch(
-    model,
-    batch: list[np.ndarray],
-    aux_ids: list[int],
-    final_id: int,
-    device: str,
-    storage: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run one right-padded batch through the target's base model.
-
-    batch: B arrays of token ids [T_b]. Returns (aux [B, T_max, n_aux*H], final [B, T_max, H]) on
-    the CPU in the storage dtype; rows past T_b are padding.
-    """
-    aux, final = _forward_device(model, batch, aux_ids, final_id, device)
-    return aux.to(storage).to("cpu"), final.to(storage).to("cpu")
 
 
 def real_rows(lengths: list[int], T: int) -> np.ndarray:
@@ -102,13 +94,29 @@ class HFBackend:
         self.cfg, self.aux_ids, self.final_id = cfg, list(aux_ids), final_id
         self.model = load_target(target, cfg.device, cfg.dtype, cfg.trust_remote_code)
 
-    def states(self, input_ids: list[np.ndarray], storage: torch.dtype) -> Iterator[States]:
+    def states(self, input_ids: list[np.ndarray], storage: torch.dtype) -> Iterator[StoredBatch]:
         import torch
 
-        from eyrie.formats.codecs import stored_tensors
-
-        cfg = self.cfg
         lengths = [len(x) for x in input_ids]
+        batches = self._plan(lengths)
+        if self.cfg.device == "cuda" and self.staging is None:  # one set of buffers per load
+            self.staging = PinnedStaging()
+        waited = self.staging.wait_s if self.staging is not None else 0.0
+        for batch in batches:
+            with torch.inference_mode():  # not held across the yield (it is thread-global state)
+                if self.staging is None:
+                    item = self._host_batch(input_ids, batch, storage)
+                else:
+                    item = self._staged_batch(input_ids, batch)
+            yield item
+        if self.staging is not None and self.staging.wait_s - waited > 1.0:
+            log.info(
+                "hf: waited %.1f s for the writer to free a pinned buffer",
+                self.staging.wait_s - waited,
+            )
+
+    def _plan(self, lengths: list[int]) -> list[list[int]]:
+        cfg = self.cfg
         batches = plan_batches(lengths, cfg.max_tokens_per_batch)
         too_long = sum(1 for b in batches if lengths[b[0]] > cfg.max_tokens_per_batch)
         if too_long:
@@ -124,42 +132,40 @@ class HFBackend:
             cfg.dtype,
             cfg.device,
         )
-        if cfg.device == "cuda" and self.staging is None:  # one set of pinned buffers per load
-            self.staging = PinnedStaging()
-        waited = self.staging.wait_s if self.staging is not None else 0.0
-        for batch in batches:
-            ids = [input_ids[i] for i in batch]
-            with torch.inference_mode():  # not held across the yield (it is thread-global state)
-                if self.staging is None:
-                    aux, final = forward_batch(
-                        self.model, ids, self.aux_ids, self.final_id, cfg.device, storage
-                    )
-                    # drop the padding rows: aux [T_i, n_aux*H], final [T_i, H] per sample (views)
-                    item = (
-                        batch,
-                        [aux[b, : lengths[i]] for b, i in enumerate(batch)],
-                        [final[b, : lengths[i]] for b, i in enumerate(batch)],
-                    )
-                else:
-                    aux, final = _forward_device(
-                        self.model, ids, self.aux_ids, self.final_id, cfg.device
-                    )
-                    lens = [lengths[i] for i in batch]
-                    idx = torch.from_numpy(real_rows(lens, aux.shape[1])).to(cfg.device)
-                    stored, bad = stored_tensors(
-                        aux.flatten(0, 1).index_select(0, idx),
-                        final.flatten(0, 1).index_select(0, idx),
-                        cfg.storage_dtype,
-                    )
-                    item = self.staging.stage(batch, lens, stored, bad)
-                    del stored, bad  # the copies are queued: the device memory can go
-                del aux, final
-            yield item
-        if self.staging is not None and self.staging.wait_s - waited > 1.0:
-            log.info(
-                "hf: waited %.1f s for the writer to free a pinned buffer",
-                self.staging.wait_s - waited,
-            )
+        return batches
+
+    def _host_batch(
+        self, input_ids: list[np.ndarray], batch: list[int], storage: torch.dtype
+    ) -> HostBatch:
+        """One batch on the host in the `storage` dtype; padding rows dropped (views)."""
+        ids = [input_ids[i] for i in batch]
+        aux, final = forward_batch(self.model, ids, self.aux_ids, self.final_id, self.cfg.device)
+        aux, final = aux.to(storage).to("cpu"), final.to(storage).to("cpu")
+        return HostBatch(
+            batch,
+            [aux[b, : len(x)] for b, x in enumerate(ids)],  # [T_i, n_aux*H] per sample
+            [final[b, : len(x)] for b, x in enumerate(ids)],  # [T_i, H] per sample
+            self.cfg.storage_dtype,
+        )
+
+    def _staged_batch(self, input_ids: list[np.ndarray], batch: list[int]) -> StoredBatch:
+        """One batch's real rows, stored representation made on the GPU, copied without
+        blocking into a pinned buffer."""
+        import torch
+
+        from eyrie.formats.codecs import stored_tensors
+
+        ids = [input_ids[i] for i in batch]
+        aux, final = forward_batch(self.model, ids, self.aux_ids, self.final_id, self.cfg.device)
+        lens = [len(x) for x in ids]
+        idx = torch.from_numpy(real_rows(lens, aux.shape[1])).to(self.cfg.device)
+        stored, bad = stored_tensors(
+            aux.flatten(0, 1).index_select(0, idx),
+            final.flatten(0, 1).index_select(0, idx),
+            self.cfg.storage_dtype,
+        )
+        del aux, final  # the copies are queued next: the device memory can go
+        return self.staging.stage(batch, lens, stored, bad, self.cfg.storage_dtype)
 
     def close(self) -> None:
         import torch

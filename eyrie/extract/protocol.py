@@ -1,4 +1,11 @@
-"""eyrie.extract.protocol: TODO docstring."""
+"""The extraction engine's wire protocol and its client; standard library only, so shard clients
+stay light.
+
+One JSON line each way per connection over a unix socket. Request `{"shard": path, "out":
+path}` (plus `"settings"`, which must equal the engine's own); reply `{"ok": true, "out": path,
+"seconds": s}` or `{"ok": false, "error": "<Type>: <message>", "traceback": "..."}`. `request`
+waits up to `wait_s` for the engine to accept, then for its reply. docs/extraction.md.
+"""
 
 from __future__ import annotations
 
@@ -19,24 +26,15 @@ from eyrie.errors import EngineError
 log = logging.getLogger(__name__)
 
 
-DEFAULT_WAIT_S = 3600.0  # extract.engine_wait_s: model loads take ~18 minutes on real clusters
-
-
+DEFAULT_WAIT_S = 3600.0  # extract.engine_wait_s: the engine may still be loading a large target
 READ_TIMEOUT_S = 60.0  # for a client's request line (clients send it right after connecting)
-
-
 RETRY_S = 1.0  # client: between attempts to connect
-
-
-# or the interpreter's shutdown waits on a thread that will not end)
-MAX_LINE = 1 << 20
-
-
+MAX_LINE = 1 << 20  # bytes of one message
 SUN_PATH_MAX = 100  # bytes; sockaddr_un.sun_path holds 108 on Linux
 
 
 @contextlib.contextmanager
-def _sun_path(path: Path) -> Iterator[str]:
+def sun_path(path: Path) -> Iterator[str]:
     """An address for `path` that fits sockaddr_un: the path itself, or for a long one the same
     file reached through /proc/self/fd of its open folder (Linux)."""
     if len(os.fsencode(str(path))) <= SUN_PATH_MAX:
@@ -50,6 +48,7 @@ def _sun_path(path: Path) -> Iterator[str]:
 
 
 def error_reply(exc: BaseException) -> dict:
+    """The reply that tells a client of a failure."""
     return {
         "ok": False,
         "error": f"{type(exc).__name__}: {exc}",
@@ -57,7 +56,7 @@ def error_reply(exc: BaseException) -> dict:
     }
 
 
-def _read_line(conn: socket.socket) -> bytes:
+def read_line(conn: socket.socket) -> bytes:
     """Bytes up to the first newline (b"" if the peer closed before sending anything)."""
     buf = b""
     while b"\n" not in buf:
@@ -70,7 +69,7 @@ def _read_line(conn: socket.socket) -> bytes:
     return buf.split(b"\n", 1)[0]
 
 
-def _send(conn: socket.socket, obj: dict) -> None:
+def send(conn: socket.socket, obj: dict) -> None:
     conn.sendall((json.dumps(obj) + "\n").encode())
 
 
@@ -89,7 +88,7 @@ def _connect(path: Path, wait_s: float, engine_log: str | None) -> socket.socket
         elif mode is not None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                with _sun_path(path) as address:
+                with sun_path(path) as address:
                     sock.connect(address)
                 return sock
             except OSError as exc:
@@ -129,8 +128,8 @@ def request(
     with sock:
         log.info("sent %s to the engine at %s; waiting for its reply", shard, path)
         try:
-            _send(sock, message)
-            line = _read_line(sock)
+            send(sock, message)
+            line = read_line(sock)
         except OSError as exc:  # e.g. ECONNRESET: the engine closed while we were queued
             raise EngineError(
                 f"the engine at {path} dropped the connection for {shard} "

@@ -1,8 +1,13 @@
-"""eyrie.formats.codecs: TODO docstring."""
+"""Stored representations of hidden states: the storage dtypes of a shard (`STORAGE`), the
+bfloat16 and float8 e4m3 codecs, and the finite checks on stored values.
+
+Contract: a value encodes and decodes to the same bytes on a CPU and a GPU (float8 scales are
+row amax times 1/448, codes the row times the scale's reciprocal, rounded to nearest even).
+docs/shard-format.md ("STORE dtypes", "float8_e4m3") defines each representation.
+"""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,22 +17,11 @@ import torch
 HIDDEN = ("aux_hidden", "final_hidden")
 SCALES = {"aux_hidden": "aux_scale", "final_hidden": "final_scale"}
 
-
-log = logging.getLogger(__name__)
-
-
 E4M3_MAX = 448.0  # largest finite float8 e4m3fn value
-
-
 E4M3_INV = 1.0 / E4M3_MAX  # scales are amax times this: a multiply rounds alike on every device
-
-
 SCALE_MIN = 2.0**-126  # smallest normal float32: the scale of an all-zero (or tiny) row
 
-
-STEP_BYTES = 256 << 10  # check / dequantize this much at a time (stays in cache; measured best)
-
-
+STEP_BYTES = 256 << 10  # check / dequantize this much at a time (stays in the CPU cache)
 QUANTIZE_STEP_BYTES = 1 << 20  # quantize on the CPU ~1 MiB of float32 at a time
 
 
@@ -62,8 +56,8 @@ def bytes_per_token(storage_dtype: str, n_states: int, hidden: int) -> int:
 
 
 def transfer_dtype(storage_dtype: str, compute: torch.dtype) -> torch.dtype:
-    """The dtype an extraction backend hands states to ShardWriter.put in: the storage dtype,
-    or for float8_e4m3 (quantized per token by put) the compute dtype, so values round once."""
+    """The dtype host states travel in before `stored_arrays`: the storage dtype, or for
+    float8_e4m3 (quantized per token there) the compute dtype, so values round once."""
     return compute if STORAGE[storage_dtype].scaled else getattr(torch, storage_dtype)
 
 
@@ -94,19 +88,44 @@ def quantize_e4m3_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for a in range(0, T, step):
         xs = x[a : a + step].detach().to(torch.float32)  # [rows, W]
         s = (torch.linalg.vector_norm(xs, ord=float("inf"), dim=1) * E4M3_INV).clamp_(min=SCALE_MIN)
-        # times the reciprocal, not divided: both are correctly rounded on a CPU and a GPU alike, so
-        # codes are the same bytes wherever they are made (division kernels differ: measured)
-        codes[a : a + step] = (xs * s.reciprocal()[:, None]).clamp_(
-            -E4M3_MAX, E4M3_MAX
-        )  # the cast rounds
+        # times the reciprocal, not divided: a reciprocal and a multiply round alike on a CPU and
+        # a GPU (division kernels do not), so codes are the same bytes wherever they are made
+        codes[a : a + step] = (xs * s.reciprocal()[:, None]).clamp_(-E4M3_MAX, E4M3_MAX)
         scale[a : a + step] = s
     return codes.view(torch.uint8), scale
 
 
 def quantize_e4m3(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """quantize_e4m3_tensor, returned as host numpy arrays (codes uint8 [T, W], scale float32 [T])."""
+    """quantize_e4m3_tensor as host numpy arrays (codes uint8 [T, W], scale float32 [T])."""
     codes, scale = quantize_e4m3_tensor(x)
     return codes.cpu().numpy(), scale.cpu().numpy()
+
+
+def stored_arrays(
+    aux: torch.Tensor, final: torch.Tensor, storage_dtype: str
+) -> dict[str, np.ndarray]:
+    """One sample's stored representation on the host: aux [T, n_aux*H] and final [T, H] (any
+    float dtype, any device) -> {dataset name: numpy [T, ...]} (float8: codes plus scales)."""
+    stored: dict[str, np.ndarray] = {}
+    for name, x in zip(HIDDEN, (aux, final)):
+        if STORAGE[storage_dtype].scaled:
+            stored[name], stored[SCALES[name]] = quantize_e4m3(x)
+        else:
+            stored[name] = to_storage(x, storage_dtype)
+    return stored
+
+
+def non_finite_dataset(stored: dict[str, np.ndarray], storage_dtype: str) -> str | None:
+    """The first of HIDDEN whose stored values (of `stored_arrays`) hold inf/NaN, else None.
+    Checked after the cast: float16 storage overflows where the compute dtype did not."""
+    for name in HIDDEN:
+        if STORAGE[storage_dtype].scaled:
+            bad = bad_scale_row(stored[SCALES[name]]) is not None  # amax finite <=> row finite
+        else:
+            bad = not all_finite(stored[name], storage_dtype)
+        if bad:
+            return name
+    return None
 
 
 def stored_tensors(
@@ -115,20 +134,19 @@ def stored_tensors(
     """The stored representation of rows, computed where they are (on the GPU, before the copy
     to the host): aux [N, n_aux*H] and final [N, H] -> ({dataset name: tensor [N, ...]} in the
     on-disk dtype (bfloat16 as int16 bit patterns, float8 as uint8 codes plus float32 scales),
-    bad [N] bool: rows holding inf/NaN after the cast). ShardWriter.put_stored writes them."""
+    bad [N] uint8: bit k set where row values of HIDDEN[k] are inf/NaN after the cast)."""
     stored: dict[str, torch.Tensor] = {}
-    bad = torch.zeros(aux.shape[0], dtype=torch.bool, device=aux.device)
-    for name, x in (("aux_hidden", aux), ("final_hidden", final)):
+    bad = torch.zeros(aux.shape[0], dtype=torch.uint8, device=aux.device)
+    for k, (name, x) in enumerate(zip(HIDDEN, (aux, final))):
         if STORAGE[storage_dtype].scaled:
             stored[name], stored[SCALES[name]] = quantize_e4m3_tensor(x)
             s = stored[SCALES[name]]
-            bad |= ~(torch.isfinite(s) & (s > 0))  # amax finite <=> row finite
+            ok = torch.isfinite(s) & (s > 0)  # amax finite <=> row finite
         else:
             y = x.detach().to(getattr(torch, storage_dtype))
-            bad |= ~torch.isfinite(y).all(
-                dim=1
-            )  # after the cast: float16 overflows where bf16 did not
+            ok = torch.isfinite(y).all(dim=1)  # after the cast, as non_finite_dataset
             stored[name] = y.view(torch.int16) if storage_dtype == "bfloat16" else y
+        bad |= (~ok).to(torch.uint8) << k
     return stored, bad
 
 
@@ -148,8 +166,7 @@ def dequantize_e4m3(codes: np.ndarray, scale: np.ndarray, out: torch.Tensor) -> 
     """codes uint8 [T, W], scale float32 [T] -> out [T, W]: float32 `e4m3(code) * scale`
     (bit-exact to torch's float8 cast times the scale), or that rounded to nearest even once
     more for a bfloat16 `out`. A table lookup and a multiply per ~256 KiB of output, in numpy:
-    one thread, unlike torch's CPU ops, whose two OpenMP workers stalled ~10x whenever the
-    other core was busy (measured on the shared 2-core machine)."""
+    one thread, where torch's CPU ops would wait on OpenMP workers that share the cores."""
     T, W = codes.shape
     if out.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dequantize_e4m3 writes float32 or bfloat16, not {out.dtype}")
@@ -195,6 +212,7 @@ def all_finite(a: np.ndarray, storage_dtype: str) -> bool:
     return first_bad_row(a, storage_dtype) is None
 
 
-def _bad_scale_row(scale: np.ndarray) -> int | None:
+def bad_scale_row(scale: np.ndarray) -> int | None:
+    """First float8 scale that is not finite and positive, else None."""
     bad = ~(np.isfinite(scale) & (scale > 0))
     return int(np.argmax(bad)) if bad.any() else None

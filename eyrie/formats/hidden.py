@@ -1,29 +1,7 @@
-"""The HDF5 hidden-state shard format (a contract; documented in docs/shard-format.md).
-
-One file per tokenized shard, holding every sample of that shard back to back:
-
-  input_ids     int32    [T]             token ids of all samples, concatenated
-  loss_mask     uint8    [T]             1 on assistant tokens
-  offsets       int64    [S + 1]         sample i is rows offsets[i]:offsets[i+1]
-  sample_ids    str      [S]             "<file>:<line>" of each source record
-  aux_hidden    STORE    [T, n_aux * H]  residual streams at aux_layer_ids, concatenated in id order
-  final_hidden  STORE    [T, H]          residual stream at final_layer_id (= N, before the final norm)
-  aux_scale     float32  [T]             float8_e4m3 only: per-token scale of aux_hidden
-  final_scale   float32  [T]             float8_e4m3 only: per-token scale of final_hidden
-
-STORE (attr storage_dtype) is uint16 holding the raw bfloat16 bit pattern for "bfloat16" (h5py
-has no bfloat16), float16/float32 as such, or uint8 holding float8 e4m3fn bit patterns for
-"float8_e4m3" (value = e4m3(code) * scale of its token row; scale = row amax / 448).
-
-Hidden datasets are written contiguous and uncompressed, so the reader reads a sample by file
-offset (`dataset.id.get_offset()`): zero-copy from a private memory map of its pages (reads of
-MAP_MIN_BYTES and more), else by pread; other layouts (chunked, compressed: e.g. after h5repack)
-are read through h5py. Values are checked finite when written; a reader checks them again per
-sample read unless the caller scanned the whole shard first (`validate_shard`,
-train.verify_shards).
-
-Files are written under a temporary name, validated, then renamed: a file at the final path is
-always complete.
+"""The HDF5 hidden-state shard (a contract): `ShardMeta` (its attributes), `ShardWriter` (writes
+one shard atomically: a file at the final path is always complete and validated),
+`ShardReader` (random access to samples, by file offset where the layout allows) and
+`validate_shard`. Datasets, attributes and the read path: docs/shard-format.md.
 """
 
 from __future__ import annotations
@@ -43,24 +21,20 @@ from eyrie.formats.codecs import (
     HIDDEN,
     SCALES,
     STORAGE,
-    _bad_scale_row,
-    all_finite,
+    bad_scale_row,
     dequantize_e4m3,
     first_bad_row,
-    quantize_e4m3,
-    to_storage,
+    non_finite_dataset,
+    stored_arrays,
 )
-from eyrie.formats.pagecache import _LIBC, MAP_MIN_BYTES, map_private
+from eyrie.formats.pagecache import _LIBC, map_private
 from eyrie.io import remove_stale_temporaries
 
 log = logging.getLogger(__name__)
 
 
 FORMAT = "eyrie-hidden-states"
-
-
 SCHEMA_VERSION = 1
-
 
 # Fields a reader compares against what the training run expects.
 CHECKED_FIELDS = (
@@ -71,8 +45,13 @@ CHECKED_FIELDS = (
     "hidden_size",
 )
 
+DATASETS = ("input_ids", "loss_mask", "offsets", "sample_ids", "aux_hidden", "final_hidden")
 
 SCAN_BYTES = 64 << 20  # validate_shard reads ~64 MiB at a time
+
+# Hidden-state reads from this size up are mapped (eyrie.formats.pagecache), smaller ones copied
+# by pread: below it a map, its faults and its unmap cost more than the copy.
+MAP_MIN_BYTES = 3 << 20
 
 
 @dataclass
@@ -190,26 +169,19 @@ class ShardWriter:
                 f"{tuple(final.shape)}, expected ({T}, {n_aux * H}) and ({T}, {H})"
             )
         d = self.meta.storage_dtype
-        stored: dict[str, np.ndarray] = {}
-        for name, x in (("aux_hidden", aux), ("final_hidden", final)):
-            if STORAGE[d].scaled:
-                stored[name], stored[SCALES[name]] = quantize_e4m3(x)
-                ok = _bad_scale_row(stored[SCALES[name]]) is None  # amax finite <=> row finite
-            else:
-                stored[name] = to_storage(x, d)
-                # checked after the cast: float16 storage overflows where the compute dtype did not
-                ok = all_finite(stored[name], d)
-            if not ok:
-                raise ShardError(
-                    f"{self.path}: sample {i}: non-finite {name} values (compute dtype "
-                    f"or storage_dtype={d} overflows; use bfloat16 or float32)"
-                )
+        stored = stored_arrays(aux, final, d)
+        name = non_finite_dataset(stored, d)
+        if name is not None:
+            raise ShardError(
+                f"{self.path}: sample {i}: non-finite {name} values (compute dtype "
+                f"or storage_dtype={d} overflows; use bfloat16 or float32)"
+            )
         self.put_stored(i, stored)
 
     def put_stored(self, i: int, stored: dict[str, np.ndarray]) -> None:
         """Write sample i from values already in their stored representation and already checked
-        finite (`stored_tensors` on the device, copied to the host): {dataset name: [T_i, ...]}
-        with the names and dtypes of this shard's hidden datasets (and scales)."""
+        finite (eyrie.formats.codecs): {dataset name: [T_i, ...]} with the names and dtypes of
+        this shard's hidden datasets (and scales)."""
         T = int(self.lengths[i])
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         if set(stored) != set(self.data):
@@ -249,17 +221,14 @@ class ShardWriter:
                         f"{self.path}: {len(missing)} samples never written "
                         f"(first: index {missing[0]})"
                     )
-                # put() checked every stored value; re-scanning them here would re-read the
-                # whole file (measured: a quarter of the extraction time of a 1B target on a GPU)
+                # every stored value was checked before it was written; a re-scan would re-read
+                # the whole file
                 validate_shard(self.tmp, expected_ids=self.expected_ids, check_values=False)
                 os.replace(self.tmp, self.path)
         finally:
             if self.tmp.exists():
                 self.tmp.unlink()
         return False
-
-
-DATASETS = ("input_ids", "loss_mask", "offsets", "sample_ids", "aux_hidden", "final_hidden")
 
 
 def _open(path) -> h5py.File:
@@ -415,7 +384,7 @@ class ShardReader:
             + (tuple(SCALES.values()) if self.storage.scaled else ())
         )
         self._ds = {n: self.f[n] for n in names}
-        # (dtype, row shape, row bytes) per dataset: h5py's properties cost ~10 us per access
+        # (dtype, row shape, row bytes) per dataset: h5py's properties are slow to ask per read
         self._rowfmt = {
             n: (ds.dtype, ds.shape[1:], ds.dtype.itemsize * int(np.prod(ds.shape[1:])))
             for n, ds in self._ds.items()
@@ -506,7 +475,7 @@ class ShardReader:
             x = raw[name]
             if self.check_values and (
                 first_bad_row(x, d) is not None
-                or (self.storage.scaled and _bad_scale_row(scales[name]) is not None)
+                or (self.storage.scaled and bad_scale_row(scales[name]) is not None)
             ):
                 raise ShardError(
                     f"{self.path}: sample {i}: non-finite values in {name}; rebuild this shard"
@@ -536,7 +505,7 @@ class ShardReader:
             step = max(1, SCAN_BYTES // row)
             for a in range(0, T, step):
                 b = min(T, a + step)
-                try:  # mapped: ~1.5x the cold speed of pread on the CPU machine (read_path.py)
+                try:  # mapped, which reads cold pages faster than pread (BENCHMARKS.md)
                     x = self._rows(
                         name, a, b, mapped=True, buf=buf if step * row <= SCAN_BYTES else None
                     )
@@ -544,7 +513,7 @@ class ShardReader:
                     raise ShardError(
                         f"{self.path}: unreadable data ({exc}); delete it and rebuild this shard"
                     ) from exc
-                bad = _bad_scale_row(x) if name in SCALES.values() else first_bad_row(x, d)
+                bad = bad_scale_row(x) if name in SCALES.values() else first_bad_row(x, d)
                 if bad is not None:
                     what = "non-finite or non-positive" if name in SCALES.values() else "non-finite"
                     raise ShardError(
@@ -568,7 +537,8 @@ class ShardReader:
 def validate_shard(
     path, expected_ids: np.ndarray | None = None, check_values: bool = True
 ) -> ShardMeta:
-    """Structural checks (lengths agree, ids match, values finite); raises ShardError naming the problem."""
+    """Structural checks (lengths agree, ids match, values finite); raises ShardError naming the
+    problem."""
     with ShardReader(path, check_values=False) as r:
         try:
             if expected_ids is not None and not np.array_equal(r.f["input_ids"][:], expected_ids):

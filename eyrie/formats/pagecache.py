@@ -1,25 +1,20 @@
-"""eyrie.formats.pagecache: TODO docstring."""
+"""Private file maps through libc: `map_private` maps a byte range of an open file
+copy-on-write and, when its first page is not in the page cache, asks the kernel for the whole
+range at once. `_LIBC` is None where this is unavailable (no MAP_NORESERVE, no libc mmap): the
+reader then copies with pread instead. docs/shard-format.md ("Reading") says why.
+"""
 
 from __future__ import annotations
 
 import ctypes
-import logging
 import mmap
 import os
 import platform
 
 import numpy as np
 
-log = logging.getLogger(__name__)
-
-
-# Hidden-state reads from this size up are mapped, smaller ones copied by pread (a map, its
-# faults and its unmap cost more than copying a few MiB: crossover measured at 2-4 MiB).
-MAP_MIN_BYTES = 3 << 20
-
-
-# MAP_NORESERVE (absent from Python's mmap module): no swap reserved for a private writable map
-# (the default overcommit heuristic refuses one larger than RAM: measured with a 100 GB file).
+# MAP_NORESERVE (absent from Python's mmap module): no swap reserved for a private writable map,
+# which the default overcommit heuristic refuses when it is larger than RAM
 MAP_NORESERVE = {"x86_64": 0x4000, "aarch64": 0x4000, "arm64": 0x4000}.get(platform.machine())
 
 
@@ -63,12 +58,9 @@ class _Map:
 
 
 def _first_page_cached(addr: int) -> bool:
-    """Whether the page mapped at `addr` (the first page of a file map, not yet touched) is in the
-    page cache: mincore(2), which reads nothing. (A read that must not wait, preadv RWF_NOWAIT,
-    starts readahead and answers "cached" when that finishes before it looks again: 4 times in 30
-    on a loaded 2-core machine.) The kernel answers truly only for files the process owns or may
-    write; for others it says cached, and the read goes on as without the probe. True where libc
-    has no mincore or it fails."""
+    """Whether the (untouched) page mapped at `addr` is in the page cache: mincore(2), which
+    reads nothing. The kernel answers truly only for files the process owns or may write, and
+    says cached for others; True where libc has no mincore or it fails."""
     vec = ctypes.c_ubyte(0)
     if not hasattr(_LIBC, "mincore") or _LIBC.mincore(addr, mmap.PAGESIZE, ctypes.byref(vec)):
         return True
@@ -80,22 +72,9 @@ def map_private(fd: int, start: int, length: int) -> np.ndarray:
     over a private (copy-on-write) map of their own: writes never reach the file nor another
     read's array. Unmapped when the last array or tensor over it is freed.
 
-    Cold reads (measured on the 2-core CPU machine, 1.5 GB of random samples, against the
-    peer of benchmarks/read_path.py): the map goes through a new open file of the same inode
-    (/proc/self/fd), because the kernel keeps readahead state per open file and stops reading
-    ahead for mmap faults after ~100 that missed the cache, which random samples of one shard
-    soon cause (0.65-0.8x of the peer's cold speed with one open file per shard). A 4 KiB read
-    at the first page then started readahead forward from there; a first fault would read half
-    a window (4 MiB here) of the rows before the sample first (0.81-0.94x -> 0.95-1.0x). Now,
-    when the first page is not in the page cache, posix_fadvise(WILLNEED) asks for the whole
-    range at once, so the disk gets large requests before the first fault (cold: 1.10x -> 1.63x
-    of the peer at 2 GB, 1.92x at 5 GB, medians of 3); a cached first page (mincore over the
-    new map) skips it, because WILLNEED over cached pages costs a warm read ~16 ms per 24 MB
-    sample (24.7 -> 41 ms). The price, paid by later warm reads: WILLNEED fills the page cache
-    with 4 KiB pages where fault readahead builds large folios, so a warm read of a sample first
-    read cold costs ~1.3x more (BENCHMARKS.md, benchmarks/page_cache_fill.py).
-    libc's mmap, not Python's: a Python mmap object holds a duplicate file descriptor while
-    alive."""
+    The map goes through a new open file of the same inode, so its readahead state is its own;
+    a cold first page gets one posix_fadvise(WILLNEED) over the whole range. libc's mmap, not
+    Python's, whose map object holds a duplicate file descriptor while alive."""
     base = start - start % mmap.PAGESIZE
     size = length + start - base
     try:

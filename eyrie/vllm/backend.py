@@ -1,14 +1,12 @@
-"""Extraction backend "vllm": target hidden states from a vLLM engine (runs in the vLLM environment).
+"""Extraction backend "vllm": target hidden states from a vLLM engine (runs in the vLLM
+environment), yielded as HostBatches like the Hugging Face backend's on a CPU, in vLLM layer-id
+semantics.
 
-Same contract as the Hugging Face backend (eyrie.extract.hf.HFBackend): `states(input_ids, storage)`
-yields (sample indices, per-sample aux states [T_i, n_aux*H], per-sample final states [T_i, H]) in
-vLLM layer-id semantics, and eyrie.extract writes them into the same HDF5 shards.
-
-The path (docs/vllm.md) is chosen the way preflight chose it, from the installed vLLM's facts:
-- native: `extract_hidden_states` speculative method + ExampleHiddenStatesConnector; prompts go as
-  token ids with max_tokens=1; each request's file is read, checked and removed;
-- capture: eyrie.vllm.capture's worker extension records the states in eager mode.
-Both need chunked prefill and prefix caching off (a prompt must be computed whole, from position 0).
+The path is chosen the way preflight chose it, from the installed vLLM's facts: "native"
+(vLLM's `extract_hidden_states` speculative method and ExampleHiddenStatesConnector: each
+request's file is read, checked and removed) or "capture" (eyrie.vllm.capture's worker
+extension, eager mode). Both need chunked prefill and prefix caching off (a prompt is computed
+whole, from position 0). docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ import torch
 
 from eyrie.arch.registry import adapter_for
 from eyrie.errors import ExtractError
+from eyrie.extract.extractor import HostBatch, StoredBatch
 from eyrie.vllm.adapters import request_key
 from eyrie.vllm.checks import choose_path, config_problems, version_problems
 from eyrie.vllm.facts import gather_facts
@@ -51,9 +50,31 @@ class VllmBackend:
         self.n_aux = len(aux_ids)
         self.H = info.hidden_size
         self.tokens_per_call = cfg.max_tokens_per_batch
+        self.storage_dtype = cfg.storage_dtype
         config = json.loads((Path(target) / "config.json").read_text())
         adapter = adapter_for(info.model_type)
         facts = gather_facts(config)
+        self.path = self._choose_path(target, info, adapter, facts, config)
+        self.scratch = Path(tempfile.mkdtemp(prefix="eyrie-vllm-"))
+        kwargs = self._engine_kwargs(target, cfg)
+        log.info(
+            "vLLM %s, %s path (adapter %s), layer ids %s, tensor parallel %d, scratch %s",
+            facts.version,
+            self.path,
+            adapter.family,
+            self.layer_ids,
+            kwargs["tensor_parallel_size"],
+            self.scratch,
+        )
+        self.llm = LLM(**kwargs)
+        if self.path == "capture":
+            info_ranks = self.llm.collective_rpc(
+                "eyrie_install_capture", args=(info.model_type, self.layer_ids, str(self.scratch))
+            )
+            log.info("capture installed: %s", info_ranks)
+
+    def _choose_path(self, target: Path, info, adapter, facts, config: dict) -> str:
+        """native | capture, as preflight chose; raises if this vLLM cannot extract the target."""
         problems = version_problems(facts) + config_problems(adapter, config)
         path, path_problems = choose_path(
             self.v.get("extraction_path", "auto"),
@@ -68,13 +89,15 @@ class VllmBackend:
                 f"{target}: vLLM {facts.version} cannot extract this target: "
                 + "; ".join(problems + path_problems)
             )
-        self.path = path
-        self.scratch = Path(tempfile.mkdtemp(prefix="eyrie-vllm-"))
+        return path
+
+    def _engine_kwargs(self, target: Path, cfg) -> dict:
+        """The arguments of vllm.LLM for this path."""
         kwargs = dict(
             model=str(target),
             tensor_parallel_size=int(self.v.get("tensor_parallel_size", 1)),
             gpu_memory_utilization=float(self.v.get("gpu_memory_utilization", 0.85)),
-            enforce_eager=bool(self.v.get("enforce_eager", True)) or path == "capture",
+            enforce_eager=bool(self.v.get("enforce_eager", True)) or self.path == "capture",
             max_model_len=self.v.get("max_model_len"),
             dtype=str(cfg.dtype).removeprefix("torch."),  # extract.dtype, resolved
             trust_remote_code=cfg.trust_remote_code,
@@ -83,7 +106,7 @@ class VllmBackend:
             seed=0,
             skip_tokenizer_init=True,  # prompts go as token ids; no tokenizer code runs
         )
-        if path == "native":
+        if self.path == "native":
             kwargs.update(
                 speculative_config={
                     "method": "extract_hidden_states",
@@ -100,27 +123,11 @@ class VllmBackend:
             )
         else:
             kwargs["worker_extension_cls"] = "eyrie.vllm.capture.CaptureExtension"
-        log.info(
-            "vLLM %s, %s path (adapter %s), layer ids %s, tensor parallel %d, scratch %s",
-            facts.version,
-            path,
-            adapter.family,
-            self.layer_ids,
-            kwargs["tensor_parallel_size"],
-            self.scratch,
-        )
-        self.llm = LLM(**kwargs)
-        if path == "capture":
-            info_ranks = self.llm.collective_rpc(
-                "eyrie_install_capture", args=(info.model_type, self.layer_ids, str(self.scratch))
-            )
-            log.info("capture installed: %s", info_ranks)
+        return kwargs
 
     # ------------------------------------------------------------------ states
 
-    def states(
-        self, input_ids: list[np.ndarray], storage: torch.dtype
-    ) -> Iterator[tuple[list[int], list[torch.Tensor], list[torch.Tensor]]]:
+    def states(self, input_ids: list[np.ndarray], storage: torch.dtype) -> Iterator[StoredBatch]:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -132,25 +139,28 @@ class VllmBackend:
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
             aux_list, final_list = [], []
             for i, key, out in zip(chunk, keys, outputs):
-                path = self._file_of(out, key)
-                hs, ids = self._read(path)
-                T = len(input_ids[i])
-                if hs.shape != (T, len(self.layer_ids), self.H) or not np.array_equal(
-                    ids, input_ids[i].astype(np.int64)
-                ):
-                    raise ExtractError(
-                        f"vLLM returned hidden states {tuple(hs.shape)} for a "
-                        f"{T}-token prompt (expected {(T, len(self.layer_ids), self.H)}) "
-                        "or other token ids; this vLLM's extraction is broken for "
-                        "this target: try vllm.extraction_path: capture"
-                    )
-                hs = hs.to(storage)
-                aux_list.append(hs[:, : self.n_aux].reshape(T, self.n_aux * self.H))
+                hs = self._states_of(out, key, input_ids[i]).to(storage)  # [T, n_ids, H]
+                aux_list.append(hs[:, : self.n_aux].reshape(len(hs), self.n_aux * self.H))
                 final_list.append(hs[:, self.n_aux])
             for key in set(keys):
                 for p in self.scratch.glob(f"{key}*"):
                     p.unlink(missing_ok=True)
-            yield chunk, aux_list, final_list
+            yield HostBatch(chunk, aux_list, final_list, self.storage_dtype)
+
+    def _states_of(self, out, key: str, ids: np.ndarray) -> torch.Tensor:
+        """One request's hidden states [T, n_ids, H], checked against its prompt `ids` [T]."""
+        hs, got = self._read(self._file_of(out, key))
+        T = len(ids)
+        if hs.shape != (T, len(self.layer_ids), self.H) or not np.array_equal(
+            got, ids.astype(np.int64)
+        ):
+            raise ExtractError(
+                f"vLLM returned hidden states {tuple(hs.shape)} for a "
+                f"{T}-token prompt (expected {(T, len(self.layer_ids), self.H)}) "
+                "or other token ids; this vLLM's extraction is broken for "
+                "this target: try vllm.extraction_path: capture"
+            )
+        return hs
 
     def _chunks(self, lengths: list[int]) -> Iterator[list[int]]:
         """Samples in order, grouped into generate() calls of at most tokens_per_call tokens."""
@@ -189,7 +199,7 @@ class VllmBackend:
     def _read(self, path: Path) -> tuple[torch.Tensor, np.ndarray]:
         """A request file: (hidden_states [T, n_ids, H], token_ids int64 [T])."""
         if self.path == "native":
-            from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (  # noqa: E501
                 load_hidden_states,
             )
 
