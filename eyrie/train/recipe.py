@@ -29,7 +29,7 @@ from eyrie.errors import EyrieError, ShardError
 from eyrie.formats.hidden import ShardReader, validate_shard
 from eyrie.formats.report import read_report
 from eyrie.formats.vocab import read_vocab
-from eyrie.io import atomic_path, provenance, write_json
+from eyrie.io import provenance, write_json
 from eyrie.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -39,6 +39,7 @@ from eyrie.train.checkpoint import (
 )
 from eyrie.train.config import TrainSettings, check_world
 from eyrie.train.launch import Dist, stop
+from eyrie.train.metrics import fmt, mean, pack_sums, read_pending, write_outputs
 from eyrie.train.packing import BatchSpec, PackedShards, Plan, Prefetcher, decode_batch
 
 log = logging.getLogger(__name__)
@@ -408,7 +409,7 @@ class TrainRecipe:
                 loss_config=self.loss_config,
             )
             (loss / self.k if self.k > 1 else loss).backward()
-        return _pack_sums(loss, metrics, cfg.ttt_steps)
+        return pack_sums(loss, metrics, cfg.ttt_steps)
 
     def _advance(self, epoch: int, s: int, tokens: int) -> int:
         """The position after step `s` of `epoch`, which trained `tokens`; the step number."""
@@ -440,7 +441,7 @@ class TrainRecipe:
         step, total = state.position["step"], self.plan.total_steps
         log_now = step % cfg.log_every == 0 or step == total
         if log_now or step % cfg.checkpoint_every == 0 or stopping:
-            records = _read_pending(state.pending, cfg.packs_per_step, cfg.ttt_steps)  # waits
+            records = read_pending(state.pending, cfg.packs_per_step, cfg.ttt_steps)  # waits
             state.position["wall_s"] = records[-1]["wall_s"] = state.wall_s()
             state.pending.clear()
             if self.metrics_file is not None:
@@ -451,14 +452,14 @@ class TrainRecipe:
             return
         window = state.window
         accs = " ".join(
-            f"acc{t}={_fmt(_mean(window, f'full_acc_{t}'))}" for t in range(cfg.ttt_steps)
+            f"acc{t}={fmt(mean(window, f'full_acc_{t}'))}" for t in range(cfg.ttt_steps)
         )
         log.info(
             "step %d/%d epoch %d loss %s %s lr %.2e %.0f tok/s (data wait %.1f%%)",
             step,
             total,
             epoch,
-            _fmt(_mean(window, "loss")),
+            fmt(mean(window, "loss")),
             accs,
             window[-1]["lr"],
             state.position["tokens"] / max(state.position["wall_s"], 1e-9),
@@ -509,8 +510,8 @@ class TrainRecipe:
             log.info(
                 "wrote %s: final loss %s, accuracy per TTT step %s",
                 self.paths.out_dir,
-                _fmt(summary["final"]["loss"]),
-                [_fmt(a) for a in summary["final"]["full_acc"]],
+                fmt(summary["final"]["loss"]),
+                [fmt(a) for a in summary["final"]["full_acc"]],
             )
         return self.dist.from_main(summary)  # the other ranks wait here for the outputs
 
@@ -529,8 +530,8 @@ class TrainRecipe:
             "world_size": self.dist.world,
             "tokens": position["tokens"],
             "final": {
-                "loss": _mean(last, "loss"),
-                "full_acc": [_mean(last, f"full_acc_{k}") for k in range(cfg.ttt_steps)],
+                "loss": mean(last, "loss"),
+                "full_acc": [mean(last, f"full_acc_{k}") for k in range(cfg.ttt_steps)],
                 "over_last_steps": len(last),
             },
             "wall_time_s": position["wall_s"],
@@ -648,100 +649,3 @@ def _to_device(
         return batch
     with torch.cuda.stream(stream):
         return {n: v.to(device, non_blocking=True) for n, v in batch.items()}
-
-
-# ------------------------------------------------------------------------------ metrics, outputs
-
-
-def _pack_sums(loss: torch.Tensor, metrics: dict, ttt_steps: int) -> torch.Tensor:
-    """One pack's additive device-side metrics, float64 [1 + 3K]: [loss, loss_k.., acc_sum_k..,
-    acc_total_k..] (the host knows the token counts from the plan)."""
-    K = range(ttt_steps)
-    values = [
-        loss,
-        *(metrics[f"loss_{k}_sum"] for k in K),
-        *(metrics[f"full_acc_{k}_sum"] for k in K),
-        *(metrics[f"full_acc_{k}_total"] for k in K),
-    ]
-    return torch.stack([torch.as_tensor(v).detach().to(torch.float64) for v in values])
-
-
-def _read_pending(
-    pending: list[tuple[dict, torch.Tensor, torch.Tensor]], packs: int, ttt_steps: int
-) -> list[dict]:
-    """The metrics records of steps whose device values were not read yet (one wait)."""
-    sums = torch.stack([s for _, s, _ in pending]).tolist()
-    norms = torch.stack([g.detach().float() for _, _, g in pending]).tolist()
-    records = []
-    for (head, _, _), v, norm in zip(pending, sums, norms):
-        tokens, loss_tokens = head["tokens"]
-        records.append(
-            {
-                "step": head["step"],
-                "epoch": head["epoch"],
-                **_step_record([v[0], tokens, loss_tokens, *v[1:]], packs, ttt_steps),
-                "lr": head["lr"],
-                "grad_norm": norm,
-                "data_wait_s": head["data_wait_s"],
-                "wall_s": head["wall_s"],
-            }
-        )
-    return records
-
-
-def _step_record(sums: list[float], packs: int, ttt_steps: int) -> dict:
-    """A step's metrics from the sums of its packs over all ranks (loss: mean over packs)."""
-    K = ttt_steps
-    out = {"loss": sums[0] / packs, "tokens": int(sums[1]), "loss_tokens": int(sums[2])}
-    for k in range(K):
-        total = sums[3 + 2 * K + k]
-        out[f"full_acc_{k}"] = sums[3 + K + k] / total if total else None
-        out[f"loss_{k}"] = sums[3 + k] / packs
-    return out
-
-
-def write_outputs(out_dir: Path, model, records: list[dict], summary: dict, ttt_steps: int) -> None:
-    """out_dir/{draft/, metrics.jsonl, curves.png, train.json}, replaced as a whole."""
-    with atomic_path(out_dir) as tmp:
-        tmp.mkdir()
-        model.to("cpu").save_pretrained(tmp / "draft")
-        (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-        plot_curves(records, ttt_steps, tmp / "curves.png")
-        write_json(tmp / "train.json", summary)
-
-
-def _mean(records: list[dict], key: str) -> float | None:
-    """Mean of `key` over records that have it (accuracy is None for a step without targets)."""
-    values = [r[key] for r in records if r.get(key) is not None]
-    return sum(values) / len(values) if values else None
-
-
-def _fmt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.4f}"
-
-
-def plot_curves(records: list[dict], ttt_steps: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in records]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_loss.plot(steps, [r["loss"] for r in records], lw=1)
-    ax_loss.set(xlabel="step", ylabel="loss (sum over TTT steps)", title="training loss")
-    for k in range(ttt_steps):
-        pts = [
-            (r["step"], r[f"full_acc_{k}"]) for r in records if r.get(f"full_acc_{k}") is not None
-        ]
-        ax_acc.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, label=f"TTT step {k}")
-    ax_acc.set(
-        xlabel="step",
-        ylabel="accuracy (all previous steps correct)",
-        ylim=(0, 1),
-        title="draft accuracy vs target argmax",
-    )
-    ax_acc.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
