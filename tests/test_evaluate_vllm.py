@@ -71,13 +71,9 @@ def settings(**overrides) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """A tiny Llama target (head_dim 32, as the demo's; weights large enough for clear argmax
-    margins in bfloat16), a vocabulary map, eval prompts, a preflight report, a draft exported by
-    `eyrie.train.export` and the Hugging Face evaluation of that draft (`eyrie evaluate`)."""
-    root = tmp_path_factory.mktemp("evaluate_vllm")
-    tok = build_chat_tokenizer(TEXTS, vocab_size=300)
+def write_target(root: Path, tok) -> Path:
+    """A tiny Llama (head_dim 32, as the demo's; weights large enough for clear argmax margins in
+    bfloat16) saved with `tok`."""
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=64,
@@ -100,7 +96,11 @@ def world(tmp_path_factory):
     target = root / "target"
     model.save_pretrained(target)
     tok.save_pretrained(target)
+    return target
 
+
+def write_vocab(root: Path, tok) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """A random vocabulary map of DRAFT_VOCAB entries that keeps eos: (file, d2t, t2d)."""
     gen = torch.Generator().manual_seed(0)
     kept = torch.sort(torch.randperm(len(tok), generator=gen)[:DRAFT_VOCAB]).values
     if tok.eos_token_id not in kept:
@@ -111,8 +111,11 @@ def world(tmp_path_factory):
     t2d[kept] = True
     vocab = root / "vocab.safetensors"
     save_file({"d2t": d2t, "t2d": t2d}, str(vocab))
+    return vocab, d2t, t2d
 
-    # an (untrained) draft saved the way training saves it, then the real export
+
+def write_draft(root: Path, target: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
+    """An (untrained) draft saved the way training saves it, then the real export."""
     build_draft(target, AUX, d2t, t2d, seed=1).save_pretrained(root / "train" / "draft")
     (root / "train" / "train.json").write_text(
         json.dumps(
@@ -125,7 +128,30 @@ def world(tmp_path_factory):
     )
     draft = root / "draft"
     export(target, root / "train", draft, train_settings(ttt_steps=K))
+    return draft
 
+
+def hf_evaluate(root: Path, files: dict) -> Path:
+    """`eyrie evaluate` of the draft on `files` (target, draft, vocab, eval_set, preflight)."""
+    hf_eval = root / "eval.json"
+    argv = ["evaluate"]
+    for key in ("target", "draft", "vocab", "eval_set", "preflight"):
+        argv += ["--" + key.replace("_", "-"), str(files[key])]
+    argv += ["--out", str(hf_eval), "--plot", str(root / "eval.png")]
+    argv += ["--settings", json.dumps({"eval": settings()["eval"]})]
+    assert cli.main(argv) == 0
+    return hf_eval
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny Llama target, a vocabulary map, eval prompts, a preflight report, a draft exported by
+    `eyrie.train.export` and the Hugging Face evaluation of that draft (`eyrie evaluate`)."""
+    root = tmp_path_factory.mktemp("evaluate_vllm")
+    tok = build_chat_tokenizer(TEXTS, vocab_size=300)
+    target = write_target(root, tok)
+    vocab, d2t, t2d = write_vocab(root, tok)
+    draft = write_draft(root, target, d2t, t2d)
     prompts = [
         list(
             tok.apply_chat_template(
@@ -136,31 +162,14 @@ def world(tmp_path_factory):
     ]
     eval_set = write_eval_set(root / "eval.parquet", prompts)
     preflight = write_preflight(root / "preflight.json", target, AUX, 64, len(tok))
-    hf_eval = root / "eval.json"
-    assert (
-        cli.main(
-            [
-                "evaluate",
-                "--target",
-                str(target),
-                "--draft",
-                str(draft),
-                "--vocab",
-                str(vocab),
-                "--eval-set",
-                str(eval_set),
-                "--preflight",
-                str(preflight),
-                "--out",
-                str(hf_eval),
-                "--plot",
-                str(root / "eval.png"),
-                "--settings",
-                json.dumps({"eval": settings()["eval"]}),
-            ]
-        )
-        == 0
-    )
+    files = {
+        "target": target,
+        "draft": draft,
+        "vocab": vocab,
+        "eval_set": eval_set,
+        "preflight": preflight,
+    }
+    hf_eval = hf_evaluate(root, files)
     return {
         "root": root,
         "target": target,
