@@ -1,4 +1,4 @@
-"""Extraction throughput on one GPU (issue 5, item 1): in one run, on the same model and prompts,
+"""Extraction throughput on one GPU: in one run, on the same model and prompts,
 
   (a) the bare forward pass of the target's base model, same batches, no capture, no copies, no
       writes: the ceiling;
@@ -51,7 +51,8 @@ SHAPES = {
         rope_theta=500000.0,
     ),
     # DeepSeek-V3's layer shapes (MLA ranks, 7168 hidden, routed + shared experts), 4 layers
-    # (1 dense + 3 MoE) and 64 routed experts instead of 61 and 256, so that it fits and builds fast.
+    # (1 dense + 3 MoE) and 64 routed experts instead of 61 and 256, so that it fits and builds
+    # fast.
     "deepseek": dict(
         model_type="deepseek_v3",
         num_hidden_layers=4,
@@ -347,7 +348,8 @@ def main() -> None:
     )
     print(
         f"{'model':10} {'tokens':>8} {'(a) bare':>10} {'(b) eyrie':>10} {'(c) naive':>10} "
-        f"{'(d) disk':>10} {'b/a':>6} {'b/c':>6} {'b/min(a,d)':>10}   (tokens/s; (d): raw writes of b's bytes)"
+        f"{'(d) disk':>10} {'b/a':>6} {'b/c':>6} {'b/min(a,d)':>10}   "
+        "(tokens/s; (d): raw writes of b's bytes)"
     )
     for r in rows:
         print(
@@ -357,8 +359,9 @@ def main() -> None:
             f"{r['eyrie_tok_s'] / min(r['bare_tok_s'], r['raw_write_tok_s']):>10.2f}   "
             f"(eyrie writes {r['eyrie_write_GB_s']:.2f} GB/s, raw {r['raw_write_GB_s']:.2f} GB/s)"
         )
+    machine = name.split()[-1].lower() if device == "cuda" else device
     out = args.out or REPO / "benchmarks" / "results" / (
-        f"extraction-{'tiny-' if args.tiny else ''}{name.split()[-1].lower() if device == 'cuda' else device}.json"
+        f"extraction-{'tiny-' if args.tiny else ''}{machine}.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(

@@ -1,10 +1,11 @@
 """What the way a cold read fills the page cache costs the warm reads that come after it.
 
-Why: eyrie's ShardReader maps a sample's bytes (eyrie.formats.pagecache.map_private) and, when the first page
-is not cached, asks for the whole range at once with posix_fadvise(WILLNEED). That readahead
-fills the page cache with 4 KiB pages, while the readahead of page faults (and of large reads)
-builds large folios, which a later warm fault maps many pages at a time. This measures both
-sides of that trade on one file, for the same random ranges ("samples"), read cold in each way:
+Why: eyrie's ShardReader maps a sample's bytes (eyrie.formats.pagecache.map_private) and, when
+the first page is not cached, asks for the whole range at once with posix_fadvise(WILLNEED).
+That readahead fills the page cache with 4 KiB pages, while the readahead of page faults (and of
+large reads) builds large folios, which a later warm fault maps many pages at a time. This
+measures both sides of that trade on one file, for the same random ranges ("samples"), read cold
+in each way:
   - fault: map the range and touch it (page faults and the kernel's mmap readahead);
   - willneed: map, posix_fadvise(WILLNEED) over the range, touch (what map_private does);
   - populate: map, madvise(MADV_POPULATE_READ) over the range, touch;
@@ -18,7 +19,8 @@ Cold cache: `echo 3 > /proc/sys/vm/drop_caches` after `sync` (root); otherwise, 
 --dontneed, posix_fadvise(DONTNEED) on the file. The JSON names the method used.
 
     .venv/bin/python benchmarks/page_cache_fill.py                   # the BENCHMARKS.md run
-    .venv/bin/python benchmarks/page_cache_fill.py --file-mb 16 --sample-mb 2 --samples 3 --dontneed --out /tmp/x.json
+    .venv/bin/python benchmarks/page_cache_fill.py --file-mb 16 --sample-mb 2 --samples 3 \
+        --dontneed --out /tmp/x.json
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from eyrie.formats import pagecache as shards_pagecache
+from eyrie.formats import pagecache as shards_pagecache  # noqa: E402
 
 MADV_POPULATE_READ = 22  # Linux 5.14
 WAYS = ("fault", "willneed", "populate", "pread", "sequential")
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help="JSON path (default benchmarks/results/page_cache_fill-cpu.json)")
     args = ap.parse_args(argv)
     if shards_pagecache._LIBC is None:
-        sys.exit("page_cache_fill: needs Linux (eyrie.formats.hidden maps samples only there)")
+        sys.exit("page_cache_fill: needs Linux (eyrie.formats.pagecache maps samples only there)")
     shards_pagecache._LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     size, length = args.file_mb << 20, int(args.sample_mb * (1 << 20))
     if length * args.samples > size:
@@ -213,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"MiB file; medians of {args.rounds} rounds; cold cache: {result['cold_cache_method']}"
     )
     print(
-        f"{'filled by':12s} {'cold GB/s':>10s} {'then warm map+touch':>20s}  FileHugePages (system-wide)"
+        f"{'filled by':12s} {'cold GB/s':>10s} {'then warm map+touch':>20s}  "
+        "FileHugePages (system-wide)"
     )
     for w, r in table.items():
         lo, hi = r["warm_ms_range"]

@@ -1,18 +1,22 @@
-"""Shard read-path benchmark: eyrie's HDF5 ShardReader against speculators' per-sample safetensors.
+"""Shard read-path benchmark: eyrie's HDF5 ShardReader against speculators' per-sample
+safetensors.
 
-Why: training reads every sample once per epoch in random order; the read path must not be slower
-than the format it replaces (eyrie issue 5, item 2; goal: eyrie/peer >= 1.0x in every cell).
+Why: training reads every sample once per epoch in random order; the read path must not be
+slower than the format it replaces (goal: eyrie/peer >= 1.0x in every cell).
 
 What it does, in one run on one machine:
   1. builds random bf16 hidden states of a realistic shape ([T, n_aux + 1, H] per sample, T in
      --min-tokens..--max-tokens, ~--gb GB in all) and writes the SAME tensors three times:
-     - eyrie: several HDF5 shards through eyrie.formats.hidden.ShardWriter (docs/shard-format.md), bfloat16;
+     - eyrie: several HDF5 shards through eyrie.formats.hidden.ShardWriter
+       (docs/shard-format.md), bfloat16;
      - eyrie_fp8: the same shards with storage_dtype float8_e4m3 (quantized by ShardWriter);
      - peer: one `hs_<i>.safetensors` per sample with speculators' keys
-       (`hidden_states` [T, n_aux + 1, H] bfloat16, `token_ids` [T] int64; speculators/train/data.py).
+       (`hidden_states` [T, n_aux + 1, H] bfloat16, `token_ids` [T] int64;
+       speculators/train/data.py).
   2. reads every sample once, in one random order shared by all readers, with
      - eyrie: ShardReader(check_values=False).read(i), readers opened once per shard: the read
-       training makes after its verify_shards pass (eyrie.train.packing.PackedShards, values_checked);
+       training makes after its verify_shards pass (eyrie.train.packing.PackedShards,
+       values_checked);
      - eyrie_checked: ShardReader(path).read(i), the default: each read checks its sample finite;
      - eyrie_h5py: eyrie_checked through h5py slicing (the reader's fallback for chunked or
        compressed layouts; also what every read did before offsets were used);
@@ -58,8 +62,8 @@ from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from eyrie.formats.codecs import decode_e4m3
-from eyrie.formats.hidden import ShardMeta, ShardReader, ShardWriter, validate_shard
+from eyrie.formats.codecs import decode_e4m3  # noqa: E402
+from eyrie.formats.hidden import ShardMeta, ShardReader, ShardWriter, validate_shard  # noqa: E402
 
 try:  # speculators' own loader for a cached sample (hs_connectors ships with speculators 0.9.0)
     from hs_connectors import FileTransfer
@@ -486,7 +490,8 @@ def print_table(r: dict) -> None:
     mb = r["per_read_best_warm"]
     print(
         f"warm, best of {mb['repeats']} per sample over {mb['samples']} samples: eyrie/peer "
-        f"{mb['ratio_eyrie_over_peer']:.2f}x, eyrie_checked/peer {mb['ratio_eyrie_checked_over_peer']:.2f}x "
+        f"{mb['ratio_eyrie_over_peer']:.2f}x, "
+        f"eyrie_checked/peer {mb['ratio_eyrie_checked_over_peer']:.2f}x "
         f"(" + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in mb["seconds"].items()) + ")"
     )
 

@@ -253,9 +253,9 @@ def test_client_waits_through_placeholder_and_stale_socket(tmp_path):
 
 
 def test_idle_exit_answers_a_client_that_connects_at_the_last_moment(tmp_path, monkeypatch):
-    """The race CI hit: a client connected just as the idle clock ran out, and closing the socket
-    reset its queued connection. Here the client connects inside the idle exit itself, after
-    the last accept() timed out and before the socket is replaced."""
+    """A client that connects just as the idle clock runs out must not have its queued
+    connection reset by the socket's close. Here the client connects inside the idle exit
+    itself, after the last accept() timed out and before the socket is replaced."""
     sock = tmp_path / "e.sock"
     engine = Engine(sock, idle_exit_s=0)
     vacate = engine._vacate
@@ -280,10 +280,10 @@ def test_idle_exit_answers_a_client_that_connects_at_the_last_moment(tmp_path, m
 
 @pytest.mark.parametrize("library", ["converts", "swallows"])
 def test_a_sigterm_a_library_catches_still_ends_the_engine(tmp_path, library):
-    """The hang CI hit: SIGTERM landed in numpy's C init inside `import torch`, which turned the
-    stop into "ImportError: cannot load module more than once per process"; the engine took it
-    for a failed load and served that error for 60 s. A stop turned into an error is still a
-    stop; one swallowed outright is ended by the watchdog STOP_GRACE_S later."""
+    """A SIGTERM that lands in numpy's C init inside `import torch` becomes "ImportError: cannot
+    load module more than once per process"; taken for a failed load, it would be served to
+    clients until the idle exit. A stop turned into an error is still a stop; one swallowed
+    outright is ended by the watchdog STOP_GRACE_S later."""
     sock, log = tmp_path / "e.sock", tmp_path / "engine.log"
     script = f"""
 import logging, sys, time

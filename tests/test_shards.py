@@ -1,4 +1,4 @@
-"""The HDF5 hidden-state shard contract (eyrie/shards.py, docs/shard-format.md)."""
+"""The HDF5 hidden-state shard contract (eyrie.formats.hidden and codecs, docs/shard-format.md)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def tokens(lengths=LENGTHS):
 
 
 def random_bf16(shape, rng) -> torch.Tensor:
-    """Random finite bf16 bit patterns, with -0.0, +0.0, subnormals and the largest values planted."""
+    """Random finite bf16 bit patterns, with -0.0, +0.0, subnormals and the largest values
+    planted."""
     bits = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
     bits[(bits & 0x7F80) == 0x7F80] &= 0xBFFF  # inf/nan exponent -> a large finite one
     flat = bits.reshape(-1)
@@ -613,7 +614,7 @@ def test_train_reads_float8_shards(tmp_path):
 def _resident(fd: int, offset: int) -> bool:
     """The kernel's own word on whether the page at `offset` of the file open as `fd` is in the
     page cache: mincore(2) over a fresh read-only map of it, which faults nothing in (through
-    eyrie.formats.hidden' libc, whose mmap, munmap and mincore it declares)."""
+    eyrie.formats.pagecache's libc, whose mmap, munmap and mincore it declares)."""
     import ctypes
     import mmap
 
@@ -658,9 +659,9 @@ def _write_uncached(path, data: bytes) -> None:
 def test_a_cold_sample_is_asked_for_whole_and_a_cached_one_is_not(tmp_path, monkeypatch):
     """map_private asks the kernel for a whole sample at once (WILLNEED) only when its first page
     is not in the page cache: cold reads then get large disk requests before the first fault,
-    and warm reads skip a WILLNEED that costs them ~16 ms per 24 MB. The cold file is written
-    with O_DIRECT (no page cache; after a buffered write and DONTNEED one CI machine still had
-    the page cached), and the test starts only where mincore says its pages are not cached."""
+    and warm reads skip a WILLNEED over cached pages, which costs them time. The cold file is
+    written with O_DIRECT (no page cache; a buffered write and DONTNEED can leave the page
+    cached), and the test starts only where mincore says its pages are not cached."""
     import mmap
 
     page = mmap.PAGESIZE
