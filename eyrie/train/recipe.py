@@ -66,6 +66,7 @@ class TrainPaths:
         self.out_dir, self.state_dir = Path(self.out_dir), Path(self.state_dir)
 
     def check_apart(self) -> None:
+        """Refuse a state folder inside the output folder (which is replaced as a whole)."""
         if self.state_dir.resolve().is_relative_to(self.out_dir.resolve()):
             raise EyrieError(
                 f"--state-dir {self.state_dir} is inside --out-dir {self.out_dir}; keep them apart "
