@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,11 +41,8 @@ K = 3
 DRAFT_VOCAB = 64
 
 
-@pytest.fixture(scope="module")
-def case(tmp_path_factory):
-    """A saved tiny Llama target (+ tokenizer), a vocabulary map, a saved draft and prompts."""
-    root = tmp_path_factory.mktemp("evaluate")
-    tok = build_chat_tokenizer(TEXTS, vocab_size=300)
+def write_target(root: Path, tok):
+    """A tiny Llama saved with `tok`: (folder, model)."""
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=32,
@@ -67,7 +65,11 @@ def case(tmp_path_factory):
     target = root / "target"
     model.save_pretrained(target)
     tok.save_pretrained(target)
+    return target, model
 
+
+def write_vocab(root: Path, tok):
+    """A random vocabulary map of DRAFT_VOCAB entries that keeps eos: (file, d2t, t2d)."""
     gen = torch.Generator().manual_seed(0)
     kept = torch.sort(torch.randperm(len(tok), generator=gen)[:DRAFT_VOCAB]).values
     kept[-1] = tok.eos_token_id if tok.eos_token_id not in kept else kept[-1]
@@ -77,7 +79,16 @@ def case(tmp_path_factory):
     t2d[kept] = True
     vocab = root / "vocab.safetensors"
     save_file({"d2t": d2t, "t2d": t2d}, str(vocab))
+    return vocab, d2t, t2d
 
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    """A saved tiny Llama target (+ tokenizer), a vocabulary map, a saved draft and prompts."""
+    root = tmp_path_factory.mktemp("evaluate")
+    tok = build_chat_tokenizer(TEXTS, vocab_size=300)
+    target, model = write_target(root, tok)
+    vocab, d2t, t2d = write_vocab(root, tok)
     draft = build_draft(target, AUX, d2t, t2d, seed=1)
     draft.save_pretrained(root / "draft")
 
@@ -330,7 +341,7 @@ def test_cli_output_mismatch_names_prompt(case, tmp_path, monkeypatch, capsys):
 
 
 def test_bad_settings_listed_together():
-    with pytest.raises(ev_errors.EvaluateError, match="num_speculative_tokens.*device"):
+    with pytest.raises(ev_errors.EvaluateError, match="eval.device.*eval.num_speculative_tokens"):
         ev.parse_settings(
             {
                 "eval": {

@@ -40,6 +40,39 @@ def trained(tmp_path_factory):
     return world, root / "train", settings
 
 
+def check_config(config: dict, world: dict) -> None:
+    """Every field explicit; the values the export sets."""
+    for field in CONFIG_FIELDS:
+        assert config.get(field) is not None, field
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["transformer_layer_config"]["model_type"] == "llama"
+    assert config["target_hidden_size"] == HIDDEN and config["draft_vocab_size"] == DRAFT_VOCAB
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX_IDS
+    assert config["norm_before_residual"] is True
+    assert config["norm_output"] is False and config["fc_norm"] is False
+    spec = config["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"][0]["proposal_type"] == "greedy"
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 2  # train.ttt_steps
+    assert spec["verifier"] == {
+        "name_or_path": str(world["target"].resolve()),
+        "architectures": ["LlamaForCausalLM"],
+    }
+
+
+def check_tensors(path, V: int) -> None:
+    """The draft's tensors at their shapes (target vocabulary V), no verifier_* ones."""
+    with safe_open(str(path), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert shapes["fc.weight"] == (HIDDEN, 3 * HIDDEN)
+    assert shapes["lm_head.weight"] == (DRAFT_VOCAB, HIDDEN)
+    assert shapes["embed_tokens.weight"] == (V, HIDDEN)
+    assert shapes["norm.weight"] == (HIDDEN,)
+    assert shapes["d2t"] == (DRAFT_VOCAB,) and shapes["t2d"] == (V,)
+    assert any(k.startswith("layers.0.") for k in shapes)
+    assert not any(k.startswith("verifier_") for k in shapes)
+
+
 def test_export_round_trip(trained, tmp_path):
     world, train_dir, settings = trained
     out = tmp_path / "draft"
@@ -63,34 +96,8 @@ def test_export_round_trip(trained, tmp_path):
         "model.safetensors",
         "provenance.json",
     ]
-    config = json.loads((out / "config.json").read_text())
-    for field in CONFIG_FIELDS:
-        assert config.get(field) is not None, field
-    assert config["speculators_model_type"] == "eagle3"
-    assert config["transformer_layer_config"]["model_type"] == "llama"
-    assert config["target_hidden_size"] == HIDDEN and config["draft_vocab_size"] == DRAFT_VOCAB
-    assert config["eagle_aux_hidden_state_layer_ids"] == AUX_IDS
-    assert config["norm_before_residual"] is True
-    assert config["norm_output"] is False and config["fc_norm"] is False
-    spec = config["speculators_config"]
-    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
-    assert spec["proposal_methods"][0]["proposal_type"] == "greedy"
-    assert spec["proposal_methods"][0]["speculative_tokens"] == 2  # train.ttt_steps
-    assert spec["verifier"] == {
-        "name_or_path": str(world["target"].resolve()),
-        "architectures": ["LlamaForCausalLM"],
-    }
-
-    V = len(world["tokenizer"])
-    with safe_open(str(out / "model.safetensors"), "pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    assert shapes["fc.weight"] == (HIDDEN, 3 * HIDDEN)
-    assert shapes["lm_head.weight"] == (DRAFT_VOCAB, HIDDEN)
-    assert shapes["embed_tokens.weight"] == (V, HIDDEN)
-    assert shapes["norm.weight"] == (HIDDEN,)
-    assert shapes["d2t"] == (DRAFT_VOCAB,) and shapes["t2d"] == (V,)
-    assert any(k.startswith("layers.0.") for k in shapes)
-    assert not any(k.startswith("verifier_") for k in shapes)
+    check_config(json.loads((out / "config.json").read_text()), world)
+    check_tensors(out / "model.safetensors", len(world["tokenizer"]))
 
     # An independent client: speculators' loader, against the draft that training saved.
     from speculators.models.eagle3 import Eagle3DraftModel
