@@ -5,7 +5,7 @@ functions included:
   by no eyrie module: entries are leaves, only the dispatcher reaches them, by name;
 - no eyrie.vllm module reaches eyrie.train code: the vLLM evaluation runs in the vLLM environment;
 - the shard client (`eyrie extract`) and the extraction engine start without torch, numpy, h5py,
-  pyarrow or transformers; the engine's module-level imports are the standard library only;
+  pyarrow or transformers; the engine's module-level imports reach only the standard library;
 - module-level imports between eyrie modules form no cycle.
 
 A failure names the importing file and line of each offending import.
