@@ -23,7 +23,7 @@ def tool(*cmd: str, cwd: Path = REPO, timeout: int = 300) -> str:
     )
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        pytest.fail(f"`{' '.join(cmd)}` exited {proc.returncode}:\n{out[-12000:]}", pytrace=False)
+        pytest.fail(f"`{' '.join(cmd)}` exited {proc.returncode}:\n{out[-20000:]}", pytrace=False)
     return out
 
 
