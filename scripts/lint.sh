@@ -12,7 +12,7 @@ PY=.venv/bin/python
 if [ "${1:-}" = "--fix" ]; then
   $PY -m ruff check --fix --quiet .
   $PY -m ruff format --quiet .
-  $PY -m snakefmt -q Snakefile rules/
+  $PY -m snakefmt Snakefile rules/
 fi
 # convs.jsonl is the conversations file the tiny config names, relative to the working directory
 work=$(mktemp -d) && touch "$work/convs.jsonl" && trap 'rm -rf "$work"' EXIT
