@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from jsonschema import Draft202012Validator
 
 from eyrie.errors import ConfigError, EyrieError
 
@@ -55,6 +54,8 @@ def _fill_defaults(schema: dict, node: Any) -> None:
 
 def _problems(schema: dict, instance: Any, prefix: Sequence[str] = ()) -> list[str]:
     """Every schema violation of `instance`, one line each, named by its dotted key."""
+    from jsonschema import Draft202012Validator  # imported when needed: `eyrie extract` stays light
+
     problems = []
     errors = Draft202012Validator(schema).iter_errors(instance)
     for err in sorted(errors, key=lambda e: list(map(str, e.absolute_path))):
@@ -105,7 +106,7 @@ def key_schema(key: str, schema_path: Path = SCHEMA_PATH) -> dict:
     return {**node, "definitions": tree.get("definitions", {})}
 
 
-def default(key: str) -> Any:
+def schema_default(key: str) -> Any:
     """The schema's default of a dotted config key (e.g. "extract.engine_wait_s")."""
     return key_schema(key)["default"]
 
