@@ -31,7 +31,6 @@ from vllm_helpers import (
 from eyrie.arch.target import inspect_target
 from eyrie.cli import main
 from eyrie.preflight import preflight as pf
-from eyrie.settings import validate_config
 from eyrie.vllm import preflight_checks as vp
 
 TEXTS = ["What does json.dumps do? It serializes an object to a JSON string."] * 20
@@ -55,36 +54,7 @@ def target(tmp_path_factory):
 # ----------------------------------------------------------------------------- settings
 
 
-def test_compared_settings_hold_only_what_changes_the_extraction():
-    config = validate_config({"target": {"name": "t"}})
-    plain = vp.rule_settings(config)
-    assert plain == {
-        "layers": config["layers"],
-        "extract": {"storage_dtype": "bfloat16"},
-        "trust_remote_code": False,
-    }
-    assert vp.runtime_settings(config) == {}
-    assert vp.uses(vp.merge_settings(plain, vp.runtime_settings(config))) == []
-    # vLLM evaluation asked for: checked at run time, but compared settings are unchanged, so
-    # switching it on reruns neither preflight nor, through it, the extraction
-    config["eval"]["vllm"] = True
-    assert vp.rule_settings(config) == plain
-    runtime = vp.runtime_settings(config)
-    assert runtime["eval"] == {"vllm": True}
-    assert runtime["vllm"] == {k: config["vllm"][k] for k in vp.VLLM_KEYS}
-    merged = vp.merge_settings(plain, runtime)
-    assert vp.uses(merged) == ["eval"] and merged["layers"] == config["layers"]
-    # vLLM extraction: the keys that change the states are compared; the environment is not
-    config["extract"]["backend"] = "vllm"
-    compared = vp.rule_settings(config)
-    assert compared["extract"] == {"storage_dtype": "bfloat16", "backend": "vllm"}
-    assert compared["vllm"] == {k: config["vllm"][k] for k in vp.VLLM_EXTRACT_KEYS}
-    assert "python" not in compared["vllm"] and "gpu_memory_gib" not in compared["vllm"]
-    merged = vp.merge_settings(compared, vp.runtime_settings(config))
-    assert (
-        vp.uses(merged) == ["extract", "eval"]
-        and merged["vllm"]["python"] == config["vllm"]["python"]
-    )
+# the compared and runtime settings of preflight: tests/test_config.py
 
 
 def test_no_vllm_no_vllm_object(target, tmp_path):

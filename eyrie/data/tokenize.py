@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import pyarrow as pa
@@ -30,6 +30,7 @@ from eyrie.data.records import (
 from eyrie.errors import DataError, TargetError
 from eyrie.formats.tokenized import EVAL_SCHEMA, SHARD_SCHEMA
 from eyrie.io import atomic_path, provenance
+from eyrie.settings import load_settings
 
 log = logging.getLogger(__name__)
 
@@ -47,33 +48,9 @@ class DataSettings:
 
     @classmethod
     def from_settings(cls, settings: dict) -> "DataSettings":
-        data = settings.get("data")
-        if not isinstance(data, dict):
-            raise DataError("settings: missing object 'data'; pass --settings '{\"data\": {...}}'")
-        values = {}
-        for key, kind, low in (
-            ("max_seq_len", int, 1),
-            ("num_shards", int, 1),
-            ("num_eval", int, 0),
-            ("seed", int, None),
-            ("strict", bool, None),
-        ):
-            if key not in data:
-                raise DataError(
-                    f"settings: missing data.{key}; set it in the config's data section"
-                )
-            value = data[key]
-            if type(value) is not kind or (low is not None and value < low):
-                want = (
-                    "true or false"
-                    if kind is bool
-                    else f"an integer >= {low}"
-                    if low is not None
-                    else "an integer"
-                )
-                raise DataError(f"data.{key}={value!r}: must be {want}")
-            values[key] = value
-        return cls(**values)
+        """The `data` section, checked and defaulted by the schema (every problem at once)."""
+        data = load_settings(settings, ["data"], DataError)["data"]
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
 
 
 @dataclass

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from eyrie.errors import EyrieError
 from eyrie.io import atomic_path, provenance, write_json
+from eyrie.settings import load_settings
 
 log = logging.getLogger(__name__)
 
@@ -150,19 +151,10 @@ class DocEntry:
 
 
 def demo_settings(settings: dict, keys: tuple[str, ...]) -> dict:
-    """Return settings["demo"], checking that every key in `keys` is present."""
-    demo = settings.get("demo")
-    if not isinstance(demo, dict):
-        raise EyrieError(
-            "--settings: missing object 'demo'; pass the `demo` section of config/config.yaml"
-        )
-    missing = [k for k in keys if k not in demo]
-    if missing:
-        raise EyrieError(
-            f"--settings: demo.{missing[0]} is missing; pass the full `demo` section "
-            "of config/config.yaml (validated defaults included)"
-        )
-    return demo
+    """settings["demo"] checked and defaulted by the schema: the keys given, and `keys`."""
+    demo = load_settings(settings, ["demo"], EyrieError)["demo"]
+    given = settings["demo"]
+    return {k: v for k, v in demo.items() if k in given or k in keys}
 
 
 # ----------------------------------------------------------------------------- docstring harvest

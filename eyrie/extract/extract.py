@@ -13,6 +13,7 @@ from eyrie.extract import protocol
 
 def add_arguments(parser) -> None:
     from eyrie.runtime import settings_arg
+    from eyrie.settings import schema_default
 
     parser.add_argument("--target", required=True, help="Hugging Face model folder of the target")
     parser.add_argument("--shard", required=True, help="tokenized shard (.parquet)")
@@ -36,7 +37,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--engine-wait-s",
         type=float,
-        default=protocol.DEFAULT_WAIT_S,
+        default=schema_default("extract.engine_wait_s"),
         help="with --engine: how long to wait for the engine's socket to accept "
         "(extract.engine_wait_s; default %(default)g)",
     )

@@ -25,6 +25,7 @@ from eyrie.arch.target import inspect_target, resolve_layer_ids, tokenizer_hash
 from eyrie.errors import ExtractError
 from eyrie.formats.tokenized import Tokenized, read_tokenized
 from eyrie.io import provenance
+from eyrie.settings import load_settings
 
 if TYPE_CHECKING:
     import torch
@@ -227,48 +228,19 @@ class Backend(Protocol):
 
 
 def parse_settings(settings: dict) -> ExtractSettings:
-    """Check the stage's settings (every problem at once, each naming its key) and resolve autos."""
+    """The stage's settings, checked by the schema (every problem at once, each naming its key),
+    with the autos resolved."""
     import torch
 
-    from eyrie.formats.codecs import STORAGE_DTYPES
-
-    problems = []
-    ext = settings.get("extract")
-    if not isinstance(ext, dict):
-        raise ExtractError(
-            "--settings: key 'extract' missing or not an object; pass the config's extract section"
-        )
-    allowed = {
-        "backend": tuple(BACKENDS),
-        "device": DEVICES,
-        "dtype": DTYPES,
-        "storage_dtype": tuple(STORAGE_DTYPES),
-    }
-    for key, choices in allowed.items():
-        if ext.get(key) not in choices:
-            problems.append(f"extract.{key}={ext.get(key)!r}: use one of {list(choices)}")
-    mtpb = ext.get("max_tokens_per_batch")
-    if not isinstance(mtpb, int) or isinstance(mtpb, bool) or mtpb < 1:
-        problems.append(f"extract.max_tokens_per_batch={mtpb!r}: use a positive integer")
-    # the config's top-level vllm section (the vllm backend checks its contents)
-    vllm = settings.get("vllm") or {}
-    if not isinstance(vllm, dict):
-        problems.append(f"vllm={vllm!r}: use the config's vllm section (a mapping)")
-    elif ext.get("backend") == "vllm" and not vllm:
+    # the vllm backend reads the config's vllm section: with it, --settings must carry one
+    ext, problems = settings.get("extract"), []
+    if isinstance(ext, dict) and ext.get("backend") == "vllm" and not settings.get("vllm"):
         problems.append(
-            "extract.backend=vllm but --settings has no vllm section; pass the "
-            "config's vllm section"
+            "extract.backend=vllm but --settings has no vllm section; pass the config's "
+            "vllm section"
         )
-    layers = settings.get("layers")
-    aux = layers.get("aux_ids") if isinstance(layers, dict) else "missing"
-    if not (aux is None or (isinstance(aux, list) and all(isinstance(i, int) for i in aux))):
-        problems.append(f"layers.aux_ids={aux!r}: use null or a list of integers")
-    trc = settings.get("trust_remote_code", False)
-    if not isinstance(trc, bool):
-        problems.append(f"trust_remote_code={trc!r}: use true or false")
-    if problems:
-        raise ExtractError("invalid --settings: " + "; ".join(problems))
-
+    loaded = load_settings(settings, ["extract", "layers"], ExtractError, problems)
+    ext, vllm = loaded["extract"], loaded.get("vllm") or {}
     device = ext["device"]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -285,9 +257,9 @@ def parse_settings(settings: dict) -> ExtractSettings:
         device=device,
         dtype=getattr(torch, dtype),
         storage_dtype=ext["storage_dtype"],
-        max_tokens_per_batch=mtpb,
-        aux_ids=aux,
-        trust_remote_code=trc,
+        max_tokens_per_batch=ext["max_tokens_per_batch"],
+        aux_ids=loaded["layers"]["aux_ids"],
+        trust_remote_code=loaded["trust_remote_code"],
         vllm=vllm,
     )
 

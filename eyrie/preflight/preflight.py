@@ -16,7 +16,7 @@ from eyrie.arch.target import inspect_target, resolve_layer_ids
 from eyrie.errors import PreflightError, TargetError
 from eyrie.io import provenance, write_json
 from eyrie.preflight.checks import Check, check_storage, check_tokenizer, check_weights
-from eyrie.settings import default, load_settings, merge_settings, vllm_uses
+from eyrie.settings import load_settings, merge_settings, schema_default, vllm_uses
 from eyrie.vllm import preflight_checks as vllm_preflight
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
     # read from the checked copy; the provenance records `settings` as given
     loaded = load_settings(settings, error=PreflightError)
     aux_setting = (loaded.get("layers") or {}).get("aux_ids")
+    extract = loaded.get("extract") or {"storage_dtype": schema_default("extract.storage_dtype")}
     trust = loaded["trust_remote_code"]
     info = read_target(target, trust, check)
     aux_ids, final_id = layer_ids(aux_setting, info, check)
@@ -95,7 +96,7 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
     storage = None
     if tokenize_report is not None:
         tokens = training_tokens(tokenize_report, check)
-        dtype = (loaded.get("extract") or {}).get("storage_dtype", default("extract.storage_dtype"))
+        dtype = extract["storage_dtype"]
         storage = check_storage(tokens, len(aux_ids) + 1, info.hidden_size, dtype, out_dir, check)
     if check.problems:
         raise PreflightError(

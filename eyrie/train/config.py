@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from eyrie.errors import EyrieError
+from eyrie.settings import load_settings
 
 log = logging.getLogger(__name__)
 
@@ -16,102 +17,45 @@ log = logging.getLogger(__name__)
 NOT_IN_RUN_ID = ("log_every", "checkpoint_every", "verify_shards")
 
 
-KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-PRECISIONS = ("auto", "float32", "bfloat16")
-
-
-PACK_SHAPES = ("auto", "fixed", "exact")
-
-
 @dataclass(frozen=True)
 class TrainSettings:
-    seed: int = 0
-    device: str = "auto"
-    epochs: int = 6
-    learning_rate: float = 3.0e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 20
-    max_grad_norm: float = 1.0
-    max_tokens_per_batch: int = 2048
-    packs_per_step: int = 1
-    ttt_steps: int = 3
-    ttt_step_loss_decay: float = 1.0
-    num_layers: int = 1
-    draft_arch: str = "llama"
-    precision: str = "auto"  # auto: bfloat16 autocast on a GPU, float32 on a CPU
-    pack_shape: str = "auto"  # auto: fixed on a GPU (one compiled shape), exact on a CPU
-    norm_before_residual: bool = True
-    checkpoint_every: int = 100
-    log_every: int = 10
-    verify_shards: bool = True
+    """The `train` section; config/schema.yaml checks and defaults it (field order: run id)."""
+
+    seed: int
+    device: str
+    epochs: int
+    learning_rate: float
+    weight_decay: float
+    warmup_steps: int
+    max_grad_norm: float
+    max_tokens_per_batch: int
+    packs_per_step: int
+    ttt_steps: int
+    ttt_step_loss_decay: float
+    num_layers: int
+    draft_arch: str
+    precision: str  # auto: bfloat16 autocast on a GPU, float32 on a CPU
+    pack_shape: str  # auto: fixed on a GPU (one compiled shape), exact on a CPU
+    norm_before_residual: bool
+    checkpoint_every: int
+    log_every: int
+    verify_shards: bool
 
     @classmethod
     def from_settings(cls, settings: dict) -> "TrainSettings":
         """Typed `train` section of --settings; every problem reported at once, each by key."""
-        section = settings.get("train")
-        if not isinstance(section, dict):
+        section = load_settings(settings, ["train"], EyrieError)["train"]
+        cfg = cls(
+            **{
+                f.name: float(section[f.name]) if f.type == "float" else section[f.name]
+                for f in dataclasses.fields(cls)
+            }
+        )
+        if cfg.max_tokens_per_batch < 8 * cfg.ttt_steps:
             raise EyrieError(
-                '--settings: missing object "train" (pass {"train": {...}} from config.yaml)'
+                f"invalid --settings: train.max_tokens_per_batch: {cfg.max_tokens_per_batch} "
+                f"is too small for ttt_steps={cfg.ttt_steps} (use at least {8 * cfg.ttt_steps})"
             )
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        problems = [
-            f"train.{k}: unknown key (allowed: {', '.join(fields)})"
-            for k in section
-            if k not in fields
-        ]
-        for name, value in section.items():
-            if name not in fields:
-                continue
-            kind = type(fields[name].default)
-            ok = (
-                isinstance(value, bool)
-                if kind is bool
-                else (
-                    isinstance(value, (int, float)) and not isinstance(value, bool)
-                    if kind is float
-                    else isinstance(value, kind) and not isinstance(value, bool)
-                )
-            )
-            if not ok:
-                problems.append(f"train.{name}: {value!r} must be {KIND_NAMES[kind]}")
-        if not problems:
-            cfg = cls(
-                **{
-                    k: (float(v) if type(fields[k].default) is float else v)
-                    for k, v in section.items()
-                }
-            )
-            rules = [
-                (cfg.device in ("auto", "cpu", "cuda"), "device: use auto, cpu or cuda"),
-                (cfg.draft_arch in ("llama", "qwen3"), "draft_arch: use llama or qwen3"),
-                (cfg.precision in PRECISIONS, f"precision: use {', '.join(PRECISIONS)}"),
-                (cfg.pack_shape in PACK_SHAPES, f"pack_shape: use {', '.join(PACK_SHAPES)}"),
-                (cfg.ttt_steps >= 1, "ttt_steps: must be >= 1"),
-                (cfg.epochs >= 1, "epochs: must be >= 1"),
-                (cfg.num_layers >= 1, "num_layers: must be >= 1"),
-                (cfg.packs_per_step >= 1, "packs_per_step: must be >= 1"),
-                (cfg.learning_rate > 0, "learning_rate: must be > 0"),
-                (cfg.max_grad_norm > 0, "max_grad_norm: must be > 0"),
-                (cfg.ttt_step_loss_decay > 0, "ttt_step_loss_decay: must be > 0"),
-                (
-                    cfg.warmup_steps >= 0 and cfg.weight_decay >= 0,
-                    "warmup_steps/weight_decay: must be >= 0",
-                ),
-                (
-                    cfg.checkpoint_every >= 1 and cfg.log_every >= 1,
-                    "checkpoint_every/log_every: must be >= 1",
-                ),
-                (
-                    cfg.max_tokens_per_batch >= 8 * cfg.ttt_steps,
-                    f"max_tokens_per_batch: {cfg.max_tokens_per_batch} is too small for ttt_steps="
-                    f"{cfg.ttt_steps} (use at least {8 * cfg.ttt_steps})",
-                ),
-            ]
-            problems += [f"train.{msg}" for ok, msg in rules if not ok]
-        if problems:
-            raise EyrieError("invalid train settings: " + "; ".join(problems))
         return cfg
 
 
