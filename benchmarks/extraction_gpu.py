@@ -275,8 +275,7 @@ def run_shape(shape: str, args, device: str, work: Path) -> dict:
     }
     times = {}
     # bare and eyrie alternate twice and each keeps its faster pass: the first passes over new
-    # batch shapes pay for the allocator's growth and kernel selection (measured: the second bare
-    # pass was up to 1.9x the first)
+    # batch shapes pay for the allocator's growth and kernel selection
     bare, ours = [], []
     for _ in range(2):
         bare.append(bare_forward(model, ids, args.max_tokens, device))

@@ -110,6 +110,7 @@ def request(
     socket_path: str | Path,
     shard: str | Path,
     out: str | Path,
+    *,
     settings: dict | None = None,
     wait_s: float = DEFAULT_WAIT_S,
     engine_log: str | None = None,
@@ -135,26 +136,31 @@ def request(
                 f"the engine at {path} dropped the connection for {shard} "
                 f"({type(exc).__name__}: {exc}): it died; see {see_log}"
             ) from exc
-    if not line:
-        raise EngineError(
-            f"the engine at {path} closed the connection without a reply for "
-            f"{shard}: it died or was stopped; see {see_log}"
-        )
-    try:
-        reply = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise EngineError(
-            f"the engine at {path} sent a reply that is not JSON ({exc}): "
-            f"{line[:200]!r}; see {see_log}"
-        ) from exc
-    if not reply.get("ok"):
-        raise EngineError(
-            f"the engine at {path} failed on {shard}: {reply.get('error')} (traceback: {see_log})"
-        )
+    reply = _reply(line, f"the engine at {path}", shard, see_log)
     log.info(
         "engine wrote %s in %.1f s (%.1f s since this client started)",
         reply.get("out"),
         reply.get("seconds", 0.0),
         time.monotonic() - t0,
     )
+    return reply
+
+
+def _reply(line: bytes, engine: str, shard: str | Path, see_log: str) -> dict:
+    """The engine's reply line as a successful reply; EngineError for anything else."""
+    if not line:
+        raise EngineError(
+            f"{engine} closed the connection without a reply for "
+            f"{shard}: it died or was stopped; see {see_log}"
+        )
+    try:
+        reply = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise EngineError(
+            f"{engine} sent a reply that is not JSON ({exc}): {line[:200]!r}; see {see_log}"
+        ) from exc
+    if not reply.get("ok"):
+        raise EngineError(
+            f"{engine} failed on {shard}: {reply.get('error')} (traceback: {see_log})"
+        )
     return reply
