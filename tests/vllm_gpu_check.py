@@ -153,6 +153,7 @@ def run_vllm(root: Path, kind: str, path: str) -> None:
         },
         max_tokens_per_batch=600,
         dtype=torch.bfloat16,
+        storage_dtype="bfloat16",
         trust_remote_code=False,
     )
     ids = layer_ids(kind)
@@ -164,8 +165,8 @@ def run_vllm(root: Path, kind: str, path: str) -> None:
         (root / f"{kind}.{path}.json").write_text(json.dumps(result))
         return
     out = {}
-    for chunk, aux, final in backend.states(prompts, torch.bfloat16):
-        for i, a, f in zip(chunk, aux, final):
+    for b in backend.states(prompts, torch.bfloat16):
+        for i, a, f in zip(b.batch, b.aux, b.final):
             T = len(prompts[i])
             out[str(i)] = torch.cat([a.reshape(T, len(ids) - 1, -1), f[:, None]], dim=1).float()
     backend.close()
