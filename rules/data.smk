@@ -1,11 +1,6 @@
 # Conversations -> tokenized shards (+ held-out eval set) -> draft vocabulary map.
-#
-# The N shard files are not listed as outputs: report.json, written last into the same folder
-# (the stage replaces the whole folder at once, eyrie.io.atomic_path), is their manifest, and
-# the rules that read shards take it as input and derive the shard paths. A rule with N explicit
-# outputs makes Snakemake's planning quadratic in N (BENCHMARKS.md "Workflow overhead"). So a shard
-# file deleted by hand goes unnoticed until a job reads it (and fails naming it): delete
-# report.json to tokenize again.
+# The shard files are not outputs: report.json, written last, is their manifest (N explicit
+# outputs make planning quadratic in N); delete report.json to tokenize again (docs/contracts.md).
 
 
 rule tokenize_conversations:

@@ -14,11 +14,8 @@ ENGINE_COMMAND = (
 )
 
 
-# The engine job must never be planned for reasons of its own: Snakemake records metadata for
-# service outputs too, and an engine found stale (by params, input or mtime) is planned WITHOUT
-# its shards (it masks them, and the ancient socket keeps them from being re-queued), loads the
-# target for nothing and idles out. So its inputs are ancient() and it has no params (settings
-# and target come from globals in the command text); the shard jobs carry the triggers.
+# No params and ancient() inputs: an engine found stale by its own triggers would be planned
+# without its shards (docs/extraction.md); the shard jobs carry the triggers.
 rule extract_engine:
     input:
         preflight=ancient("results/{name}/preflight.json"),
@@ -43,9 +40,8 @@ rule extract_engine:
 
 
 rule extract_hidden_states:
-    # Few inputs: each costs every one of the N jobs a producer lookup in planning. The target
-    # files are not listed: preflight.json depends on them, so a changed target reruns the shards
-    # through it (and params.target names the folder).
+    # Few inputs (each costs all N jobs a lookup in planning): a changed target reruns the shards
+    # through preflight.json.
     input:
         # the manifest of the tokenized shards (rules/data.smk): one edge per shard job, not N
         tokenized="results/{name}/tokenized/report.json",
