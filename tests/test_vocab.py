@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -135,58 +136,48 @@ def only_these_stages(monkeypatch):
     monkeypatch.setattr(cli, "STAGES", {k: cli.STAGES[k] for k in ("tokenize", "vocab")})
 
 
-def test_cli_end_to_end(target, tmp_path, capsys):
-    conv = tmp_path / "c.jsonl"
-    conv.write_text(
-        "\n".join(
-            json.dumps(
-                {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
-            )
-            for q, a in [
-                ("What is a list?", "A mutable sequence."),
-                ("How to sort?", "Use sorted(x)."),
-                ("And a tuple?", "An immutable list."),
-                ("Thanks", "You are welcome."),
-            ]
-            * 2
-        )
-        + "\n"
+def write_conversations(path: Path) -> Path:
+    """Four question/answer pairs, twice, as OpenAI `messages` records."""
+    pairs = [
+        ("What is a list?", "A mutable sequence."),
+        ("How to sort?", "Use sorted(x)."),
+        ("And a tuple?", "An immutable list."),
+        ("Thanks", "You are welcome."),
+    ] * 2
+    records = (
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+        for q, a in pairs
     )
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def tokenize_cli(target: Path, conv: Path, out_dir: Path) -> int:
     data = {"max_seq_len": 64, "num_shards": 2, "num_eval": 2, "seed": 0, "strict": True}
-    assert (
-        cli.main(
-            [
-                "tokenize",
-                "--target",
-                str(target),
-                "--inputs",
-                str(conv),
-                "--out-dir",
-                str(tmp_path / "tok"),
-                "--settings",
-                json.dumps({"data": data}),
-            ]
-        )
-        == 0
+    return cli.main(
+        [
+            *("tokenize", "--target", str(target), "--inputs", str(conv)),
+            *("--out-dir", str(out_dir), "--settings", json.dumps({"data": data})),
+        ]
     )
+
+
+def vocab_cli(target: Path, shards: list[Path], out: Path, draft_vocab_size: int) -> int:
+    settings = json.dumps({"vocab": {"draft_vocab_size": draft_vocab_size}})
+    return cli.main(
+        [
+            *("vocab", "--target", str(target), "--shards", *map(str, shards)),
+            *("--out", str(out), "--settings", settings),
+        ]
+    )
+
+
+def test_cli_end_to_end(target, tmp_path, capsys):
+    conv = write_conversations(tmp_path / "c.jsonl")
+    assert tokenize_cli(target, conv, tmp_path / "tok") == 0
     shards = [tmp_path / "tok" / f"shard_{s:03d}.parquet" for s in range(2)]
     out = tmp_path / "vocab" / "vocab.safetensors"
-    assert (
-        cli.main(
-            [
-                "vocab",
-                "--target",
-                str(target),
-                "--shards",
-                *map(str, shards),
-                "--out",
-                str(out),
-                "--settings",
-                json.dumps({"vocab": {"draft_vocab_size": 24}}),
-            ]
-        )
-        == 0
-    )
+    assert vocab_cli(target, shards, out, 24) == 0
 
     tensors = load_file(out)
     d2t, t2d = tensors["d2t"], tensors["t2d"]
@@ -214,22 +205,7 @@ def test_cli_end_to_end(target, tmp_path, capsys):
     assert sorted(p.name for p in out.parent.iterdir()) == ["vocab.json", "vocab.safetensors"]
 
     capsys.readouterr()
-    assert (
-        cli.main(
-            [
-                "vocab",
-                "--target",
-                str(target),
-                "--shards",
-                *map(str, shards),
-                "--out",
-                str(tmp_path / "v2" / "vocab.safetensors"),
-                "--settings",
-                json.dumps({"vocab": {"draft_vocab_size": vocab_size + 1}}),
-            ]
-        )
-        == 2
-    )
+    assert vocab_cli(target, shards, tmp_path / "v2" / "vocab.safetensors", vocab_size + 1) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(
         f"eyrie vocab: error: vocab.draft_vocab_size={vocab_size + 1} is larger "
