@@ -402,6 +402,21 @@ def read(path):
     return pq.read_table(path).to_pylist()
 
 
+def source_records(inputs: list[Path]) -> dict[str, dict]:
+    """sample_id -> the record it came from, for write_inputs' .jsonl, .json and .parquet."""
+    records = {}
+    for line, text in enumerate(inputs[0].read_text().splitlines(), 1):
+        records[f"{inputs[0]}:{line}"] = json.loads(text)
+    records.update({f"{inputs[1]}:{i}": r for i, r in enumerate(json.loads(inputs[1].read_text()))})
+    records.update(
+        {
+            f"{inputs[2]}:{i}": {k: v for k, v in r.items() if v is not None}
+            for i, r in enumerate(read(inputs[2]))
+        }
+    )
+    return records
+
+
 def test_cli_end_to_end(tok, target, tmp_path):
     inputs = write_inputs(tmp_path / "in")
     out = tmp_path / "tok"
@@ -442,16 +457,7 @@ def test_cli_end_to_end(tok, target, tmp_path):
     assert len(set(ids)) == 17 and f"{inputs[0]}:4" not in ids
 
     # every row equals the library's rendering of its source record, truncated
-    records = {}
-    for line, text in enumerate(inputs[0].read_text().splitlines(), 1):
-        records[f"{inputs[0]}:{line}"] = json.loads(text)
-    records.update({f"{inputs[1]}:{i}": r for i, r in enumerate(json.loads(inputs[1].read_text()))})
-    records.update(
-        {
-            f"{inputs[2]}:{i}": {k: v for k, v in r.items() if v is not None}
-            for i, r in enumerate(read(inputs[2]))
-        }
-    )
+    records = source_records(inputs)
     truncated = 0
     for row in [r for s in [evals, *shards] for r in s]:
         messages = to_messages(records[row["sample_id"]])
