@@ -52,3 +52,7 @@ class VocabError(EyrieError):
 
 class EvaluateError(EyrieError):
     """The evaluation stages, including an eval set they cannot use."""
+
+
+class ConversationsError(EyrieError):
+    """The demo conversations file is missing or malformed (eyrie.demo)."""

@@ -12,11 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eyrie.demo import conversations as conv_mod
 from eyrie.demo import target as target_mod
-from eyrie.demo.conversations import (
-    clean_summary,
-    read_conversations,
-    write_conversations,
-)
+from eyrie.demo.conversations import clean_summary, write_conversations
+from eyrie.demo.corpus import read_conversations
 from eyrie.demo.target import train_target
 from eyrie.errors import EyrieError
 

@@ -164,8 +164,9 @@ def with_classes(real, model_cls=None, layer_cls=None):
 
 
 def vllm_function(module: str, name: str) -> types.ModuleType:
-    """vLLM's own function `name`, compiled from the INSTALLED vllm/model_executor/models/<module>.py
-    into a module namespace here (the training environment has torch but no vLLM)."""
+    """vLLM's own function `name`, compiled from the INSTALLED
+    vllm/model_executor/models/<module>.py into a module namespace here (the training
+    environment has torch but no vLLM)."""
     source = next(
         VLLM_PYTHON.parent.parent.glob(
             f"lib/python*/site-packages/vllm/model_executor/models/{module}.py"

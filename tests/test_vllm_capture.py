@@ -22,7 +22,8 @@ H = 8
 
 
 class AddNorm(torch.nn.Module):
-    """vLLM-style RMSNorm: with a residual, residual += x IN PLACE and returns (norm(residual), residual)."""
+    """vLLM-style RMSNorm: with a residual, residual += x IN PLACE and returns
+    (norm(residual), residual)."""
 
     def forward(self, x, residual=None):
         if residual is None:

@@ -22,9 +22,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyrie.errors import EyrieError
+from eyrie.demo.corpus import demo_settings, read_conversations
+from eyrie.errors import ConversationsError
 from eyrie.io import atomic_path, provenance, write_json
-from eyrie.settings import load_settings
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,6 @@ MODULES = sorted(
     ]
 )
 
-ROLES = ("system", "user", "assistant")
 MAX_ANSWER_CHARS = 320
 MIN_ANSWER_CHARS = 20
 MAX_SIGNATURE_CHARS = 120
@@ -132,10 +131,6 @@ SIBLING_QUESTIONS = [
 ]
 
 
-class ConversationsError(EyrieError):
-    pass
-
-
 @dataclass(frozen=True)
 class DocEntry:
     """One documented stdlib object."""
@@ -145,16 +140,6 @@ class DocEntry:
     kind: str  # "function" | "class" | "method of `X`"
     summary: str  # cleaned first docstring paragraph
     signature: str | None  # "(obj, *, skipkeys=False, ...)" when short enough, else None
-
-
-# ----------------------------------------------------------------------------- settings helpers
-
-
-def demo_settings(settings: dict, keys: tuple[str, ...]) -> dict:
-    """settings["demo"] checked and defaulted by the schema: the keys given, and `keys`."""
-    demo = load_settings(settings, ["demo"], EyrieError)["demo"]
-    given = settings["demo"]
-    return {k: v for k, v in demo.items() if k in given or k in keys}
 
 
 # ----------------------------------------------------------------------------- docstring harvest
@@ -316,53 +301,6 @@ def make_conversations(entries: list[DocEntry], num: int, seed: int) -> list[dic
             messages.extend(turn)
         conversations.append({"messages": messages})
     return conversations
-
-
-# ----------------------------------------------------------------------------- reading
-
-
-def check_messages(messages, where: str) -> None:
-    """Raise ConversationsError naming `where` unless `messages` is a well-formed chat."""
-    if not isinstance(messages, list) or not messages:
-        raise ConversationsError(
-            f"{where}: 'messages' must be a non-empty list of {{role, content}} objects"
-        )
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ConversationsError(f"{where}: messages[{j}] needs a role in {list(ROLES)}")
-        if not isinstance(m.get("content"), str) or not m["content"]:
-            raise ConversationsError(f"{where}: messages[{j}].content must be a non-empty string")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ConversationsError(f"{where}: no assistant turn; every conversation needs one")
-
-
-def read_conversations(path: str | Path) -> list[list[dict]]:
-    """Read an OpenAI-form JSONL file; each bad line raises one error naming file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConversationsError(f"{path}: not found; run `eyrie demo-conversations` first")
-    out = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConversationsError(
-                    f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                    "fix or remove the line"
-                ) from None
-            if not isinstance(record, dict) or "messages" not in record:
-                raise ConversationsError(f"{where}: expected an object with key 'messages'")
-            check_messages(record["messages"], where)
-            out.append(record["messages"])
-    if not out:
-        raise ConversationsError(
-            f"{path}: no conversations; regenerate it with `eyrie demo-conversations`"
-        )
-    return out
 
 
 # ----------------------------------------------------------------------------- CLI

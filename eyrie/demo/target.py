@@ -26,7 +26,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from eyrie.demo.conversations import demo_settings, read_conversations
+from eyrie.demo.corpus import demo_settings, read_conversations
 from eyrie.demo.tokenizer import build_chat_tokenizer
 from eyrie.errors import EyrieError
 from eyrie.io import atomic_path, provenance, write_json

@@ -1,0 +1,66 @@
+"""The demo's shared pieces: its conversations file read back and its settings section.
+
+Both demo stages use them (`eyrie demo-conversations` checks what it wrote, `eyrie demo-target`
+trains on it); the file is OpenAI-form JSONL, one `{"messages": [...]}` per line (docs/data.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eyrie.errors import ConversationsError, EyrieError
+from eyrie.settings import load_settings
+
+ROLES = ("system", "user", "assistant")
+
+
+def demo_settings(settings: dict, keys: tuple[str, ...]) -> dict:
+    """settings["demo"] checked and defaulted by the schema: the keys given, and `keys`."""
+    demo = load_settings(settings, ["demo"], EyrieError)["demo"]
+    given = settings["demo"]
+    return {k: v for k, v in demo.items() if k in given or k in keys}
+
+
+def check_messages(messages, where: str) -> None:
+    """Raise ConversationsError naming `where` unless `messages` is a well-formed chat."""
+    if not isinstance(messages, list) or not messages:
+        raise ConversationsError(
+            f"{where}: 'messages' must be a non-empty list of {{role, content}} objects"
+        )
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ConversationsError(f"{where}: messages[{j}] needs a role in {list(ROLES)}")
+        if not isinstance(m.get("content"), str) or not m["content"]:
+            raise ConversationsError(f"{where}: messages[{j}].content must be a non-empty string")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ConversationsError(f"{where}: no assistant turn; every conversation needs one")
+
+
+def read_conversations(path: str | Path) -> list[list[dict]]:
+    """Read an OpenAI-form JSONL file; each bad line raises one error naming file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConversationsError(f"{path}: not found; run `eyrie demo-conversations` first")
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConversationsError(
+                    f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); "
+                    "fix or remove the line"
+                ) from None
+            if not isinstance(record, dict) or "messages" not in record:
+                raise ConversationsError(f"{where}: expected an object with key 'messages'")
+            check_messages(record["messages"], where)
+            out.append(record["messages"])
+    if not out:
+        raise ConversationsError(
+            f"{path}: no conversations; regenerate it with `eyrie demo-conversations`"
+        )
+    return out
