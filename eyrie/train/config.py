@@ -1,4 +1,9 @@
-"""eyrie.train.config: TODO docstring."""
+"""The training settings: the `train` section as a typed, frozen object.
+
+config/schema.yaml checks types, ranges and defaults (eyrie.settings.load_settings); this module
+adds only the cross-field rules a schema cannot express. Fields in order make the run id
+(docs/training.md).
+"""
 
 from __future__ import annotations
 
