@@ -6,7 +6,9 @@
 Byte for byte: tokenized shards, the vocabulary map, the demo target, the trained and the exported
 draft. HDF5 hidden-state shards: every dataset's bytes, dtype and shape and every attribute except
 `producer` (it records the run's command, time and git SHA). JSON reports and metrics.jsonl: every
-value except provenance and wall-clock timings. Exit status 1 names each difference.
+value except provenance, wall-clock timings, free disk space and the training run id (it hashes
+the inputs' modification times). The runs' own folders may differ: each run's working directory
+reads as `<workdir>` in every file. Exit status 1 names each difference.
 `--rev` runs the workflow twice in temporary folders (the other revision through a git worktree,
 with this tree's Python environment) and keeps both results folders for inspection.
 """
@@ -28,7 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 BYTES = (
     "tokenized/*.parquet",
     "vocab/vocab.safetensors",
-    "target/*",
+    "target/*.safetensors",
+    "target/config.json",
+    "target/generation_config.json",
+    "target/tokenizer*.json",
+    "target/chat_template.jinja",
     "train/draft/*",
     "draft/config.json",
     "draft/config.py",
@@ -41,17 +47,23 @@ JSON = (
     "preflight.json",
     "train/train.json",
     "eval/eval.json",
+    "target/demo_training.json",
 )
 JSONL = ("train/metrics.jsonl",)
 # keys whose values describe the run (when, where, how fast), not its outputs
 VOLATILE = re.compile(
-    r"^(provenance|producer|time|host|wall_s|wall_time_s|steps_wall_s|data_wait_s|"
-    r"data_wait_fraction|tokens_per_s|peak_gpu_memory_bytes|seconds|.*_seconds|load_s)$"
+    r"^(provenance|producer|time|host|.*wall_s|wall_time_s|data_wait_s|data_wait_fraction|"
+    r"tokens_per_s|peak_gpu_memory_bytes|seconds|.*_seconds|load_s|free_bytes|run_id)$"
 )
 
 
-def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def read_bytes(path: Path, workdir: Path) -> bytes:
+    """The file's bytes, with its run's working directory written as <workdir>."""
+    return path.read_bytes().replace(str(workdir).encode(), b"<workdir>")
+
+
+def digest(path: Path, workdir: Path) -> str:
+    return hashlib.sha256(read_bytes(path, workdir)).hexdigest()
 
 
 def strip(value):
@@ -63,7 +75,7 @@ def strip(value):
     return value
 
 
-def hdf5_content(path: Path) -> dict:
+def hdf5_content(path: Path, workdir: Path) -> dict:
     """{name: (dtype, shape, sha256)} of every dataset, {attr: value} of the file, less producer."""
     import h5py
     import numpy as np
@@ -95,19 +107,24 @@ def compare(a: Path, b: Path) -> tuple[list[str], list[str]]:
             for p in found:
                 yield p, b / p.relative_to(a)
 
+    def text(p, w):
+        return read_bytes(p, w).decode()
+
     kinds = (
-        (BYTES, lambda p: digest(p)),
+        (BYTES, digest),
         (HDF5, hdf5_content),
-        (JSON, lambda p: strip(json.loads(p.read_text()))),
-        (JSONL, lambda p: [strip(json.loads(x)) for x in p.read_text().splitlines() if x]),
+        (JSON, lambda p, w: strip(json.loads(text(p, w)))),
+        (JSONL, lambda p, w: [strip(json.loads(x)) for x in text(p, w).splitlines() if x]),
     )
+    # results/<name> lies in its run's working directory
+    wa, wb = a.resolve().parents[1], b.resolve().parents[1]
     for patterns, read in kinds:
         for pa, pb in pairs(patterns):
             rel = str(pa.relative_to(a))
             checked.append(rel)
             if not pb.is_file():
                 diffs.append(f"{rel}: missing in {b}")
-            elif read(pa) != read(pb):
+            elif read(pa, wa) != read(pb, wb):
                 diffs.append(f"{rel}: differs")
     for pattern in (*BYTES, *HDF5, *JSON, *JSONL):
         for pb in b.glob(pattern):
