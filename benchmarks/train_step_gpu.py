@@ -69,11 +69,10 @@ def setup():
 
 def build(shape, d2t, t2d, attn: str):
     """The draft as `eyrie train` builds it (eyrie.draft.build_draft, seed 0), on the device."""
-    from eyrie.draft import build_draft
+    from eyrie.draft import DraftSpec, build_draft
 
-    model = build_draft(
-        WORK / "target", shape["aux"], d2t, t2d, num_layers=1, ttt_steps=3, seed=0, attn_impl=attn
-    )
+    spec = DraftSpec(shape["aux"], num_layers=1, ttt_steps=3, attn_impl=attn)
+    model = build_draft(WORK / "target", spec, d2t, t2d, seed=0)
     return model.to(DEVICE).train()
 
 

@@ -9,6 +9,8 @@ caller asks for speculators' flex attention (GPU training). docs/training.md.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,32 +19,40 @@ from transformers import AutoConfig
 from eyrie.errors import EyrieError
 
 
+@dataclass(frozen=True)
+class DraftSpec:
+    """How a draft is built, besides its target and vocabulary map: the target layers it reads,
+    its decoder layers and their kind, the norm placement, the TTT steps it trains over and its
+    attention ("sdpa": dense masks, CPU and GPU; "simple_flex_attention": block masks that skip
+    the masked blocks of packed documents and TTT steps, GPU training only)."""
+
+    aux_layer_ids: Sequence[int]
+    num_layers: int = 1
+    draft_arch: str = "llama"
+    norm_before_residual: bool = True
+    ttt_steps: int = 3
+    attn_impl: str = "sdpa"
+    trust_remote_code: bool = False  # to read the target folder's config
+
+
 def build_draft(
     target_path: str | Path,
-    aux_layer_ids: list[int],
+    spec: DraftSpec,
     d2t: torch.Tensor,
     t2d: torch.Tensor,
     *,
-    num_layers: int = 1,
-    draft_arch: str = "llama",
-    norm_before_residual: bool = True,
-    ttt_steps: int = 3,
-    trust_remote_code: bool = False,
     seed: int | None = None,
-    attn_impl: str = "sdpa",
 ):
-    """A fresh (untrained) draft for the target at `target_path`.
+    """A fresh (untrained) draft for the target at `target_path`, built as `spec` says.
 
     d2t: int64 [draft_vocab] offsets (target_id = i + d2t[i]); t2d: bool [target_vocab].
     Seeded when `seed` is given, so the same call builds the same weights.
-    attn_impl: "sdpa" (dense masks; CPU and GPU) or "simple_flex_attention" (block masks that
-    skip the masked blocks of packed documents and TTT steps; GPU training only).
     """
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
 
     target_path = str(Path(target_path).resolve())
-    verifier = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+    verifier = AutoConfig.from_pretrained(target_path, trust_remote_code=spec.trust_remote_code)
     verifier = getattr(verifier, "text_config", None) or verifier
     if int(t2d.shape[0]) != verifier.vocab_size:
         raise EyrieError(
@@ -55,12 +65,12 @@ def build_draft(
         warnings.simplefilter("ignore")
         layer_config = create_transformer_layer_config(
             verifier_name_or_path=target_path,
-            num_layers=num_layers,
-            draft_arch=draft_arch,
+            num_layers=spec.num_layers,
+            draft_arch=spec.draft_arch,
             hidden_act=None,
             sliding_window=2048,
-            full_attention_indices=list(range(num_layers)),
-            trust_remote_code=trust_remote_code,
+            full_attention_indices=list(range(spec.num_layers)),
+            trust_remote_code=spec.trust_remote_code,
         )
         model = Eagle3DraftModel.from_training_args(
             verifier_config=layer_config,
@@ -68,10 +78,10 @@ def build_draft(
             d2t=d2t,
             verifier_name_or_path=target_path,
             draft_vocab_size=int(d2t.shape[0]),
-            norm_before_residual=norm_before_residual,
-            ttt_steps=ttt_steps,
-            target_layer_ids=list(aux_layer_ids),
-            draft_attn_impl=attn_impl,
-            trust_remote_code=trust_remote_code,
+            norm_before_residual=spec.norm_before_residual,
+            ttt_steps=spec.ttt_steps,
+            target_layer_ids=list(spec.aux_layer_ids),
+            draft_attn_impl=spec.attn_impl,
+            trust_remote_code=spec.trust_remote_code,
         )
     return model

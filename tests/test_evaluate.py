@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from eyrie import cli as cli
 from eyrie import errors as ev_errors
 from eyrie.demo.tokenizer import build_chat_tokenizer
-from eyrie.draft import build_draft
+from eyrie.draft import DraftSpec, build_draft
 from eyrie.evaluate import evaluate as ev
 from eyrie.evaluate import specdec as ev_specdec
 from eyrie.evaluate.evaluate import load_draft
@@ -89,7 +89,7 @@ def case(tmp_path_factory):
     tok = build_chat_tokenizer(TEXTS, vocab_size=300)
     target, model = write_target(root, tok)
     vocab, d2t, t2d = write_vocab(root, tok)
-    draft = build_draft(target, AUX, d2t, t2d, seed=1)
+    draft = build_draft(target, DraftSpec(AUX), d2t, t2d, seed=1)
     draft.save_pretrained(root / "draft")
 
     prompts = [
@@ -131,7 +131,9 @@ def oracle(model, wrong_from: int | None = None):
 
 
 def test_loaded_draft_equals_saved(case):
-    saved = build_draft(case["target"], AUX, case["d2t"], case["t2d"], seed=1).state_dict()
+    saved = build_draft(
+        case["target"], DraftSpec(AUX), case["d2t"], case["t2d"], seed=1
+    ).state_dict()
     loaded = load_draft(case["draft"])
     assert loaded.config.eagle_aux_hidden_state_layer_ids == AUX
     for name, value in loaded.state_dict().items():
@@ -141,7 +143,7 @@ def test_loaded_draft_equals_saved(case):
 
 def test_eagle3_outputs_equal_greedy(case):
     model, eos = case["model"], case["eos"]
-    draft = build_draft(case["target"], AUX, case["d2t"], case["t2d"], seed=0)
+    draft = build_draft(case["target"], DraftSpec(AUX), case["d2t"], case["t2d"], seed=0)
     propose = Eagle3Proposer(draft)
     stats = SpecStats(K)
     for prompt in case["prompts"]:

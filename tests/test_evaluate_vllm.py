@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from eyrie import cli as cli
 from eyrie.arch.target import fingerprint, read_config
 from eyrie.demo.tokenizer import build_chat_tokenizer
-from eyrie.draft import build_draft
+from eyrie.draft import DraftSpec, build_draft
 from eyrie.errors import EvaluateError
 from eyrie.evaluate.specdec import SpecStats
 from eyrie.train.export import export
@@ -116,7 +116,7 @@ def write_vocab(root: Path, tok) -> tuple[Path, torch.Tensor, torch.Tensor]:
 
 def write_draft(root: Path, target: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
     """An (untrained) draft saved the way training saves it, then the real export."""
-    build_draft(target, AUX, d2t, t2d, seed=1).save_pretrained(root / "train" / "draft")
+    build_draft(target, DraftSpec(AUX), d2t, t2d, seed=1).save_pretrained(root / "train" / "draft")
     (root / "train" / "train.json").write_text(
         json.dumps(
             {

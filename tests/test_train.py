@@ -94,14 +94,14 @@ def test_packed_batch_layout(world):
 def test_forward_backward_trains_only_draft_weights(world):
     from speculators.losses import resolve_loss_config
 
-    from eyrie.draft import build_draft
+    from eyrie.draft import DraftSpec, build_draft
     from eyrie.formats.vocab import read_vocab
     from eyrie.train.recipe import _expectation
 
     expect = _expectation(world["preflight"])
     data = PackedShards(world["shards"], expect, max_tokens=128, gap=2)
     d2t, t2d = read_vocab(world["vocab"])
-    model = build_draft(world["target"], AUX_IDS, d2t, t2d, ttt_steps=3, seed=0)
+    model = build_draft(world["target"], DraftSpec(AUX_IDS, ttt_steps=3), d2t, t2d, seed=0)
     _, loss, metrics = model(
         **data.batch([0, 1]), ttt_steps=3, loss_config=resolve_loss_config("kl_div", "eager")
     )
@@ -119,7 +119,7 @@ def test_a_pack_padded_to_a_fixed_shape_trains_the_same(world):
     max_tokens_per_batch outside the loss: the loss, the metrics and the gradients stay the same."""
     from speculators.losses import resolve_loss_config
 
-    from eyrie.draft import build_draft
+    from eyrie.draft import DraftSpec, build_draft
     from eyrie.formats.vocab import read_vocab
     from eyrie.train.recipe import _expectation
 
@@ -129,7 +129,7 @@ def test_a_pack_padded_to_a_fixed_shape_trains_the_same(world):
     for name, pad_to in (("exact", None), ("fixed", 128)):
         batch = data.batch([0, 1], pad_to=pad_to)
         assert batch["input_ids"].shape[1] == (128 if pad_to else data.tokens([0, 1])[0] + 2 * 2)
-        model = build_draft(world["target"], AUX_IDS, d2t, t2d, ttt_steps=3, seed=0)
+        model = build_draft(world["target"], DraftSpec(AUX_IDS, ttt_steps=3), d2t, t2d, seed=0)
         _, loss, metrics = model(
             **batch, ttt_steps=3, loss_config=resolve_loss_config("kl_div", "eager")
         )
@@ -310,7 +310,7 @@ def test_packs_per_step_must_be_positive():
 def test_a_step_is_the_mean_over_consecutive_packs(world, tmp_path):
     from speculators.losses import resolve_loss_config
 
-    from eyrie.draft import build_draft
+    from eyrie.draft import DraftSpec, build_draft
     from eyrie.formats.vocab import read_vocab
     from eyrie.train.recipe import _expectation
 
@@ -323,7 +323,7 @@ def test_a_step_is_the_mean_over_consecutive_packs(world, tmp_path):
 
     # step 1 = the first P packs of the epoch's plan under the initial weights
     d2t, t2d = read_vocab(world["vocab"])
-    model = build_draft(world["target"], AUX_IDS, d2t, t2d, ttt_steps=3, seed=0)
+    model = build_draft(world["target"], DraftSpec(AUX_IDS, ttt_steps=3), d2t, t2d, seed=0)
     batches = [data.batch(p) for p in packs[:P]]
     losses = torch.stack(
         [

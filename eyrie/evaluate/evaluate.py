@@ -243,20 +243,17 @@ def load_target(target: str | Path, device: str):
 def build_proposers(target: str | Path, inputs: EvalInputs, device: str) -> dict:
     """{"trained": the exported draft, "untrained": a fresh draft of the same shape (the
     baseline, seeded with UNTRAINED_SEED)} as EAGLE-3 proposers on `device`."""
-    from eyrie.draft import build_draft
+    from eyrie.draft import DraftSpec, build_draft
 
     draft = inputs.draft
     tl = draft.config.transformer_layer_config
-    untrained = build_draft(
-        target,
+    spec = DraftSpec(
         inputs.aux_ids,
-        inputs.d2t,
-        inputs.t2d,
         num_layers=tl.num_hidden_layers,
         draft_arch=tl.model_type,
         norm_before_residual=draft.config.norm_before_residual,
-        seed=UNTRAINED_SEED,
     )
+    untrained = build_draft(target, spec, inputs.d2t, inputs.t2d, seed=UNTRAINED_SEED)
     return {
         "trained": Eagle3Proposer(draft.to(device)),
         "untrained": Eagle3Proposer(untrained.to(device)),

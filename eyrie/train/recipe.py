@@ -242,23 +242,20 @@ class TrainRecipe:
         """The draft on the device, its AdamW optimizer, LR schedule and loss."""
         from speculators.losses import resolve_loss_config
 
-        from eyrie.draft import build_draft
+        from eyrie.draft import DraftSpec, build_draft
 
         cfg = self.cfg
         # speculators' flex attention on a GPU (a block mask over the packed documents and TTT
         # steps); FlexAttention has no backward on a CPU, where sdpa stays.
-        self.model = build_draft(
-            self.paths.target,
+        spec = DraftSpec(
             self.expect["aux_layer_ids"],
-            d2t,
-            t2d,
             num_layers=cfg.num_layers,
             draft_arch=cfg.draft_arch,
             norm_before_residual=cfg.norm_before_residual,
             ttt_steps=cfg.ttt_steps,
-            seed=cfg.seed,
             attn_impl="simple_flex_attention" if self.cuda else "sdpa",
-        ).to(self.device)
+        )
+        self.model = build_draft(self.paths.target, spec, d2t, t2d, seed=cfg.seed).to(self.device)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
