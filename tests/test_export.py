@@ -20,7 +20,7 @@ from eyrie.formats.draft import (
     random_packed_batch,
 )
 from eyrie.train.export import export
-from eyrie.train.recipe import train
+from eyrie.train.recipe import TrainPaths, train
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +29,14 @@ def trained(tmp_path_factory):
     world = build_world(root, num_conversations=8)
     settings = train_settings(epochs=1, ttt_steps=2)
     train(
-        world["target"],
-        world["preflight"],
-        world["vocab"],
-        world["shards"],
-        root / "train",
-        root / "state",
+        TrainPaths(
+            world["target"],
+            world["preflight"],
+            world["vocab"],
+            world["shards"],
+            root / "train",
+            root / "state",
+        ),
         settings,
     )
     return world, root / "train", settings

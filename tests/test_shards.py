@@ -568,7 +568,7 @@ def test_train_reads_float8_shards(tmp_path):
     hold the bf16 shards' values within the float8 bound, and a draft trains on them."""
     from train_helpers import build_world, train_settings, write_shard
 
-    from eyrie.train.recipe import _expectation, train
+    from eyrie.train.recipe import TrainPaths, _expectation, train
 
     world = build_world(tmp_path / "world", num_conversations=8)
     fp8 = []
@@ -595,12 +595,14 @@ def test_train_reads_float8_shards(tmp_path):
     assert all(torch.equal(x[k], y[k]) for k in ("input_ids", "loss_mask", "document_ids"))
     a.close(), b.close()
     summary = train(
-        world["target"],
-        world["preflight"],
-        world["vocab"],
-        fp8,
-        tmp_path / "train",
-        tmp_path / "state",
+        TrainPaths(
+            world["target"],
+            world["preflight"],
+            world["vocab"],
+            fp8,
+            tmp_path / "train",
+            tmp_path / "state",
+        ),
         train_settings(epochs=1),
     )
     losses = [

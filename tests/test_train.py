@@ -17,7 +17,7 @@ from eyrie.errors import EyrieError, ShardError
 from eyrie.formats.hidden import ShardMeta
 from eyrie.train.config import TrainSettings
 from eyrie.train.packing import PackedShards, epoch_order, pack, shift_sample
-from eyrie.train.recipe import VERIFIED_MARKER, train
+from eyrie.train.recipe import VERIFIED_MARKER, TrainPaths, train
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +27,14 @@ def world(tmp_path_factory):
 
 def run_train(world, root, settings, **kw):
     return train(
-        world["target"],
-        world["preflight"],
-        world["vocab"],
-        world["shards"],
-        root / "train",
-        root / "state",
+        TrainPaths(
+            world["target"],
+            world["preflight"],
+            world["vocab"],
+            world["shards"],
+            root / "train",
+            root / "state",
+        ),
         settings,
         **kw,
     )
@@ -281,12 +283,14 @@ def test_mismatching_shard_is_refused_before_training(world, tmp_path):
     write_shard(bad, world["model"], world["samples"][:2], ShardMeta(**meta), ["x:1", "x:2"])
     with pytest.raises(ShardError, match=r"bad\.h5: tokenizer_hash is '0123456789abcdef'"):
         train(
-            world["target"],
-            world["preflight"],
-            world["vocab"],
-            [world["shards"][0], bad],
-            tmp_path / "train",
-            tmp_path / "state",
+            TrainPaths(
+                world["target"],
+                world["preflight"],
+                world["vocab"],
+                [world["shards"][0], bad],
+                tmp_path / "train",
+                tmp_path / "state",
+            ),
             train_settings(),
         )
     assert not (tmp_path / "state").exists() and not (tmp_path / "train").exists()
@@ -353,12 +357,14 @@ def test_truncated_shard_is_refused_before_the_first_step(world, tmp_path):
     steps = []
     with pytest.raises(ShardError) as err:
         train(
-            world["target"],
-            world["preflight"],
-            world["vocab"],
-            shards,
-            tmp_path / "train",
-            tmp_path / "state",
+            TrainPaths(
+                world["target"],
+                world["preflight"],
+                world["vocab"],
+                shards,
+                tmp_path / "train",
+                tmp_path / "state",
+            ),
             train_settings(),
             on_step=steps.append,
         )
@@ -378,12 +384,14 @@ def test_corrupted_shard_values_are_refused_before_the_first_step(world, tmp_pat
     steps = []
     with pytest.raises(ShardError) as err:
         train(
-            world["target"],
-            world["preflight"],
-            world["vocab"],
-            shards,
-            tmp_path / "train",
-            tmp_path / "state",
+            TrainPaths(
+                world["target"],
+                world["preflight"],
+                world["vocab"],
+                shards,
+                tmp_path / "train",
+                tmp_path / "state",
+            ),
             train_settings(),
             on_step=steps.append,
         )
@@ -394,12 +402,14 @@ def test_corrupted_shard_values_are_refused_before_the_first_step(world, tmp_pat
     # Without the scan the file opens; the bad sample fails only when training reads it.
     with pytest.raises(ShardError, match=r"sample \d+: non-finite values in aux_hidden"):
         train(
-            world["target"],
-            world["preflight"],
-            world["vocab"],
-            shards,
-            tmp_path / "train",
-            tmp_path / "state",
+            TrainPaths(
+                world["target"],
+                world["preflight"],
+                world["vocab"],
+                shards,
+                tmp_path / "train",
+                tmp_path / "state",
+            ),
             train_settings(verify_shards=False),
         )
 

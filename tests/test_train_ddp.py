@@ -27,7 +27,7 @@ from eyrie.cli import build_parser
 from eyrie.cli import main as cli_main
 from eyrie.errors import EyrieError
 from eyrie.train.launch import Dist, Workers, launch_command, rdzv_port
-from eyrie.train.recipe import train
+from eyrie.train.recipe import TrainPaths, train
 from eyrie.train.train import worker_args
 
 # DDP runs: 4 packs per step, so each of the 2 ranks accumulates 2 packs (no_sync on the first).
@@ -121,12 +121,14 @@ def assert_weights(a: dict, b: dict, exact: bool) -> None:
 def one_process(world, tmp_path_factory):
     root = tmp_path_factory.mktemp("one")
     summary = train(
-        world["target"],
-        world["preflight"],
-        world["vocab"],
-        world["shards"],
-        root / "train",
-        root / "state",
+        TrainPaths(
+            world["target"],
+            world["preflight"],
+            world["vocab"],
+            world["shards"],
+            root / "train",
+            root / "state",
+        ),
         train_settings(**DDP),
     )
     return root, summary
@@ -194,12 +196,14 @@ def test_killed_ddp_run_resumes_in_one_process(world, killed_ddp, one_process, t
     """The number of processes is not part of the run: 2 processes' state resumes in 1."""
     shutil.copytree(killed_ddp, tmp_path / "copy")
     resumed = train(
-        world["target"],
-        world["preflight"],
-        world["vocab"],
-        world["shards"],
-        tmp_path / "copy" / "train",
-        tmp_path / "copy" / "state",
+        TrainPaths(
+            world["target"],
+            world["preflight"],
+            world["vocab"],
+            world["shards"],
+            tmp_path / "copy" / "train",
+            tmp_path / "copy" / "state",
+        ),
         train_settings(**DDP),
     )
     assert resumed["resumed_from_step"] >= 4 and resumed["world_size"] == 1
@@ -235,12 +239,14 @@ def test_packs_per_step_is_checked_against_world_size(world, tmp_path, monkeypat
         EyrieError, match=r"packs_per_step is 6 but the run has 4 processes .*e\.g\. 8"
     ):
         train(
-            world["target"],
-            world["preflight"],
-            world["vocab"],
-            world["shards"],
-            tmp_path / "t",
-            tmp_path / "s",
+            TrainPaths(
+                world["target"],
+                world["preflight"],
+                world["vocab"],
+                world["shards"],
+                tmp_path / "t",
+                tmp_path / "s",
+            ),
             train_settings(packs_per_step=6),
         )
 
@@ -252,12 +258,14 @@ def test_packs_per_step_is_checked_against_world_size(world, tmp_path, monkeypat
 def test_killed_run_resumes_to_identical_weights(world, tmp_path, caplog):
     settings = train_settings(epochs=4, checkpoint_every=2)
     full = train(
-        world["target"],
-        world["preflight"],
-        world["vocab"],
-        world["shards"],
-        tmp_path / "a" / "train",
-        tmp_path / "a" / "state",
+        TrainPaths(
+            world["target"],
+            world["preflight"],
+            world["vocab"],
+            world["shards"],
+            tmp_path / "a" / "train",
+            tmp_path / "a" / "state",
+        ),
         settings,
     )
     b = tmp_path / "b"

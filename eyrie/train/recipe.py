@@ -92,25 +92,19 @@ class LoopState:
 
 
 def train(
-    target: Path,
-    preflight: Path,
-    vocab: Path,
-    shards: list[Path],
-    out_dir: Path,
-    state_dir: Path,
+    paths: TrainPaths,
     settings: dict,
     *,
     stop_after_steps: int | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> dict | None:
-    """Train (resuming when a checkpoint of the same run exists) and write `out_dir`.
+    """Train (resuming when a checkpoint of the same run exists) and write `paths.out_dir`.
 
-    The paths are `TrainPaths`' fields in order. Under torchrun (WORLD_SIZE > 1) every rank calls
-    this; they join one process group. `stop_after_steps`: checkpoint and return None once that
-    many steps are done (a planned preemption; the next call resumes). `on_step(step)` is called
-    after each step. Returns the train.json summary (on every rank) when training finished.
+    Under torchrun (WORLD_SIZE > 1) every rank calls this; they join one process group.
+    `stop_after_steps`: checkpoint and return None once that many steps are done (a planned
+    preemption; the next call resumes). `on_step(step)` is called after each step. Returns the
+    train.json summary (on every rank) when training finished.
     """
-    paths = TrainPaths(target, preflight, vocab, shards, out_dir, state_dir)
     return TrainRecipe(paths, settings).run(stop_after_steps, on_step)
 
 
