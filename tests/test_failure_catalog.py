@@ -46,7 +46,7 @@ from eyrie.preflight import preflight as pf
 from eyrie.train.export import export
 from eyrie.vllm.adapters import llama_4_scaling
 from eyrie.vllm.facts import inspect_classes
-from eyrie.vllm.preflight_checks import vllm_checks
+from eyrie.vllm.preflight_checks import VllmTarget, vllm_checks
 
 # entry -> where it is caught. "preflight": eyrie preflight (CPU, before every GPU job); the
 # others are CPU stages that refuse in their first seconds.
@@ -95,7 +95,7 @@ def run_checks(
     aux, final = resolve_layer_ids(aux_ids, info.num_hidden_layers)
     settings = vllm_settings(**vllm)
     settings["eval"]["vllm"] = eval_vllm
-    return vllm_checks(folder, info, aux, final, settings, facts=facts)
+    return vllm_checks(VllmTarget(folder, info, aux, final), settings, facts=facts)
 
 
 def one(problems: list[str], pattern: str) -> str:
@@ -447,7 +447,8 @@ def test_disk_too_small(tmp_path):
     per_token = 4 * 7168 * 2  # Kimi: 3 aux + final, bf16
     tokens = 2 * free // per_token  # twice what fits on this disk
     check = pf_checks.Check([], [])
-    pf_checks.check_storage(tokens, 4, 7168, "bfloat16", tmp_path / "results" / "hidden", check)
+    volume = pf_checks.HiddenVolume(tokens, 4, 7168, "bfloat16")
+    pf_checks.check_storage(volume, tmp_path / "results" / "hidden", check)
     (problem,) = check.problems
     assert problem.startswith(f"{tmp_path}: hidden states need ~")
     assert f"({tokens} tokens x {per_token} B/token)" in problem
@@ -538,7 +539,8 @@ def test_vllm_environment_missing(tmp_path):
     ):
         folder = write_target(tmp_path / python.parent.name, LLAMA)
         info = inspect_target(folder)
-        got = vllm_checks(folder, info, [2, 4, 5], 8, vllm_settings(python=str(python)))
+        target = VllmTarget(folder, info, [2, 4, 5], 8)
+        got = vllm_checks(target, vllm_settings(python=str(python)))
         problem = one(got["problems"], "vllm.python")
         assert expect in problem and SETUP_FIX in problem, problem
 

@@ -158,7 +158,8 @@ def test_model_type_without_adapter_lists_the_supported(tmp_path, monkeypatch):
         registry.REGISTRY, "llama", dataclasses.replace(registry.REGISTRY["llama"], vllm=None)
     )
     folder = write_target(tmp_path / "t", LLAMA)
-    got = vp.vllm_checks(folder, inspect_target(folder), [2, 4, 5], 8, vllm_settings())
+    target = vp.VllmTarget(folder, inspect_target(folder), [2, 4, 5], 8)
+    got = vp.vllm_checks(target, vllm_settings())
     (problem,) = got["problems"]  # and no vLLM subprocess: nothing to check it against
     assert problem.startswith(
         f"{folder / 'config.json'}: model_type 'llama' has no vLLM adapter; "
@@ -173,9 +174,8 @@ def test_model_type_without_adapter_lists_the_supported(tmp_path, monkeypatch):
 def test_missing_vllm_environment_is_a_problem_with_the_fix(tmp_path):
     folder = write_target(tmp_path / "t", LLAMA)
     info = inspect_target(folder)
-    got = vp.vllm_checks(
-        folder, info, [2, 4, 5], 8, vllm_settings(python=str(tmp_path / "nowhere" / "python"))
-    )
+    target = vp.VllmTarget(folder, info, [2, 4, 5], 8)
+    got = vp.vllm_checks(target, vllm_settings(python=str(tmp_path / "nowhere" / "python")))
     (problem,) = [p for p in got["problems"] if "vllm.python" in p]
     assert "no vLLM environment there" in problem and "bash scripts/setup-vllm.sh" in problem
 

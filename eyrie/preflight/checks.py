@@ -96,12 +96,23 @@ def check_tokenizer(path: Path, trust_remote_code: bool, check: Check) -> str | 
     return tokenizer_hash(path)
 
 
-def check_storage(
-    tokens: int, n_states: int, hidden: int, storage_dtype: str, where: Path, check: Check
-) -> dict:
+@dataclass(frozen=True)
+class HiddenVolume:
+    """What extraction will store: `tokens` training tokens, each with `n_states` hidden states
+    (the aux layers' and the final one) of size `hidden` in `storage_dtype`."""
+
+    tokens: int
+    n_states: int
+    hidden: int
+    storage_dtype: str
+
+
+def check_storage(volume: HiddenVolume, where: Path, check: Check) -> dict:
+    """Room under `where` for `volume` with DISK_HEADROOM; the estimate for preflight.json."""
+    tokens = volume.tokens
     # hidden states (+ float8_e4m3's two float32 scales) per token; input_ids and loss_mask add
     # 5 B more, not counted (<= 1% from hidden size 128 up)
-    per_token = bytes_per_token(storage_dtype, n_states, hidden)
+    per_token = bytes_per_token(volume.storage_dtype, volume.n_states, volume.hidden)
     need = per_token * tokens
     probe = where
     while not probe.exists():

@@ -15,7 +15,13 @@ from pathlib import Path
 from eyrie.arch.target import inspect_target, resolve_layer_ids
 from eyrie.errors import PreflightError, TargetError
 from eyrie.io import provenance, write_json
-from eyrie.preflight.checks import Check, check_storage, check_tokenizer, check_weights
+from eyrie.preflight.checks import (
+    Check,
+    HiddenVolume,
+    check_storage,
+    check_tokenizer,
+    check_weights,
+)
 from eyrie.settings import load_settings, merge_settings, schema_default, vllm_uses
 from eyrie.vllm import preflight_checks as vllm_preflight
 
@@ -86,7 +92,8 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
     vllm_report = None
     if vllm_uses(loaded):
         # no path is chosen for layer ids that did not resolve (that problem is reported above)
-        got = vllm_preflight.vllm_checks(target, info, aux_ids, final_id, loaded)
+        vllm_target = vllm_preflight.VllmTarget(target, info, aux_ids, final_id)
+        got = vllm_preflight.vllm_checks(vllm_target, loaded)
         check.problems += got["problems"]
         check.warnings += got["warnings"]
         vllm_report = got["report"]
@@ -97,7 +104,8 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
     if tokenize_report is not None:
         tokens = training_tokens(tokenize_report, check)
         dtype = extract["storage_dtype"]
-        storage = check_storage(tokens, len(aux_ids) + 1, info.hidden_size, dtype, out_dir, check)
+        volume = HiddenVolume(tokens, len(aux_ids) + 1, info.hidden_size, dtype)
+        storage = check_storage(volume, out_dir, check)
     if check.problems:
         raise PreflightError(
             f"preflight found {len(check.problems)} problem(s) for {target}:\n  "

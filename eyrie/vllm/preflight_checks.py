@@ -332,6 +332,17 @@ def quantization_check(
     return report, [], []
 
 
+@dataclass(frozen=True)
+class VllmTarget:
+    """The target the vLLM checks read: its folder, what inspect_target found there, and the
+    resolved layer ids (`aux_ids` empty: they did not resolve)."""
+
+    folder: Path
+    info: TargetInfo
+    aux_ids: list[int]
+    final_id: int
+
+
 @dataclass
 class VllmCheck:
     """One check of the vLLM checks: what they read and what they found so far."""
@@ -458,22 +469,17 @@ def check_extraction_path(check: VllmCheck, adapter, facts: VllmFacts) -> None:
     }
 
 
-def vllm_checks(
-    target: Path,
-    info: TargetInfo,
-    aux_ids: list[int],
-    final_id: int,
-    settings: dict,
-    *,
-    facts: VllmFacts | None = None,
-) -> dict:
+def vllm_checks(target: VllmTarget, settings: dict, *, facts: VllmFacts | None = None) -> dict:
     """{"problems": [...], "warnings": [...], "report": preflight.json's `vllm` object}.
 
     `facts`: the installed vLLM's facts; None runs `vllm.python -m eyrie.vllm.gather` for them.
-    `aux_ids` empty means the layer ids did not resolve (reported elsewhere): no path is chosen.
+    `target.aux_ids` empty means the layer ids did not resolve (reported elsewhere): no path is
+    chosen.
     """
     v = dict(settings.get("vllm") or {})
-    check = VllmCheck(target, info, read_config(target), v, vllm_uses(settings), aux_ids, final_id)
+    folder, info, aux_ids = target.folder, target.info, target.aux_ids
+    used = vllm_uses(settings)
+    check = VllmCheck(folder, info, read_config(folder), v, used, aux_ids, target.final_id)
     tp = int(v.get("tensor_parallel_size", 1))
     check.report = base_report(check.used, tp)
     adapter = check_adapter(check)
@@ -487,7 +493,7 @@ def vllm_checks(
     check.problems += problems
     check.warnings += warnings
     check.problems += parallel_problems(info, tp)
-    check.report["memory"], problems, warnings = memory_check(target, check.config, v, info)
+    check.report["memory"], problems, warnings = memory_check(folder, check.config, v, info)
     check.problems += problems
     check.warnings += warnings
     return {"problems": check.problems, "warnings": check.warnings, "report": check.report}
