@@ -27,7 +27,7 @@ from eyrie.arch.registry import adapter_for
 from eyrie.errors import ExtractError
 from eyrie.extract.extractor import HostBatch, StoredBatch
 from eyrie.vllm.adapters import request_key
-from eyrie.vllm.checks import choose_path, config_problems, version_problems
+from eyrie.vllm.checks import ExtractLayers, choose_path, config_problems, version_problems
 from eyrie.vllm.facts import gather_facts
 
 log = logging.getLogger(__name__)
@@ -76,14 +76,9 @@ class VllmBackend:
     def _choose_path(self, target: Path, info, adapter, facts, config: dict) -> str:
         """native | capture, as preflight chose; raises if this vLLM cannot extract the target."""
         problems = version_problems(facts) + config_problems(adapter, config)
-        path, path_problems = choose_path(
-            self.v.get("extraction_path", "auto"),
-            adapter,
-            facts,
-            config,
-            self.layer_ids,
-            info.num_hidden_layers,
-        )
+        layers = ExtractLayers(self.layer_ids, info.num_hidden_layers)
+        requested = self.v.get("extraction_path", "auto")
+        path, path_problems = choose_path(requested, adapter, facts, config, layers)
         if problems or path_problems:
             raise ExtractError(
                 f"{target}: vLLM {facts.version} cannot extract this target: "

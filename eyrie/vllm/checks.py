@@ -7,6 +7,8 @@ A problem names what differs and the fix. See docs/vllm.md.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from eyrie.arch.registry import VllmAdapter
 from eyrie.vllm.adapters import (
     EMBED_METHODS,
@@ -154,18 +156,26 @@ def native_problems(facts: VllmFacts, layer_ids: list[int], num_layers: int) -> 
     return out
 
 
+@dataclass(frozen=True)
+class ExtractLayers:
+    """The layer ids extraction asks for (the aux layers', then the final layer's) and the target's
+    number of decoder layers, which bounds them."""
+
+    ids: list[int]
+    num_layers: int
+
+
 def choose_path(
     requested: str,
     adapter: VllmAdapter,
     facts: VllmFacts,
     config: dict,
-    layer_ids: list[int],
-    num_layers: int,
+    layers: ExtractLayers,
 ) -> tuple[str | None, list[str]]:
     """(path to use, problems). `auto` prefers native and falls back to capture."""
     if requested not in PATHS:
         return None, [f"vllm.extraction_path={requested!r}: use one of {list(PATHS)}"]
-    native = native_problems(facts, layer_ids, num_layers)
+    native = native_problems(facts, layers.ids, layers.num_layers)
     capture = capture_problems(adapter, facts, config)
     if requested == "native":
         if native:

@@ -24,6 +24,7 @@ from eyrie.errors import VllmAdapterError
 from eyrie.settings import vllm_uses
 from eyrie.vllm.adapters import SUPPORTED_VLLM, TESTED_VLLM
 from eyrie.vllm.checks import (
+    ExtractLayers,
     choose_path,
     config_problems,
     native_problems,
@@ -453,9 +454,8 @@ def check_extraction_path(check: VllmCheck, adapter, facts: VllmFacts) -> None:
     requested = str(check.vllm.get("extraction_path", "auto"))
     layer_ids = list(check.aux_ids) + [check.final_id]
     num_layers = check.info.num_hidden_layers
-    path, path_problems = choose_path(
-        requested, adapter, facts, check.config, layer_ids, num_layers
-    )
+    layers = ExtractLayers(layer_ids, num_layers)
+    path, path_problems = choose_path(requested, adapter, facts, check.config, layers)
     check.problems += path_problems
     refused = native_problems(facts, layer_ids, num_layers)
     check.report["extraction_path"] = {
