@@ -26,7 +26,7 @@ from test_extract import build_case, run_stage, settings
 from eyrie.cli import main as cli_main
 from eyrie.errors import EngineError
 from eyrie.extract.engine import STOP_GRACE_S, Engine
-from eyrie.extract.protocol import request
+from eyrie.extract.protocol import EngineSocket, request
 
 DATASETS = ("input_ids", "loss_mask", "offsets", "sample_ids", "aux_hidden", "final_hidden")
 
@@ -136,8 +136,8 @@ def served(tmp_path_factory):
     missing_out = missing.communicate(timeout=60)[0]
     other = settings(64)
     with pytest.raises(EngineError) as mismatch:
-        request(sock, shard0, tmp / "mismatch.h5", settings=other, wait_s=10)
-    last = request(sock, shard1, tmp / "again.h5", settings=cfg, wait_s=10)
+        request(EngineSocket(sock, wait_s=10), shard0, tmp / "mismatch.h5", settings=other)
+    last = request(EngineSocket(sock, wait_s=10), shard1, tmp / "again.h5", settings=cfg)
     rc = engine.wait(timeout=60)
     engine_s = time.monotonic() - t0
     # the same shards, standalone: one model load each, in this process
@@ -228,7 +228,7 @@ def test_client_waits_through_placeholder_and_stale_socket(tmp_path):
     t0 = time.monotonic()
     waiter = threading.Thread(
         target=lambda: replies.append(
-            request(sock, tmp_path / "s.parquet", tmp_path / "o.h5", wait_s=30)
+            request(EngineSocket(sock, wait_s=30), tmp_path / "s.parquet", tmp_path / "o.h5")
         )
     )
     waiter.start()
@@ -376,7 +376,7 @@ def test_failed_model_load_reaches_every_client(tmp_path):
     errors = []
     for out in ("a.h5", "b.h5"):
         with pytest.raises(EngineError) as err:
-            request(sock, shard, tmp_path / out, wait_s=60, engine_log=str(log))
+            request(EngineSocket(sock, wait_s=60, log=str(log)), shard, tmp_path / out)
         errors.append(str(err.value))
     assert engine.wait(timeout=60) == 1
     for e in errors:
@@ -397,7 +397,7 @@ def test_sigterm_during_load_exits_promptly_and_the_client_hears_it(tmp_path):
 
     def ask():
         try:
-            request(sock, shard, tmp_path / "o.h5", wait_s=10, engine_log=str(log))
+            request(EngineSocket(sock, wait_s=10, log=str(log)), shard, tmp_path / "o.h5")
         except EngineError as exc:
             errors.append(str(exc))
 
@@ -429,7 +429,7 @@ def test_long_socket_path_binds_and_connects(tmp_path):
         target=engine.serve, args=(lambda req: {"ok": True, "out": req["out"], "seconds": 0.0},)
     )
     served.start()
-    reply = request(sock, "s.parquet", "o.h5", wait_s=5)
+    reply = request(EngineSocket(sock, wait_s=5), "s.parquet", "o.h5")
     served.join(timeout=10)
     engine.close()
     assert reply["ok"] and placeholder_left(sock)

@@ -48,14 +48,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     if args.engine:
-        protocol.request(
-            args.engine,
-            args.shard,
-            args.out,
-            settings=args.settings,
-            wait_s=args.engine_wait_s,
-            engine_log=args.engine_log,
-        )
+        engine = protocol.EngineSocket(args.engine, wait_s=args.engine_wait_s, log=args.engine_log)
+        protocol.request(engine, args.shard, args.out, settings=args.settings)
     else:
         from eyrie.extract.extractor import extract_shard
 

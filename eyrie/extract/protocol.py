@@ -4,7 +4,8 @@ stay light.
 One JSON line each way per connection over a unix socket. Request `{"shard": path, "out":
 path}` (plus `"settings"`, which must equal the engine's own); reply `{"ok": true, "out": path,
 "seconds": s}` or `{"ok": false, "error": "<Type>: <message>", "traceback": "..."}`. `request`
-waits up to `wait_s` for the engine to accept, then for its reply. docs/extraction.md.
+waits up to its `EngineSocket`'s `wait_s` for the engine to accept, then for its reply
+(docs/extraction.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import socket
 import stat
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -106,23 +108,28 @@ def _connect(path: Path, wait_s: float, engine_log: str | None) -> socket.socket
         time.sleep(max(0.0, min(RETRY_S, deadline - time.monotonic())))
 
 
-def request(
-    socket_path: str | Path,
-    shard: str | Path,
-    out: str | Path,
-    *,
-    settings: dict | None = None,
-    wait_s: float = DEFAULT_WAIT_S,
-    engine_log: str | None = None,
-) -> dict:
-    """Have the engine at `socket_path` extract `shard` into `out`; returns its reply.
+@dataclass(frozen=True)
+class EngineSocket:
+    """The engine a client asks: its socket, how long to wait for it to accept, and its log (named
+    in errors)."""
 
-    Waits up to `wait_s` for the engine to accept, then for the reply as long as the connection
-    stays open (the engine may still be loading the target, or serving other shards first)."""
-    path = Path(socket_path)
-    see_log = f"the engine's log {engine_log}" if engine_log else "the engine's log"
+    path: str | Path
+    wait_s: float = DEFAULT_WAIT_S
+    log: str | None = None
+
+
+def request(
+    engine: EngineSocket, shard: str | Path, out: str | Path, *, settings: dict | None = None
+) -> dict:
+    """Have `engine` extract `shard` into `out`; returns its reply.
+
+    Waits up to `engine.wait_s` for the engine to accept, then for the reply as long as the
+    connection stays open (the engine may still be loading the target, or serving other shards
+    first)."""
+    path = Path(engine.path)
+    see_log = f"the engine's log {engine.log}" if engine.log else "the engine's log"
     t0 = time.monotonic()
-    sock = _connect(path, wait_s, engine_log)
+    sock = _connect(path, engine.wait_s, engine.log)
     message = {"shard": os.path.abspath(shard), "out": os.path.abspath(out)}
     if settings is not None:
         message["settings"] = settings
