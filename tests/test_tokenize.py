@@ -189,20 +189,29 @@ def test_truncation(tok):
 # ----------------------------------------------------------------------------- bad inputs
 
 GOOD = json.dumps(openai(("user", Q1), ("assistant", A1)))
+# str, written as UTF-8 with surrogateescape: "\udce9" is the lone (Latin-1) byte 0xe9
 BAD = {
+    "bad_encoding": GOOD.replace("list", "caf\udce9"),
     "bad_json": '{"messages": [',
     "unknown_format": json.dumps({"text": "hello"}),
     "unknown_role": json.dumps(openai(("tool", "x"), ("assistant", A1))),
     "no_assistant_turn": json.dumps(openai(("system", SYSTEM), ("user", Q1))),
     "empty_content": json.dumps(openai(("user", Q1), ("assistant", "  "))),
     "non_text_content": json.dumps(
-        openai(("user", [{"type": "text", "text": Q1}]), ("assistant", A1))
+        openai(
+            ("user", [{"type": "text", "text": Q1}, {"type": "image_url", "image_url": {}}]),
+            ("assistant", A1),
+        )
     ),
     "no_assistant_tokens_after_truncation": json.dumps(
         openai(("user", "word " * 80), ("assistant", A1))
     ),
 }
 MAX_LEN = 48
+
+
+def write_lines(path: Path, lines: list[str]) -> None:
+    path.write_bytes(("\n".join(lines) + "\n").encode("utf-8", "surrogateescape"))
 
 
 def test_reason_list_is_complete():
@@ -214,7 +223,7 @@ def test_bad_records_counted_with_line_numbers(tok, tmp_path):
     lines = [GOOD, ""]  # the blank line 2 is skipped but still counts for numbering
     for reason in BAD:
         lines += [BAD[reason], GOOD]
-    path.write_text("\n".join(lines) + "\n")
+    write_lines(path, lines)
     examples, tally = collect_examples(tok, [path], MAX_LEN, strict=False)
     assert [(d["line"], d["reason"]) for d in tally.dropped] == [
         (3 + 2 * i, r) for i, r in enumerate(BAD)
@@ -232,12 +241,79 @@ def test_bad_records_counted_with_line_numbers(tok, tmp_path):
 @pytest.mark.parametrize("reason", sorted(BAD))
 def test_strict_one_line_error(tok, tmp_path, reason):
     path = tmp_path / "data.jsonl"
-    path.write_text(f"{GOOD}\n{BAD[reason]}\n{GOOD}\n")
+    write_lines(path, [GOOD, BAD[reason], GOOD])
     with pytest.raises(DataError) as err:
         collect_examples(tok, [path], MAX_LEN, strict=True)
     message = str(err.value)
     assert message.startswith(f"{path}:2: {reason}: ") and "\n" not in message
     assert REASONS[reason] in message
+
+
+def test_bad_encoding_names_the_byte(tok, tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    write_lines(path, [GOOD, BAD["bad_encoding"], GOOD])
+    examples, tally = collect_examples(tok, [path], MAX_LEN, strict=False)
+    assert [e.sample_id for e in examples] == [f"{path}:1", f"{path}:3"]
+    (drop,) = tally.dropped
+    assert drop["line"] == 2 and "0xe9" in drop["detail"] and "UTF-8" in drop["detail"]
+
+
+def test_byte_order_mark_keeps_the_first_record(tok, tmp_path):
+    jl = tmp_path / "bom.jsonl"
+    jl.write_bytes(b"\xef\xbb\xbf" + f"{GOOD}\r\n{GOOD}\r\n".encode())
+    js = tmp_path / "bom.json"
+    js.write_bytes(b"\xef\xbb\xbf" + f"[{GOOD}]".encode())
+    examples, tally = collect_examples(tok, [jl, js], MAX_LEN, strict=False)
+    assert [e.sample_id for e in examples] == [f"{jl}:1", f"{jl}:2", f"{js}:0"]
+    assert not tally.dropped
+    assert examples[0].input_ids == render_with_mask(tok, to_messages(json.loads(GOOD)))[0]
+
+
+def test_json_not_utf8_is_one_error(tok, tmp_path):
+    js = tmp_path / "latin1.json"
+    write_lines(js, [f"[{BAD['bad_encoding']}]"])
+    with pytest.raises(DataError) as err:
+        collect_examples(tok, [js], MAX_LEN, strict=False)
+    message = str(err.value)
+    assert message.startswith(f"{js}: not UTF-8 (byte 0xe9") and "\n" not in message
+    assert message.endswith(REASONS["bad_encoding"])
+
+
+def parts(*texts):
+    return [{"type": "text", "text": t} for t in texts]
+
+
+def test_text_content_parts_are_joined(tok):
+    joined = openai(("system", SYSTEM), ("user", Q1), ("assistant", A1 + A2))
+    as_parts = openai(("system", parts(SYSTEM)), ("user", parts(Q1)), ("assistant", parts(A1, A2)))
+    assert to_messages(as_parts) == to_messages(joined)
+    assert render_with_mask(tok, to_messages(as_parts)) == render_with_mask(
+        tok, to_messages(joined)
+    )
+    as_sharegpt = sharegpt(("human", parts("", Q1)), ("gpt", parts(A1)))
+    assert to_messages(as_sharegpt) == to_messages(openai(("user", Q1), ("assistant", A1)))
+    with pytest.raises(RecordError) as err:
+        to_messages(openai(("user", parts(" ", "")), ("assistant", A1)))
+    assert err.value.reason == "empty_content"
+
+
+@pytest.mark.parametrize(
+    "part, kind",
+    [
+        ({"type": "image_url", "image_url": {"url": "x"}}, "'image_url'"),
+        ({"type": "input_audio", "input_audio": {}}, "'input_audio'"),
+        ({"type": "text", "text": None}, "'text'"),
+        ("plain", "'str'"),
+    ],
+)
+def test_non_text_part_names_its_type(part, kind):
+    record = openai(("user", [*parts(Q1), part]), ("assistant", A1))
+    with pytest.raises(RecordError) as err:
+        to_messages(record)
+    assert err.value.reason == "non_text_content"
+    assert f"messages[0].content[1] is a {kind} part; only text parts are supported" in str(
+        err.value
+    )
 
 
 def test_parquet_and_json_records_are_indexed(tok, tmp_path):
@@ -442,6 +518,7 @@ def test_cli_end_to_end(tok, target, tmp_path):
         }
     ]
     assert report["dropped_by_reason"]["unknown_role"] == 1 and report["records_dropped"] == 1
+    assert "bad_encoding" not in report["dropped_by_reason"]  # listed only when it occurs
     assert report["provenance"]["settings"]["data"]["num_shards"] == 3
 
     shards = [read(out / f"shard_{s:03d}.parquet") for s in range(3)]
@@ -472,6 +549,17 @@ def test_cli_end_to_end(tok, target, tmp_path):
         assert entry["assistant_tokens"] == sum(sum(r["loss_mask"]) for r in rows) > 0
 
 
+def test_cli_counts_bad_encoding(target, tmp_path):
+    inputs = write_inputs(tmp_path / "in")
+    latin1 = tmp_path / "in" / "latin1.jsonl"
+    write_lines(latin1, [GOOD, BAD["bad_encoding"]])
+    assert run_cli(target, [*inputs, latin1], tmp_path / "tok") == 0
+    report = json.loads((tmp_path / "tok" / "report.json").read_text())
+    assert report["dropped_by_reason"]["bad_encoding"] == 1 and report["records_dropped"] == 2
+    assert report["dropped"][-1]["file"] == str(latin1) and report["dropped"][-1]["line"] == 2
+    assert report["inputs"][str(latin1)]["records_used"] == 1
+
+
 def test_cli_deterministic(target, tmp_path):
     inputs = write_inputs(tmp_path / "in")
     for name in ("one", "two"):
@@ -500,6 +588,19 @@ def test_cli_errors_are_one_line(target, tmp_path, capsys):
     assert run_cli(target, inputs, tmp_path / "few", num_eval=16) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "only 17 usable records" in err and "data.num_eval" in err and "data.num_shards" in err
+    assert f"(dropped: unknown_role 1 (e.g. {inputs[0]}:4))" in err
+
+    broken = tmp_path / "in" / "broken.jsonl"
+    bad = ["bad_encoding"] * 3 + ["bad_json"] * 2 + ["unknown_role", "no_assistant_turn"]
+    write_lines(broken, [BAD[r] for r in bad])
+    assert run_cli(target, [broken, inputs[0]], tmp_path / "none", num_eval=16) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("eyrie tokenize: error: only 8 usable records of 16 read (dropped: ")
+    assert (
+        f"(dropped: bad_encoding 3 (e.g. {broken}:1), bad_json 2 (e.g. {broken}:4), "
+        f"unknown_role 2 (e.g. {broken}:6), and 1 more reason(s)); need at least"
+    ) in err
+    assert "fix the dropped records" in err
 
     missing = tmp_path / "in" / "nope.jsonl"
     assert run_cli(target, [inputs[0], missing], tmp_path / "m") == 2

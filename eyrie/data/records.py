@@ -1,9 +1,11 @@
 """Conversation files -> records -> normalized messages, and why a record cannot be used.
 
 `read_records` yields the records of one `.jsonl`, `.json` or `.parquet` file, each named
-`"<file>:<line>"`; `to_messages` turns an OpenAI- or ShareGPT-form record into
-`[{"role", "content"}]`. A file that cannot be read raises DataError; a record that cannot be
-used raises (or carries) RecordError with a reason from REASONS. docs/data.md#input-files.
+`"<file>:<line>"` (a `.jsonl` line that is not UTF-8 or not JSON carries its RecordError; a
+leading byte-order mark is skipped); `to_messages` turns an OpenAI- or ShareGPT-form record into
+`[{"role", "content"}]`, joining content-part lists whose parts are all text. A file that cannot
+be read raises DataError; a record that cannot be used raises (or carries) RecordError with a
+reason from REASONS. docs/data.md#input-files.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from eyrie.errors import DataError, EyrieError
 
 # reason -> what the user can do about it
 REASONS = {
+    "bad_encoding": "re-encode the file as UTF-8",
     "bad_json": "fix the JSON syntax of that record",
     "unknown_format": (
         'use OpenAI form {"messages": [{"role": ..., "content": ...}]} or ShareGPT '
@@ -29,7 +32,8 @@ REASONS = {
     "no_assistant_turn": "add an assistant turn (only assistant tokens are trained on)",
     "empty_content": "give every turn non-empty text, or remove the empty turn",
     "non_text_content": (
-        "flatten the content to a plain string (multimodal/structured parts are not supported)"
+        'keep only text parts ({"type": "text", "text": ...}) or flatten the content to a '
+        "plain string (image, audio and other parts are not supported)"
     ),
     "template_error": (
         "the target's chat template failed or is not prefix-stable for this "
@@ -86,17 +90,14 @@ def read_records(path: str | Path) -> Iterator[RawRecord]:
         raise DataError(f"{name}: input file not found; fix data.conversations")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with path.open("r", encoding="utf-8") as f:
-            for lineno, text in enumerate(f, start=1):
-                if not text.strip():
-                    continue
-                try:
-                    yield RawRecord(name, lineno, json.loads(text))
-                except json.JSONDecodeError as exc:
-                    yield RawRecord(name, lineno, error=RecordError("bad_json", str(exc)))
+        yield from _jsonl_records(path)
     elif suffix == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_text(encoding="utf-8-sig"))
+        except UnicodeDecodeError as exc:
+            raise DataError(
+                f"{name}: not UTF-8 ({_bad_byte(exc)}); {REASONS['bad_encoding']}"
+            ) from exc
         except json.JSONDecodeError as exc:
             raise DataError(
                 f"{name}: not valid JSON ({exc}); a .json input must be one list of "
@@ -121,6 +122,50 @@ def read_records(path: str | Path) -> Iterator[RawRecord]:
         raise DataError(
             f"{name}: unsupported file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}"
         )
+
+
+def _jsonl_lines(path: Path) -> Iterator[bytes]:
+    """The lines of a file as bytes, as text mode gives them: split at LF, CRLF or a lone CR,
+    each kept line end written as LF (JSON error positions count it)."""
+    with path.open("rb") as f:
+        for chunk in f:
+            for line in chunk.splitlines(keepends=True):
+                body = line.rstrip(b"\r\n")
+                yield body + b"\n" if len(body) < len(line) else body
+
+
+def _jsonl_records(path: Path) -> Iterator[RawRecord]:
+    name = str(path)
+    for lineno, data in enumerate(_jsonl_lines(path), start=1):
+        try:
+            text = data.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            yield RawRecord(name, lineno, error=RecordError("bad_encoding", _bad_byte(exc)))
+            continue
+        if not text.strip():
+            continue
+        try:
+            yield RawRecord(name, lineno, json.loads(text))
+        except json.JSONDecodeError as exc:
+            yield RawRecord(name, lineno, error=RecordError("bad_json", str(exc)))
+
+
+def _bad_byte(exc: UnicodeDecodeError) -> str:
+    return f"byte 0x{exc.object[exc.start]:02x} at byte offset {exc.start} is not valid UTF-8"
+
+
+def _text_content(content: object, where: str) -> object:
+    """A content-part list whose parts are all text, joined with ""; any other content as is."""
+    if not isinstance(content, list):
+        return content
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise RecordError(
+                "non_text_content",
+                f"{where}[{j}] is a {kind!r} part; only text parts are supported",
+            )
+    return "".join(part["text"] for part in content)
 
 
 def to_messages(obj: object) -> list[dict]:
@@ -150,11 +195,12 @@ def to_messages(obj: object) -> list[dict]:
                 "unknown_format",
                 f"{form}[{i}] must be an object with '{role_key}' and '{text_key}'",
             )
-        role, content = turn[role_key], turn[text_key]
+        role = turn[role_key]
         if role not in roles:
             raise RecordError(
                 "unknown_role", f"{form}[{i}].{role_key}={role!r}; allowed: {', '.join(roles)}"
             )
+        content = _text_content(turn[text_key], f"{form}[{i}].{text_key}")
         if content is None or (isinstance(content, str) and not content.strip()):
             raise RecordError("empty_content", f"{form}[{i}] ({roles[role]}) has no text")
         if not isinstance(content, str):

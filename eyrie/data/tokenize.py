@@ -38,6 +38,13 @@ log = logging.getLogger(__name__)
 LOG_EVERY = 5000
 
 
+# listed in dropped_by_reason only when they occur, so that reports of clean inputs keep their keys
+LISTED_WHEN_SEEN = ("bad_encoding",)
+
+
+TOP_REASONS = 3  # reasons named in the "too few usable records" error
+
+
 @dataclass(frozen=True)
 class DataSettings:
     max_seq_len: int
@@ -69,10 +76,23 @@ class Tally:
     per_file: dict = field(default_factory=dict)
 
     def by_reason(self) -> dict[str, int]:
-        counts = dict.fromkeys(REASONS, 0)
+        counts = {r: 0 for r in REASONS if r not in LISTED_WHEN_SEEN}
         for d in self.dropped:
-            counts[d["reason"]] += 1
+            counts[d["reason"]] = counts.get(d["reason"], 0) + 1
         return counts
+
+    def top_reasons(self, limit: int) -> str:
+        """The most frequent reasons as "reason N (e.g. file:line)", most frequent first."""
+        counts = {r: n for r, n in self.by_reason().items() if n}
+        if not counts:
+            return "none"
+        ranked = sorted(counts, key=lambda r: (-counts[r], list(REASONS).index(r)))
+        first = {}
+        for d in self.dropped:
+            first.setdefault(d["reason"], f"{d['file']}:{d['line']}")
+        named = [f"{r} {counts[r]} (e.g. {first[r]})" for r in ranked[:limit]]
+        more = len(ranked) - limit
+        return ", ".join(named) + (f", and {more} more reason(s)" if more > 0 else "")
 
     def drop(self, raw: RawRecord, err: RecordError) -> None:
         self.dropped.append(
@@ -232,12 +252,13 @@ def tokenize(
 def _require_enough(examples: list[Example], tally: Tally, cfg: DataSettings) -> None:
     need = cfg.num_eval + cfg.num_shards
     if len(examples) < need:
-        dropped = {k: v for k, v in tally.by_reason().items() if v}
+        fix = ", or fix the dropped records (data.strict: true names the first)"
+        fix = fix if tally.dropped else ""
         raise DataError(
             f"only {len(examples)} usable records of {tally.records_read} read (dropped: "
-            f"{dropped or 'none'}); need at least data.num_eval + data.num_shards = "
+            f"{tally.top_reasons(TOP_REASONS)}); need at least data.num_eval + data.num_shards = "
             f"{cfg.num_eval} + {cfg.num_shards} = {need}: lower data.num_eval/data.num_shards "
-            "or add conversations"
+            f"or add conversations{fix}"
         )
 
 
