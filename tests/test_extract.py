@@ -468,14 +468,14 @@ def test_gpu_staging_writes_what_the_host_path_writes(tmp_path, storage):
             w.put(i, aux[i], final[i])
     staging = PinnedStaging(slots=2)
     gpu = tmp_path / "gpu.h5"
-    with ShardWriter(gpu, meta, ["a", "b", "c"], ids, ids) as w, _Writers(w, gpu) as writers:
+    with ShardWriter(gpu, meta, ["a", "b", "c"], ids, ids) as w, _Writers(w) as writers:
         for batch in ([2, 0], [1]):  # length-sorted batches, as the backend yields them
             stored, bad = stored_tensors(
                 torch.cat([aux[i] for i in batch]).cuda(),
                 torch.cat([final[i] for i in batch]).cuda(),
                 storage,
             )
-            writers.submit(staging.stage(batch, [lengths[i] for i in batch], stored, bad, storage))
+            writers.submit(staging.stage(batch, [lengths[i] for i in batch], stored, bad))
         writers.join()
     names = ["aux_hidden", "final_hidden"] + (
         ["aux_scale", "final_scale"] if "float8" in storage else []
@@ -491,9 +491,9 @@ def test_gpu_staging_writes_what_the_host_path_writes(tmp_path, storage):
     with (
         pytest.raises(EyrieError, match="sample 0: non-finite aux_hidden"),
         ShardWriter(bad_path, meta, ["a", "b", "c"], ids, ids) as w,
-        _Writers(w, bad_path) as writers,
+        _Writers(w) as writers,
     ):
-        writers.submit(staging.stage([0], [7], stored, bad, storage))
+        writers.submit(staging.stage([0], [7], stored, bad))
         writers.join()
 
 
@@ -528,11 +528,11 @@ def test_one_write_path_stores_the_same_bytes_for_host_and_staged_batches(tmp_pa
         bounds = np.cumsum([0] + [len(a) for a in aux])
         rows = [{k: v[a:b] for k, v in host.items()} for a, b in zip(bounds[:-1], bounds[1:])]
         return StagedBatch(
-            batch, [len(a) for a in aux], rows, bad.numpy(), Done(), storage, free=lambda: None
+            batch, [len(a) for a in aux], rows, bad.numpy(), Done(), free=lambda: None
         )
 
     def write(path, make) -> None:
-        with ShardWriter(path, meta, ["a", "b", "c"], ids, ids) as w, _Writers(w, path) as ws:
+        with ShardWriter(path, meta, ["a", "b", "c"], ids, ids) as w, _Writers(w) as ws:
             for batch in ([2, 0], [1]):
                 ws.submit(make(batch, [aux[i] for i in batch], [final[i] for i in batch]))
             ws.join()
@@ -540,14 +540,14 @@ def test_one_write_path_stores_the_same_bytes_for_host_and_staged_batches(tmp_pa
     with ShardWriter(tmp_path / "put.h5", meta, ["a", "b", "c"], ids, ids) as w:
         for i in range(3):
             w.put(i, aux[i], final[i])
-    write(tmp_path / "host.h5", lambda b, a, f: HostBatch(b, a, f, storage))
+    write(tmp_path / "host.h5", HostBatch)
     write(tmp_path / "staged.h5", staged)
     want = (tmp_path / "put.h5").read_bytes()
     assert (tmp_path / "host.h5").read_bytes() == want
     assert (tmp_path / "staged.h5").read_bytes() == want
 
     final[0][5, 7] = float("nan")
-    for make in (lambda b, a, f: HostBatch(b, a, f, storage), staged):
+    for make in (HostBatch, staged):
         path = tmp_path / "bad.h5"
         with pytest.raises(EyrieError, match=f"{path}: sample 0: non-finite final_hidden values"):
             write(path, make)

@@ -14,6 +14,7 @@ import importlib
 import logging
 import queue
 import time
+from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 # backend name -> "module:Class", imported only when chosen (vLLM is not installed everywhere)
 BACKENDS = {"hf": "eyrie.extract.hf:HFBackend", "vllm": "eyrie.vllm.backend:VllmBackend"}
@@ -50,27 +49,20 @@ WRITERS = 4
 Shapes = tuple[tuple[int, ...], tuple[int, ...]]
 
 
-def _non_finite(out: Path, i: int, name: str, storage_dtype: str) -> str:
-    return (
-        f"{out}: sample {i}: non-finite {name} values (compute dtype or "
-        f"storage_dtype={storage_dtype} overflows; use bfloat16 or float32)"
-    )
+class StoredBatch(ABC):
+    """What every backend yields: samples `batch` (indices into the shard) and their hidden
+    states, written into the shard by a writer thread (`write`), then `release()`d.
 
-
-class StoredBatch:
-    """What every backend yields: samples `batch` (indices into the shard) whose hidden states
-    reach the writer in the shard's stored representation.
-
-    `shapes[j]` (aux, final) of sample batch[j] is known at once, before the values. A writer
-    thread iterates `stored(out)`: (sample index, {dataset name: numpy [T_i, ...]} as stored),
-    raising ExtractError at the first sample holding a non-finite value; then `release()`.
+    `shapes[j]` (aux, final) of sample batch[j] is known at once, before the values.
     """
 
     batch: list[int]
     shapes: list[Shapes]
 
-    def stored(self, out: Path) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-        raise NotImplementedError
+    @abstractmethod
+    def write(self, writer: ShardWriter) -> None:
+        """Write every sample at its file offset; raise at the first holding a non-finite
+        value, naming the sample and the dataset."""
 
     def release(self) -> None:
         """Free what holds the values (called once per batch, written or not)."""
@@ -79,13 +71,12 @@ class StoredBatch:
 @dataclass
 class HostBatch(StoredBatch):
     """States on the host, CPU tensors in `transfer_dtype`: aux[j] [T_i, n_aux*H] and final[j]
-    [T_i, H] of sample batch[j]. The writer thread converts them (stored_arrays), so the
+    [T_i, H] of sample batch[j]. The writer thread converts them (ShardWriter.put), so the
     conversion overlaps the backend's next batch."""
 
     batch: list[int]
     aux: list[torch.Tensor]
     final: list[torch.Tensor]
-    storage_dtype: str
 
     def __post_init__(self):
         if not len(self.batch) == len(self.aux) == len(self.final):
@@ -95,15 +86,9 @@ class HostBatch(StoredBatch):
             )
         self.shapes = [(tuple(a.shape), tuple(f.shape)) for a, f in zip(self.aux, self.final)]
 
-    def stored(self, out: Path) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-        from eyrie.formats.codecs import non_finite_dataset, stored_arrays
-
+    def write(self, writer: ShardWriter) -> None:
         for i, a, f in zip(self.batch, self.aux, self.final):
-            rows = stored_arrays(a, f, self.storage_dtype)
-            name = non_finite_dataset(rows, self.storage_dtype)
-            if name is not None:
-                raise ExtractError(_non_finite(out, i, name, self.storage_dtype))
-            yield i, rows
+            writer.put(i, a, f)
 
 
 @dataclass
@@ -118,23 +103,25 @@ class StagedBatch(StoredBatch):
     rows: list[dict[str, np.ndarray]]
     bad: np.ndarray
     done: torch.cuda.Event
-    storage_dtype: str
     free: Callable[[], None]
 
     def __post_init__(self):
         self.shapes = [(r["aux_hidden"].shape, r["final_hidden"].shape) for r in self.rows]
 
-    def stored(self, out: Path) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    def write(self, writer: ShardWriter) -> None:
         from eyrie.formats.codecs import HIDDEN
+        from eyrie.formats.hidden import non_finite_sample
 
         self.done.synchronize()
         if self.bad.any():
             bounds = np.cumsum(self.lengths)
             j = int(np.searchsorted(bounds, int(np.argmax(self.bad != 0)), side="right"))
             flags = np.bitwise_or.reduce(self.bad[bounds[j] - self.lengths[j] : bounds[j]])
-            name = HIDDEN[0] if flags & 1 else HIDDEN[1]  # aux first, as HostBatch checks
-            raise ExtractError(_non_finite(out, self.batch[j], name, self.storage_dtype))
-        yield from zip(self.batch, self.rows)
+            name = HIDDEN[0] if flags & 1 else HIDDEN[1]  # aux first, as ShardWriter.put checks
+            storage_dtype = writer.meta.storage_dtype
+            raise ExtractError(non_finite_sample(writer.path, self.batch[j], name, storage_dtype))
+        for i, rows in zip(self.batch, self.rows):
+            writer.put_stored(i, rows)
 
     def release(self) -> None:
         self.free()
@@ -159,7 +146,6 @@ class PinnedStaging:
         lengths: list[int],
         stored: dict[str, torch.Tensor],
         bad: torch.Tensor,
-        storage_dtype: str,
     ) -> StagedBatch:
         """stored, bad: of stored_tensors, on the device ([N, ...], N = sum(lengths), samples in
         batch order)."""
@@ -184,7 +170,6 @@ class PinnedStaging:
             rows,
             host["bad"],
             done,
-            storage_dtype,
             free=lambda: self.free.put(buf),
         )
 
@@ -359,7 +344,7 @@ class Extractor:
         progress = _Progress(lengths)
         with (
             ShardWriter(out, self._meta(), sample_ids, input_ids, loss_masks) as writer,
-            _Writers(writer, Path(out)) as writers,
+            _Writers(writer) as writers,
             torch.inference_mode(),
         ):
             for item in self.backend.states(input_ids, storage):
@@ -405,12 +390,12 @@ class Extractor:
 
 
 class _Writers:
-    """Writer threads for one shard: each writes a submitted batch's stored rows at their file
-    offsets, then releases the batch. A failed write surfaces at the next `submit`; at most
+    """Writer threads for one shard: each writes a submitted batch (StoredBatch.write), then
+    releases it. A failed write surfaces at the next `submit`; at most
     two batches wait for a writer (the time the backend waits for them: `wait_s`)."""
 
-    def __init__(self, writer: ShardWriter, out: Path):
-        self.writer, self.out = writer, out
+    def __init__(self, writer: ShardWriter):
+        self.writer = writer
         self.pool = ThreadPoolExecutor(max_workers=WRITERS)
         self.pending: list[Future] = []
         self.wait_s = 0.0
@@ -438,8 +423,7 @@ class _Writers:
 
     def _write(self, item: StoredBatch) -> None:
         try:
-            for i, rows in item.stored(self.out):
-                self.writer.put_stored(i, rows)
+            item.write(self.writer)
         finally:
             item.release()
 

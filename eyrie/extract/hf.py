@@ -145,7 +145,6 @@ class HFBackend:
             batch,
             [aux[b, : len(x)] for b, x in enumerate(ids)],  # [T_i, n_aux*H] per sample
             [final[b, : len(x)] for b, x in enumerate(ids)],  # [T_i, H] per sample
-            self.cfg.storage_dtype,
         )
 
     def _staged_batch(self, input_ids: list[np.ndarray], batch: list[int]) -> StoredBatch:
@@ -165,7 +164,7 @@ class HFBackend:
             self.cfg.storage_dtype,
         )
         del aux, final  # the copies are queued next: the device memory can go
-        return self.staging.stage(batch, lens, stored, bad, self.cfg.storage_dtype)
+        return self.staging.stage(batch, lens, stored, bad)
 
     def close(self) -> None:
         import torch

@@ -70,6 +70,14 @@ class ShardMeta:
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
 
 
+def non_finite_sample(path: Path, i: int, name: str, storage_dtype: str) -> str:
+    """The message for sample i of the shard at `path` holding inf/NaN in dataset `name`."""
+    return (
+        f"{path}: sample {i}: non-finite {name} values (compute dtype or "
+        f"storage_dtype={storage_dtype} overflows; use bfloat16 or float32)"
+    )
+
+
 class ShardWriter:
     """Preallocates a shard for known samples; `put(i, aux, final)` fills sample i.
 
@@ -172,10 +180,7 @@ class ShardWriter:
         stored = stored_arrays(aux, final, d)
         name = non_finite_dataset(stored, d)
         if name is not None:
-            raise ShardError(
-                f"{self.path}: sample {i}: non-finite {name} values (compute dtype "
-                f"or storage_dtype={d} overflows; use bfloat16 or float32)"
-            )
+            raise ShardError(non_finite_sample(self.path, i, name, d))
         self.put_stored(i, stored)
 
     def put_stored(self, i: int, stored: dict[str, np.ndarray]) -> None:

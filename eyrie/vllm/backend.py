@@ -50,7 +50,6 @@ class VllmBackend:
         self.n_aux = len(aux_ids)
         self.H = info.hidden_size
         self.tokens_per_call = cfg.max_tokens_per_batch
-        self.storage_dtype = cfg.storage_dtype
         config = json.loads((Path(target) / "config.json").read_text())
         adapter = adapter_for(info.model_type)
         facts = gather_facts(config)
@@ -140,7 +139,7 @@ class VllmBackend:
             for key in set(keys):
                 for p in self.scratch.glob(f"{key}*"):
                     p.unlink(missing_ok=True)
-            yield HostBatch(chunk, aux_list, final_list, self.storage_dtype)
+            yield HostBatch(chunk, aux_list, final_list)
 
     def _states_of(self, out, key: str, ids: np.ndarray) -> torch.Tensor:
         """One request's hidden states [T, n_ids, H], checked against its prompt `ids` [T]."""
