@@ -2,7 +2,9 @@
 
 `TABLE` has one row per key of config/schema.yaml. A rule's `params.settings` (Snakemake's rerun
 trigger compares its text) holds exactly the keys that list it under `compared`; `read` keys reach
-a rule in its command text only (changing them reruns nothing). The rule files build their params
+a rule in its command text only (changing them reruns nothing). A key added after runs recorded
+their params (`new`) is left out of the params text while it holds its schema default, so that
+adding it reruns nothing; the stage fills the same default. The rule files build their params
 with `rule_settings`, and docs/contracts.md's table is `python -m eyrie.workflow --contracts`.
 `prepare` does what the workflow needs before its rules run (the PATH, the engine placeholders).
 Only the rule files and tests import this module.
@@ -17,7 +19,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyrie.settings import SETTINGS_ALIASES, schema, settings_json
+from eyrie.settings import SETTINGS_ALIASES, schema, schema_default, settings_json
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACTS = REPO / "docs" / "contracts.md"
@@ -46,10 +48,12 @@ class Row:
     compared: tuple[str, ...] = ()
     read: tuple[str, ...] = ()
     other: str = ""
+    new: bool = False  # compared only when it differs from its schema default
 
 
 DEMO_TARGET = ("build_demo_target",)
 DATA = ("tokenize_conversations",)
+REGENERATE = ("regenerate_responses",)
 EXTRACT = ("extract_hidden_states",)
 TRAIN = ("train_draft", "export_draft")
 VLLM_EXTRACT = ("extract_hidden_states?vllm_extract",)
@@ -78,6 +82,30 @@ TABLE = (
     Row("data.num_eval", DATA),
     Row("data.seed", DATA),
     Row("data.strict", DATA),
+    Row("data.mask_mode", DATA, new=True),
+    Row("data.train_reasoning", DATA, new=True),
+    Row("data.non_text", (*DATA, *REGENERATE), new=True),
+    Row(
+        "data.regenerate",
+        DATA,
+        new=True,
+        other="true: regenerate_responses jobs, whose files tokenize_conversations reads",
+    ),
+    Row("regenerate.num_shards", REGENERATE, other="one regenerate_responses job per shard"),
+    Row("regenerate.backend", REGENERATE, other="the job's environment and GPUs"),
+    Row("regenerate.device", REGENERATE, other="regenerate_responses's gpu resource"),
+    *(
+        Row(f"regenerate.{name}", REGENERATE)
+        for name in (
+            "max_new_tokens",
+            "temperature",
+            "top_p",
+            "seed",
+            "turns",
+            "thinking",
+            "batch_size",
+        )
+    ),
     Row("layers.aux_ids", ("preflight", *EXTRACT)),
     Row("vocab.draft_vocab_size", ("build_vocab_map",)),
     Row(
@@ -167,6 +195,8 @@ def _settings(config: dict, rule: str, column: str) -> dict:
         if _takes(getattr(row, column), rule, config):
             section, name = row.key.split(".")
             value = config[section][name]
+            if row.new and column == "compared" and value == schema_default(row.key):
+                continue
             if row.key in SETTINGS_ALIASES:
                 out[SETTINGS_ALIASES[row.key]] = value
             else:

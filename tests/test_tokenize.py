@@ -12,7 +12,7 @@ import pytest
 from eyrie import cli as cli
 from eyrie.data.chat import load_chat_tokenizer, prompt_ids, render_with_mask
 from eyrie.data.records import REASONS, RawRecord, RecordError, to_messages
-from eyrie.data.tokenize import collect_examples, tokenize_record
+from eyrie.data.tokenize import LISTED_WHEN_SEEN, DataSettings, collect_records, tokenize_record
 from eyrie.demo.tokenizer import CHAT_TEMPLATE, build_chat_tokenizer
 from eyrie.errors import DataError
 
@@ -38,6 +38,17 @@ def openai(*turns):
 
 def sharegpt(*turns):
     return {"conversations": [{"from": r, "value": c} for r, c in turns]}
+
+
+def data_settings(max_seq_len, strict=False, **data):
+    settings = {"data": {"max_seq_len": max_seq_len, "strict": strict, **data}}
+    return DataSettings.from_settings(settings)
+
+
+def collect_examples(tok, paths, max_seq_len, strict, **data):
+    """The usable samples in order and the tally, as the stage collects them."""
+    tally = collect_records(tok, paths, data_settings(max_seq_len, strict, **data))
+    return [e for r in tally.records for e in r.examples], tally
 
 
 @pytest.fixture(scope="module")
@@ -174,27 +185,37 @@ def test_truncation(tok):
     )
     full_ids, full_mask = render_with_mask(tok, to_messages(raw.obj))
     cut = runs(full_mask)[0][0] + 2  # keeps two tokens of the first answer
-    example, truncated = tokenize_record(tok, raw, cut)
+    record = tokenize_record(tok, raw, data_settings(cut))
+    (example,) = record.examples
     assert (
-        truncated and example.input_ids == full_ids[:cut] and example.loss_mask == full_mask[:cut]
+        record.truncated
+        and example.input_ids == full_ids[:cut]
+        and example.loss_mask == full_mask[:cut]
     )
     assert sum(example.loss_mask) == 2
-    example, truncated = tokenize_record(tok, raw, len(full_ids))
-    assert not truncated and example.input_ids == full_ids
+    record = tokenize_record(tok, raw, data_settings(len(full_ids)))
+    assert not record.truncated and record.examples[0].input_ids == full_ids
     with pytest.raises(RecordError) as err:
-        tokenize_record(tok, raw, runs(full_mask)[0][0])  # only the prompt fits
+        tokenize_record(tok, raw, data_settings(runs(full_mask)[0][0]))  # only the prompt fits
     assert err.value.reason == "no_assistant_tokens_after_truncation"
 
 
 # ----------------------------------------------------------------------------- bad inputs
 
 GOOD = json.dumps(openai(("user", Q1), ("assistant", A1)))
+
+
+def good(n: int) -> str:
+    """A usable record of its own (identical records are one conversation: `duplicate`)."""
+    return json.dumps(openai(("user", f"{Q1} ({n})"), ("assistant", A1)))
+
+
 # str, written as UTF-8 with surrogateescape: "\udce9" is the lone (Latin-1) byte 0xe9
 BAD = {
     "bad_encoding": GOOD.replace("list", "caf\udce9"),
     "bad_json": '{"messages": [',
     "unknown_format": json.dumps({"text": "hello"}),
-    "unknown_role": json.dumps(openai(("tool", "x"), ("assistant", A1))),
+    "unknown_role": json.dumps(openai(("function", "x"), ("assistant", A1))),
     "no_assistant_turn": json.dumps(openai(("system", SYSTEM), ("user", Q1))),
     "empty_content": json.dumps(openai(("user", Q1), ("assistant", "  "))),
     "non_text_content": json.dumps(
@@ -206,7 +227,14 @@ BAD = {
     "no_assistant_tokens_after_truncation": json.dumps(
         openai(("user", "word " * 80), ("assistant", A1))
     ),
+    "bad_tool_calls": json.dumps(
+        {"messages": [{"role": "user", "content": Q1}, {"role": "assistant", "tool_calls": "x"}]}
+    ),
+    "duplicate": GOOD,  # the first line's conversation again
 }
+# reasons of the later steps, tested where those are
+LATER = {"template_error", "record_too_large", "shares_eval_prompt"}
+LATER |= {"regenerate_cut", "regenerate_failed"}
 MAX_LEN = 48
 
 
@@ -215,14 +243,14 @@ def write_lines(path: Path, lines: list[str]) -> None:
 
 
 def test_reason_list_is_complete():
-    assert set(BAD) | {"template_error"} == set(REASONS)
+    assert set(BAD) | LATER == set(REASONS)
 
 
 def test_bad_records_counted_with_line_numbers(tok, tmp_path):
     path = tmp_path / "mixed.jsonl"
     lines = [GOOD, ""]  # the blank line 2 is skipped but still counts for numbering
-    for reason in BAD:
-        lines += [BAD[reason], GOOD]
+    for i, reason in enumerate(BAD):
+        lines += [BAD[reason], good(i)]
     write_lines(path, lines)
     examples, tally = collect_examples(tok, [path], MAX_LEN, strict=False)
     assert [(d["line"], d["reason"]) for d in tally.dropped] == [
@@ -235,13 +263,14 @@ def test_bad_records_counted_with_line_numbers(tok, tmp_path):
         f"{path}:{n}" for n in [1, *range(4, 4 + 2 * len(BAD), 2)]
     ]
     assert tally.records_read == 1 + 2 * len(BAD)
-    assert tally.by_reason() == {r: int(r in BAD) for r in REASONS}
+    listed = [r for r in REASONS if r not in LISTED_WHEN_SEEN or r in BAD]
+    assert tally.by_reason() == {r: int(r in BAD) for r in listed}
 
 
-@pytest.mark.parametrize("reason", sorted(BAD))
+@pytest.mark.parametrize("reason", sorted(set(BAD) - {"duplicate"}))
 def test_strict_one_line_error(tok, tmp_path, reason):
     path = tmp_path / "data.jsonl"
-    write_lines(path, [GOOD, BAD[reason], GOOD])
+    write_lines(path, [GOOD, BAD[reason], good(1)])
     with pytest.raises(DataError) as err:
         collect_examples(tok, [path], MAX_LEN, strict=True)
     message = str(err.value)
@@ -251,7 +280,7 @@ def test_strict_one_line_error(tok, tmp_path, reason):
 
 def test_bad_encoding_names_the_byte(tok, tmp_path):
     path = tmp_path / "latin1.jsonl"
-    write_lines(path, [GOOD, BAD["bad_encoding"], GOOD])
+    write_lines(path, [GOOD, BAD["bad_encoding"], good(1)])
     examples, tally = collect_examples(tok, [path], MAX_LEN, strict=False)
     assert [e.sample_id for e in examples] == [f"{path}:1", f"{path}:3"]
     (drop,) = tally.dropped
@@ -260,9 +289,9 @@ def test_bad_encoding_names_the_byte(tok, tmp_path):
 
 def test_byte_order_mark_keeps_the_first_record(tok, tmp_path):
     jl = tmp_path / "bom.jsonl"
-    jl.write_bytes(b"\xef\xbb\xbf" + f"{GOOD}\r\n{GOOD}\r\n".encode())
+    jl.write_bytes(b"\xef\xbb\xbf" + f"{GOOD}\r\n{good(1)}\r\n".encode())
     js = tmp_path / "bom.json"
-    js.write_bytes(b"\xef\xbb\xbf" + f"[{GOOD}]".encode())
+    js.write_bytes(b"\xef\xbb\xbf" + f"[{good(2)}]".encode())
     examples, tally = collect_examples(tok, [jl, js], MAX_LEN, strict=False)
     assert [e.sample_id for e in examples] == [f"{jl}:1", f"{jl}:2", f"{js}:0"]
     assert not tally.dropped
@@ -329,8 +358,8 @@ def test_parquet_and_json_records_are_indexed(tok, tmp_path):
     )
     pa_path = tmp_path / "b.parquet"
     rows = [
-        openai(("user", Q1), ("assistant", A1)),
-        sharegpt(("human", Q2), ("gpt", A2)),
+        openai(("user", Q1), ("assistant", A2)),
+        sharegpt(("human", Q2), ("gpt", A1)),
         openai(("user", Q2), ("user", A2)),
     ]
     pq.write_table(pa.Table.from_pylist(rows, schema=MIXED), pa_path)
@@ -342,7 +371,7 @@ def test_parquet_and_json_records_are_indexed(tok, tmp_path):
     ]
     assert (
         examples[3].input_ids
-        == render_with_mask(tok, to_messages(openai(("user", Q2), ("assistant", A2))))[0]
+        == render_with_mask(tok, to_messages(openai(("user", Q2), ("assistant", A1))))[0]
     )
 
 
@@ -383,7 +412,8 @@ def test_template_error_not_prefix_stable(tok, tmp_path):
         + json.dumps(openai(("user", "boom"), ("assistant", A1)))
         + "\n"
     )
-    examples, tally = collect_examples(hiding, [path], MAX_LEN, strict=False)
+    prefix = {"mask_mode": "prefix"}
+    examples, tally = collect_examples(hiding, [path], MAX_LEN, strict=False, **prefix)
     assert len(examples) == 2 and [(d["line"], d["reason"]) for d in tally.dropped] == [
         (2, "template_error")
     ]
@@ -392,7 +422,11 @@ def test_template_error_not_prefix_stable(tok, tmp_path):
     assert [(d["line"], d["reason"]) for d in tally.dropped] == [(3, "template_error")]
     assert "boom is not allowed" in tally.dropped[0]["detail"]
     with pytest.raises(DataError, match=rf"^{path}:2: template_error: .*prefix"):
-        collect_examples(hiding, [path], MAX_LEN, strict=True)
+        collect_examples(hiding, [path], MAX_LEN, strict=True, **prefix)
+    # auto: the multi-turn record is trained turn by turn, each in its generation context
+    examples, tally = collect_examples(hiding, [path], 4 * MAX_LEN, strict=False)
+    assert not tally.dropped
+    assert [e.sample_id for e in examples] == [f"{path}:1", f"{path}:2#0", f"{path}:2#1", f"{path}:3"]
 
 
 def test_no_chat_template_names_folder(tok, tmp_path):
@@ -411,7 +445,7 @@ def write_inputs(folder: Path) -> list[Path]:
     qa = [(Q1, A1), (Q2, A2), (SYSTEM, A1), (Q1 + " " + Q2, A2 + " " + A1)]
     jl = folder / "a.jsonl"
     lines = [
-        json.dumps(openai(("user", q), ("assistant", a + f" ({i})")))
+        json.dumps(openai(("user", q + f" ({i})"), ("assistant", a + f" ({i})")))
         for i, (q, a) in enumerate(qa * 2)
     ]
     lines.insert(3, BAD["unknown_role"])  # line 4
@@ -552,7 +586,7 @@ def test_cli_end_to_end(tok, target, tmp_path):
 def test_cli_counts_bad_encoding(target, tmp_path):
     inputs = write_inputs(tmp_path / "in")
     latin1 = tmp_path / "in" / "latin1.jsonl"
-    write_lines(latin1, [GOOD, BAD["bad_encoding"]])
+    write_lines(latin1, [good(1), BAD["bad_encoding"]])
     assert run_cli(target, [*inputs, latin1], tmp_path / "tok") == 0
     report = json.loads((tmp_path / "tok" / "report.json").read_text())
     assert report["dropped_by_reason"]["bad_encoding"] == 1 and report["records_dropped"] == 2

@@ -19,13 +19,21 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eyrie.data.chat import load_chat_tokenizer, prompt_ids, render_with_mask
+from eyrie.data.chat import (
+    MaskSettings,
+    check_mode,
+    load_chat_tokenizer,
+    masked_samples,
+    prompt_ids,
+    template_traits,
+)
 from eyrie.data.records import (
     REASONS,
+    Conversation,
     RawRecord,
     RecordError,
     read_records,
-    to_messages,
+    to_conversation,
 )
 from eyrie.errors import DataError, TargetError
 from eyrie.formats.tokenized import EVAL_SCHEMA, SHARD_SCHEMA
@@ -39,7 +47,15 @@ LOG_EVERY = 5000
 
 
 # listed in dropped_by_reason only when they occur, so that reports of clean inputs keep their keys
-LISTED_WHEN_SEEN = ("bad_encoding",)
+LISTED_WHEN_SEEN = (
+    "bad_encoding",
+    "record_too_large",
+    "bad_tool_calls",
+    "duplicate",
+    "shares_eval_prompt",
+    "regenerate_cut",
+    "regenerate_failed",
+)
 
 
 TOP_REASONS = 3  # reasons named in the "too few usable records" error
@@ -52,6 +68,10 @@ class DataSettings:
     num_eval: int
     seed: int
     strict: bool
+    mask_mode: str
+    train_reasoning: bool
+    non_text: str
+    regenerate: bool
 
     @classmethod
     def from_settings(cls, settings: dict) -> "DataSettings":
@@ -59,21 +79,43 @@ class DataSettings:
         data = load_settings(settings, ["data"], DataError)["data"]
         return cls(**{f.name: data[f.name] for f in fields(cls)})
 
+    @property
+    def mask(self) -> MaskSettings:
+        return MaskSettings(self.mask_mode, self.train_reasoning)
+
 
 @dataclass
 class Example:
+    """One training sample (a record expanded per turn gives several, ids `<record>#<turn>`)."""
+
     sample_id: str
     input_ids: list[int]
     loss_mask: list[int]
-    messages: list[dict] = field(repr=False)
+
+
+@dataclass
+class Record:
+    """One usable conversation and its samples."""
+
+    raw: RawRecord
+    conv: Conversation
+    examples: list[Example]
+    mode: str  # the mask mode that made the samples: prefix | per_turn | generation
+    truncated: int = 0  # samples cut to max_seq_len
+    dropped_samples: int = 0  # samples with no assistant token left after the cut
+    reasoning_not_rendered: int = 0
+
+    @property
+    def sample_id(self) -> str:
+        return self.raw.sample_id
 
 
 @dataclass
 class Tally:
     records_read: int = 0
-    truncated: int = 0
     dropped: list[dict] = field(default_factory=list)
     per_file: dict = field(default_factory=dict)
+    records: list[Record] = field(default_factory=list)  # the usable ones, in input order
 
     def by_reason(self) -> dict[str, int]:
         counts = {r: 0 for r in REASONS if r not in LISTED_WHEN_SEEN}
@@ -100,56 +142,82 @@ class Tally:
         )
 
 
-def tokenize_record(tokenizer, raw: RawRecord, max_seq_len: int) -> tuple[Example, bool]:
-    """One record -> (example cut to max_seq_len, whether it was cut); RecordError if unusable."""
-    if raw.error is not None:
-        raise raw.error
-    messages = to_messages(raw.obj)
-    ids, mask = render_with_mask(tokenizer, messages)
-    truncated = len(ids) > max_seq_len
-    ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-    if not any(mask):
+def tokenize_conversation(
+    tokenizer, raw: RawRecord, conv: Conversation, cfg: DataSettings
+) -> Record:
+    """One conversation -> its samples cut to max_seq_len; RecordError if none is usable."""
+    masked = masked_samples(tokenizer, conv, cfg.mask)
+    many = len(masked.samples) > 1
+    record = Record(raw, conv, [], masked.mode)
+    record.reasoning_not_rendered = masked.reasoning_not_rendered
+    for k, (ids, mask) in enumerate(masked.samples):
+        record.truncated += len(ids) > cfg.max_seq_len
+        ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
+        if not any(mask):
+            record.dropped_samples += 1
+            continue
+        sample_id = f"{raw.sample_id}#{k}" if many else raw.sample_id
+        record.examples.append(Example(sample_id, ids, mask))
+    if not record.examples:
         raise RecordError(
             "no_assistant_tokens_after_truncation",
-            f"the first assistant token is beyond max_seq_len={max_seq_len}",
+            f"the first assistant token is beyond max_seq_len={cfg.max_seq_len}",
         )
-    return Example(raw.sample_id, ids, mask, messages), truncated
+    return record
 
 
-def collect_examples(
-    tokenizer, inputs: list[str | Path], max_seq_len: int, strict: bool
-) -> tuple[list[Example], Tally]:
-    """Every record of `inputs` in order, tokenized; unusable ones counted (strict: raised)."""
+def tokenize_record(tokenizer, raw: RawRecord, cfg: DataSettings) -> Record:
+    """One raw record -> its Record; RecordError if unusable."""
+    if raw.error is not None:
+        raise raw.error
+    return tokenize_conversation(tokenizer, raw, to_conversation(raw.obj, cfg.non_text), cfg)
+
+
+def collect_records(tokenizer, inputs: list[str | Path], cfg: DataSettings) -> Tally:
+    """Every record of `inputs` in order, tokenized; unusable ones and later copies of a
+    conversation counted (strict: the first unusable one raised)."""
     _require_files(inputs)
-    examples, tally = [], Tally()
+    tally, seen = Tally(), {}
     for path in inputs:
-        read_before, used_before = tally.records_read, len(examples)
+        read_before, used_before = tally.records_read, len(tally.records)
         for raw in read_records(path):
             tally.records_read += 1
             try:
-                example, truncated = tokenize_record(tokenizer, raw, max_seq_len)
+                record = _usable(tokenizer, raw, cfg, seen)
             except RecordError as err:
-                if strict:
+                if cfg.strict and err.reason != "duplicate":
                     raise _strict_error(raw, err) from err
                 tally.drop(raw, err)
                 continue
-            examples.append(example)
-            tally.truncated += truncated
+            tally.records.append(record)
             if tally.records_read % LOG_EVERY == 0:
-                log.info("%d records read, %d usable", tally.records_read, len(examples))
-        read, used = tally.records_read - read_before, len(examples) - used_before
+                log.info("%d records read, %d usable", tally.records_read, len(tally.records))
+        read, used = tally.records_read - read_before, len(tally.records) - used_before
         tally.per_file[str(path)] = {
             "records_read": read,
             "records_used": used,
             "sha256": _sha256(path),
         }
         log.info("%s: %d records, %d usable", path, read, used)
-    return examples, tally
+    return tally
+
+
+def _usable(tokenizer, raw: RawRecord, cfg: DataSettings, seen: dict[str, str]) -> Record:
+    """The record tokenized, unless it repeats a conversation already kept (`seen`: key -> id)."""
+    if raw.error is not None:
+        raise raw.error
+    conv = to_conversation(raw.obj, cfg.non_text)
+    key = conv.key()
+    if key in seen:
+        raise RecordError("duplicate", f"the same conversation as {seen[key]}")
+    record = tokenize_conversation(tokenizer, raw, conv, cfg)
+    seen[key] = raw.sample_id
+    return record
 
 
 def _require_files(inputs: list[str | Path]) -> None:
-    """Every input file exists, checked before any is read: one error for all that are missing."""
-    missing = [str(p) for p in inputs if not Path(p).is_file()]
+    """Every input exists, checked before any is read: one error for all that are missing."""
+    missing = [str(p) for p in inputs if not Path(p).exists()]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise DataError(f"{missing[0]}: input file not found{more}; fix data.conversations")
@@ -162,13 +230,13 @@ def _strict_error(raw: RawRecord, err: RecordError) -> DataError:
     )
 
 
-def split_examples(
-    examples: list[Example], num_eval: int, num_shards: int, seed: int
-) -> tuple[list[Example], list[list[Example]]]:
+def split_records(
+    records: list[Record], num_eval: int, num_shards: int, seed: int
+) -> tuple[list[Record], list[list[Record]]]:
     """Shuffle with `seed`: the first num_eval are eval, the rest cut into contiguous shards."""
-    order = list(range(len(examples)))
+    order = list(range(len(records)))
     random.Random(seed).shuffle(order)
-    shuffled = [examples[i] for i in order]
+    shuffled = [records[i] for i in order]
     held_out, rest = shuffled[:num_eval], shuffled[num_eval:]
     base, extra = divmod(len(rest), num_shards)
     shards, pos = [], 0
@@ -177,6 +245,72 @@ def split_examples(
         shards.append(rest[pos : pos + size])
         pos += size
     return held_out, shards
+
+
+def without_eval_prompts(
+    shards: list[list[Record]], held_out: list[Record], tally: Tally
+) -> list[list[Record]]:
+    """The shards less every record whose prompt is a held-out record's prompt (counted)."""
+    eval_prompts = {r.conv.prompt_key(): r.sample_id for r in held_out}
+    kept = []
+    for shard in shards:
+        kept.append([])
+        for record in shard:
+            other = eval_prompts.get(record.conv.prompt_key())
+            if other is None:
+                kept[-1].append(record)
+            else:
+                tally.drop(record.raw, RecordError("shares_eval_prompt", f"eval record {other}"))
+    return kept
+
+
+def read_regenerated(files: list[str | Path]) -> dict[str, dict]:
+    """sample_id -> the regenerate stage's line for it, from all its shard files."""
+    out = {}
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                try:
+                    entry = json.loads(line)
+                    out[entry["sample_id"]] = entry
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise DataError(
+                        f"{path}:{lineno}: not a regenerated record ({type(exc).__name__}); "
+                        "delete the file to regenerate it"
+                    ) from exc
+    return out
+
+
+def regenerated_shards(
+    tokenizer, shards: list[list[Record]], regenerated: dict[str, dict], cfg: DataSettings, tally
+) -> list[list[Record]]:
+    """Each training record replaced by its regenerated version; cut, failed or unusable ones
+    dropped and counted. A record the regenerated files do not hold stops the stage."""
+    out = []
+    for shard in shards:
+        out.append([])
+        for record in shard:
+            entry = regenerated.get(record.sample_id)
+            if entry is None:
+                raise DataError(
+                    f"{record.sample_id}: not in the regenerated files; they are stale: "
+                    "delete results/<name>/regenerated to regenerate"
+                )
+            try:
+                out[-1].append(_regenerated_record(tokenizer, record.raw, entry, cfg))
+            except RecordError as err:
+                tally.drop(record.raw, err)
+    return out
+
+
+def _regenerated_record(tokenizer, raw: RawRecord, entry: dict, cfg: DataSettings) -> Record:
+    status = entry.get("status")
+    if status == "cut":
+        raise RecordError("regenerate_cut", entry.get("detail", "hit regenerate.max_new_tokens"))
+    if status != "ok":
+        raise RecordError("regenerate_failed", entry.get("detail", f"status {status!r}"))
+    conv = to_conversation(entry, cfg.non_text)
+    return tokenize_conversation(tokenizer, raw, conv, cfg)
 
 
 def _table(examples: list[Example], with_prompt: list[list[int]] | None = None) -> pa.Table:
@@ -190,6 +324,10 @@ def _table(examples: list[Example], with_prompt: list[list[int]] | None = None) 
     return pa.table({**columns, "prompt_ids": with_prompt}, schema=EVAL_SCHEMA)
 
 
+def _samples(records: list[Record]) -> list[Example]:
+    return [e for r in records for e in r.examples]
+
+
 def _stats(examples: list[Example]) -> dict:
     return {
         "records": len(examples),
@@ -199,67 +337,125 @@ def _stats(examples: list[Example]) -> dict:
 
 
 def _sha256(path: str | Path) -> str:
+    """Of a file's bytes; of a datasets folder, of its files' names and bytes in name order."""
+    path = Path(path)
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        if path.is_dir():
+            h.update(str(file.relative_to(path)).encode() + b"\0")
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
     return h.hexdigest()[:16]
 
 
+@dataclass
+class Split:
+    """The usable records after the eval split: held out, and the training shards."""
+
+    held_out: list[Record]
+    shards: list[list[Record]]
+
+
 def tokenize(
-    target: str | Path, inputs: list[str | Path], out_dir: str | Path, settings: dict
+    target: str | Path,
+    inputs: list[str | Path],
+    out_dir: str | Path,
+    settings: dict,
+    regenerated: list[str | Path] = (),
 ) -> dict:
-    """The whole stage: shards, eval.parquet and report.json into `out_dir`; returns the report."""
+    """The whole stage: shards, eval.parquet and report.json into `out_dir`; returns the report.
+    `regenerated`: the regenerate stage's files, whose versions replace the training records."""
     cfg = DataSettings.from_settings(settings)
     trust = settings.get("trust_remote_code", False)
     if not isinstance(trust, bool):
         raise DataError(f"trust_remote_code={trust!r}: must be true or false")
     if not inputs:
         raise DataError("no input files; set data.conversations")
+    if cfg.regenerate and not regenerated:
+        raise DataError("data.regenerate: true, but no --regenerated files were given")
     tokenizer = load_chat_tokenizer(target, trust)
+    traits = template_traits(tokenizer)
+    check_mode(traits, cfg.mask_mode, str(target))
     log.info(
-        "tokenizing %d file(s) with the chat template of %s (max_seq_len=%d)",
+        "tokenizing %d file(s) with the chat template of %s (max_seq_len=%d, mask_mode=%s: %s)",
         len(inputs),
         target,
         cfg.max_seq_len,
+        cfg.mask_mode,
+        "prefix-stable" if traits.prefix_stable else "not prefix-stable",
     )
-    examples, tally = collect_examples(tokenizer, inputs, cfg.max_seq_len, cfg.strict)
-    _require_enough(examples, tally, cfg)
-    held_out, shards = split_examples(examples, cfg.num_eval, cfg.num_shards, cfg.seed)
-    prompts = [prompt_ids(tokenizer, e.messages) for e in held_out]
-    report = {
+    tally = collect_records(tokenizer, inputs, cfg)
+    _require_enough(tally, cfg)
+    held_out, shards = split_records(tally.records, cfg.num_eval, cfg.num_shards, cfg.seed)
+    shards = without_eval_prompts(shards, held_out, tally)
+    if regenerated:
+        regen = read_regenerated(regenerated)
+        shards = regenerated_shards(tokenizer, shards, regen, cfg, tally)
+    split = Split(held_out, shards)
+    report = _report(target, tally, cfg, split, traits)
+    report["provenance"] = provenance(settings)
+    report["regenerated"] = _regenerated_summary(split, tally) if regenerated else None
+    prompts = [prompt_ids(tokenizer, r.conv) for r in held_out]
+    _write_outputs(out_dir, split, prompts, report)
+    _log_summary(report, out_dir)
+    _warn(report)
+    return report
+
+
+def _report(target, tally: Tally, cfg: DataSettings, split: Split, traits) -> dict:
+    kept = [*split.held_out, *(r for shard in split.shards for r in shard)]
+    modes = {m: sum(r.mode == m for r in kept) for m in ("prefix", "per_turn", "generation")}
+    return {
         "target": str(target),
         "tokenizer_hash": _tokenizer_hash(target),
         "inputs": tally.per_file,
         "records_read": tally.records_read,
-        "records_used": len(examples),
+        "records_used": len(kept),
         "records_dropped": len(tally.dropped),
         "dropped_by_reason": tally.by_reason(),
         "dropped": tally.dropped,
-        "truncated": tally.truncated,
+        "truncated": sum(r.truncated for r in kept),
         "max_seq_len": cfg.max_seq_len,
-        "eval": {"file": "eval.parquet", **_stats(held_out)},
+        "masks": {
+            "mask_mode": cfg.mask_mode,
+            "template": traits.as_dict(),
+            "records_by_mode": modes,
+            "samples": sum(len(r.examples) for r in kept),
+            "samples_dropped_after_truncation": sum(r.dropped_samples for r in kept),
+            "train_reasoning": cfg.train_reasoning,
+            "reasoning_not_rendered": sum(r.reasoning_not_rendered for r in kept),
+            "non_text_parts_dropped": sum(r.conv.dropped_parts for r in kept),
+        },
+        "eval": {"file": "eval.parquet", **_stats([r.examples[0] for r in split.held_out])},
         "shards": [
-            {"file": f"shard_{s:03d}.parquet", **_stats(shard)} for s, shard in enumerate(shards)
+            {"file": f"shard_{s:03d}.parquet", **_stats(_samples(shard))}
+            for s, shard in enumerate(split.shards)
         ],
-        "provenance": provenance(settings),
     }
-    _write_outputs(out_dir, shards, held_out, prompts, report)
-    _log_summary(report, out_dir)
-    return report
 
 
-def _require_enough(examples: list[Example], tally: Tally, cfg: DataSettings) -> None:
+def _require_enough(tally: Tally, cfg: DataSettings) -> None:
     need = cfg.num_eval + cfg.num_shards
-    if len(examples) < need:
+    if len(tally.records) < need:
         fix = ", or fix the dropped records (data.strict: true names the first)"
         fix = fix if tally.dropped else ""
         raise DataError(
-            f"only {len(examples)} usable records of {tally.records_read} read (dropped: "
+            f"only {len(tally.records)} usable records of {tally.records_read} read (dropped: "
             f"{tally.top_reasons(TOP_REASONS)}); need at least data.num_eval + data.num_shards = "
             f"{cfg.num_eval} + {cfg.num_shards} = {need}: lower data.num_eval/data.num_shards "
             f"or add conversations{fix}"
         )
+
+
+def _regenerated_summary(split: Split, tally: Tally) -> dict:
+    counts = tally.by_reason()
+    return {
+        "records_used": sum(len(shard) for shard in split.shards),
+        "cut": counts.get("regenerate_cut", 0),
+        "failed": counts.get("regenerate_failed", 0),
+    }
 
 
 def _tokenizer_hash(target: str | Path) -> str | None:
@@ -271,19 +467,14 @@ def _tokenizer_hash(target: str | Path) -> str | None:
         return None
 
 
-def _write_outputs(
-    out_dir: str | Path,
-    shards: list[list[Example]],
-    held_out: list[Example],
-    prompts: list[list[int]],
-    report: dict,
-) -> None:
+def _write_outputs(out_dir: str | Path, split: Split, prompts: list[list[int]], report: dict):
     """The shards, eval.parquet and report.json, into `out_dir` at once (row counts checked)."""
     with atomic_path(out_dir) as tmp:
         tmp.mkdir(parents=True)
-        for s, shard in enumerate(shards):
-            pq.write_table(_table(shard), tmp / f"shard_{s:03d}.parquet")
-        pq.write_table(_table(held_out, prompts), tmp / "eval.parquet")
+        for s, shard in enumerate(split.shards):
+            pq.write_table(_table(_samples(shard)), tmp / f"shard_{s:03d}.parquet")
+        first = [r.examples[0] for r in split.held_out]
+        pq.write_table(_table(first, prompts), tmp / "eval.parquet")
         for entry in [*report["shards"], report["eval"]]:  # validate before the rename
             rows = pq.read_metadata(tmp / entry["file"]).num_rows
             assert rows == entry["records"], (entry["file"], rows, entry["records"])
@@ -308,6 +499,22 @@ def _log_summary(report: dict, out_dir: str | Path) -> None:
     )
 
 
+def _warn(report: dict) -> None:
+    """What the user should know although nothing failed, on the terminal (the log's stderr)."""
+    masks = report["masks"]
+    if masks["reasoning_not_rendered"]:
+        log.warning(
+            "%d assistant turn(s) carry reasoning that the chat template does not render "
+            "(it is not in the trained text); use the target's own template or drop the field",
+            masks["reasoning_not_rendered"],
+        )
+    if masks["non_text_parts_dropped"]:
+        log.warning(
+            "%d non-text content part(s) left out (data.non_text: keep_text)",
+            masks["non_text_parts_dropped"],
+        )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from eyrie.runtime import settings_arg
 
@@ -324,11 +531,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--settings",
         required=True,
         type=settings_arg,
-        help='JSON: {"data": {max_seq_len, num_shards, num_eval, seed, strict}, '
+        help='JSON: {"data": {max_seq_len, num_shards, num_eval, seed, strict, mask_mode, ...}, '
         '"trust_remote_code": bool}',
+    )
+    parser.add_argument(
+        "--regenerated",
+        nargs="+",
+        default=[],
+        help="the regenerate stage's shard files: their responses replace the training records'",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    tokenize(args.target, args.inputs, args.out_dir, args.settings)
+    tokenize(args.target, args.inputs, args.out_dir, args.settings, args.regenerated)
     return 0
