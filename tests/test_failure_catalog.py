@@ -422,7 +422,7 @@ def test_all_zero_loss_mask(tmp_path):
     assert check.problems[0] == (
         f"{tmp_path}: chat template yields an all-zero assistant loss mask "
         "on sample conversation 0; the template must render assistant "
-        "turns so their text can be located (see docs/tokenization)"
+        "turns so their text can be located (docs/data.md#the-loss-mask)"
     )
 
 

@@ -145,8 +145,9 @@ def prefix_sample(tokenizer, conv: Conversation) -> Sample:
 
 def per_turn_samples(tokenizer, conv: Conversation) -> list[Sample]:
     """Each assistant turn in the context of its generation: history as the template renders
-    history, the turn as the final turn. A turn joins the previous turn's sample when that
-    sample's text is exactly what precedes it, so a prefix-stable stretch costs one sample."""
+    it before the turn (with the generation prompt), then the turn as the template renders the
+    final turn. A turn joins the previous turn's sample when that sample's text up to its last
+    span is exactly what precedes it, so a prefix-stable stretch costs one sample."""
     messages, tools = conv.messages, conv.tools
     samples: list[Sample] = []
     for i, message in enumerate(messages):
@@ -154,19 +155,45 @@ def per_turn_samples(tokenizer, conv: Conversation) -> list[Sample]:
             continue
         before = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
         upto = render(tokenizer, messages[: i + 1], tools=tools)
-        if not (upto.startswith(before) and len(before) < len(upto)):
-            raise RecordError(
-                "template_error",
-                f"assistant turn {i} rendered as the final turn does not begin with its "
-                "prompt rendered with the generation prompt",
-            )
-        span = _turn_span(before, upto)
+        turn = upto[len(before) :] if upto.startswith(before) else _final_turn(tokenizer, conv, i)
+        if not turn.strip():
+            raise RecordError("template_error", f"assistant turn {i} renders no text")
+        text = before + turn
+        span = _turn_span(before, text)
         last = samples[-1] if samples else None
-        if last is not None and upto.startswith(last.text[: last.spans[-1][1]]):
-            samples[-1] = Sample(upto, [*last.spans, span], [*last.turns, i])
+        if last is not None and text.startswith(last.text[: last.spans[-1][1]]):
+            samples[-1] = Sample(text, [*last.spans, span], [*last.turns, i])
         else:
-            samples.append(Sample(upto, [span], [i]))
+            samples.append(Sample(text, [span], [i]))
     return samples
+
+
+SENTINEL = "\u2063"  # invisible separator: marks where a final turn's own text begins
+
+
+def _final_turn(tokenizer, conv: Conversation, i: int) -> str:
+    """The text of assistant turn `i` as the template renders it as the final turn, for a
+    template that also re-renders the history once the turn exists (e.g. drops earlier
+    reasoning): what follows the generation prompt in front of the turn's first own character."""
+    messages, tools = conv.messages, conv.tools
+    history = render(tokenizer, messages[:i], tools=tools)
+    before = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+    upto = render(tokenizer, messages[: i + 1], tools=tools)
+    marked = dict(messages[i])
+    for key in ("content", "reasoning_content"):
+        if key in marked:
+            marked[key] = SENTINEL + marked[key]
+    other = render(tokenizer, [*messages[:i], marked], tools=tools)
+    differ = next((k for k, (a, b) in enumerate(zip(upto, other)) if a != b), len(upto))
+    prompt = before[len(history) :] if before.startswith(history) else ""
+    at = upto.rfind(prompt, 0, differ) if prompt else -1
+    if at < 0:
+        raise RecordError(
+            "template_error",
+            f"assistant turn {i} rendered as the final turn does not follow the generation "
+            "prompt the template writes before it",
+        )
+    return upto[at + len(prompt) :]
 
 
 def generation_sample(tokenizer, conv: Conversation) -> Sample:
@@ -328,18 +355,28 @@ class TemplateTraits:
 
 
 def template_traits(tokenizer) -> TemplateTraits:
-    """Test the template once on PROBE (RecordError if it cannot render the probe at all)."""
+    """Test the template once on PROBE (without its system turn if the template refuses one)."""
     marks = bool(GENERATION_MARK.search(tokenizer.get_chat_template()))
+    error = None
+    for probe in (PROBE, Conversation(PROBE.messages[1:])):
+        try:
+            return _probe_traits(tokenizer, probe, marks)
+        except RecordError as err:
+            error = err
+    detail = f"the probe conversation does not render: {error.detail}"
+    return TemplateTraits(False, marks, False, "per_turn", detail)
+
+
+def _probe_traits(tokenizer, probe: Conversation, marks: bool) -> TemplateTraits:
     try:
-        sample = prefix_sample(tokenizer, PROBE)
+        sample = prefix_sample(tokenizer, probe)
         stable, detail = True, ""
     except RecordError as err:
         if "not prefix-stable" not in err.detail:
             raise
-        sample = per_turn_samples(tokenizer, PROBE)[-1]
+        sample = per_turn_samples(tokenizer, probe)[-1]
         stable, detail = False, err.detail
-    final = PROBE.messages[-1]["reasoning_content"]
-    renders = final in sample.text
+    renders = probe.messages[-1]["reasoning_content"] in sample.text
     return TemplateTraits(stable, marks, renders, "prefix" if stable else "per_turn", detail)
 
 

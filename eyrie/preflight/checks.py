@@ -63,10 +63,13 @@ def check_weights(path: Path, check: Check) -> None:
         )
 
 
-def check_tokenizer(path: Path, trust_remote_code: bool, check: Check) -> str | None:
+def check_tokenizer(path: Path, trust_remote_code: bool, check: Check) -> tuple[str, dict] | None:
+    """The tokenizer's hash and what its chat template does (the mask mode `auto` picks for a
+    multi-turn conversation with reasoning); None with a problem if it cannot train anything."""
     from transformers import AutoTokenizer
 
-    from eyrie.data.chat import render_with_mask
+    from eyrie.data.chat import MaskSettings, masked_samples, template_traits
+    from eyrie.data.records import Conversation
 
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -81,19 +84,21 @@ def check_tokenizer(path: Path, trust_remote_code: bool, check: Check) -> str | 
             f"{path}: tokenizer has no chat template; add chat_template.jinja to the target folder"
         )
         return None
+    traits = None
     for i, messages in enumerate(SAMPLE_CONVERSATIONS):
         try:
-            ids, mask = render_with_mask(tok, messages)
+            masked = masked_samples(tok, Conversation(messages), MaskSettings())
+            traits = traits or template_traits(tok)
         except EyrieError as exc:
             check.problem(f"{path}: chat template fails on sample conversation {i}: {exc}")
             continue
-        if sum(mask) == 0:
+        if not any(sum(mask) for _, mask in masked.samples):
             check.problem(
                 f"{path}: chat template yields an all-zero assistant loss mask on sample "
                 f"conversation {i}; the template must render assistant turns so their "
-                "text can be located (see docs/tokenization)"
+                "text can be located (docs/data.md#the-loss-mask)"
             )
-    return tokenizer_hash(path)
+    return tokenizer_hash(path), (traits.as_dict() if traits else None)
 
 
 @dataclass(frozen=True)

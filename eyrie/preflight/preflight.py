@@ -97,9 +97,9 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
         check.problems += got["problems"]
         check.warnings += got["warnings"]
         vllm_report = got["report"]
-    tok_hash = None
+    tok_hash, template = None, None
     if not (info.needs_remote_code and not trust):
-        tok_hash = check_tokenizer(target, trust, check)
+        tok_hash, template = check_tokenizer(target, trust, check) or (None, None)
     storage = None
     if tokenize_report is not None:
         tokens = training_tokens(tokenize_report, check)
@@ -117,6 +117,7 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
         "aux_layer_ids": aux_ids,
         "final_layer_id": final_id,
         "storage": storage,
+        "chat_template": template,
         "vllm": vllm_report,
         "warnings": check.warnings,
         "provenance": provenance(settings),
@@ -158,6 +159,15 @@ def run(args) -> int:
         report["aux_layer_ids"],
         report["final_layer_id"],
     )
+    template = report["chat_template"]
+    if template is not None:
+        log.info(
+            "chat template: %s; data.mask_mode auto trains %s (docs/data.md#the-loss-mask)",
+            "prefix-stable" if template["prefix_stable"] else "not prefix-stable",
+            "whole conversations"
+            if template["prefix_stable"]
+            else "each assistant turn in the context it is generated in",
+        )
     for warning in report["warnings"]:
         log.warning("%s", warning)
     if report["vllm"] is not None:
