@@ -231,37 +231,29 @@ def _strict_error(raw: RawRecord, err: RecordError) -> DataError:
 
 
 def split_records(
-    records: list[Record], num_eval: int, num_shards: int, seed: int
+    records: list[Record], cfg: DataSettings, tally: Tally
 ) -> tuple[list[Record], list[list[Record]]]:
-    """Shuffle with `seed`: the first num_eval are eval, the rest cut into contiguous shards."""
+    """Shuffle with data.seed: the first num_eval are eval; the rest, less the records whose
+    prompt is a held-out prompt (counted), cut into num_shards contiguous shards."""
     order = list(range(len(records)))
-    random.Random(seed).shuffle(order)
+    random.Random(cfg.seed).shuffle(order)
     shuffled = [records[i] for i in order]
-    held_out, rest = shuffled[:num_eval], shuffled[num_eval:]
-    base, extra = divmod(len(rest), num_shards)
-    shards, pos = [], 0
-    for s in range(num_shards):
-        size = base + (s < extra)
-        shards.append(rest[pos : pos + size])
-        pos += size
-    return held_out, shards
-
-
-def without_eval_prompts(
-    shards: list[list[Record]], held_out: list[Record], tally: Tally
-) -> list[list[Record]]:
-    """The shards less every record whose prompt is a held-out record's prompt (counted)."""
+    held_out, rest = shuffled[: cfg.num_eval], shuffled[cfg.num_eval :]
     eval_prompts = {r.conv.prompt_key(): r.sample_id for r in held_out}
     kept = []
-    for shard in shards:
-        kept.append([])
-        for record in shard:
-            other = eval_prompts.get(record.conv.prompt_key())
-            if other is None:
-                kept[-1].append(record)
-            else:
-                tally.drop(record.raw, RecordError("shares_eval_prompt", f"eval record {other}"))
-    return kept
+    for record in rest:
+        other = eval_prompts.get(record.conv.prompt_key())
+        if other is None:
+            kept.append(record)
+        else:
+            tally.drop(record.raw, RecordError("shares_eval_prompt", f"eval record {other}"))
+    base, extra = divmod(len(kept), cfg.num_shards)
+    shards, pos = [], 0
+    for s in range(cfg.num_shards):
+        size = base + (s < extra)
+        shards.append(kept[pos : pos + size])
+        pos += size
+    return held_out, shards
 
 
 def read_regenerated(files: list[str | Path]) -> dict[str, dict]:
@@ -388,8 +380,7 @@ def tokenize(
     )
     tally = collect_records(tokenizer, inputs, cfg)
     _require_enough(tally, cfg)
-    held_out, shards = split_records(tally.records, cfg.num_eval, cfg.num_shards, cfg.seed)
-    shards = without_eval_prompts(shards, held_out, tally)
+    held_out, shards = split_records(tally.records, cfg, tally)
     if regenerated:
         regen = read_regenerated(regenerated)
         shards = regenerated_shards(tokenizer, shards, regen, cfg, tally)
