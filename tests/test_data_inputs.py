@@ -339,3 +339,14 @@ def test_cli_takes_the_regenerated_files(tmp_path, monkeypatch):
         == 0
     )
     assert cli.main([*argv, str(tmp_path / "p"), "--settings", settings]) == 2  # one-line error
+
+
+def test_preflight_reports_what_the_template_needs(tmp_path):
+    from eyrie.preflight import checks as pf_checks
+
+    for family, stable in (("qwen3", False), ("llama3", True)):
+        target = make_target(tmp_path / family, family)
+        check = pf_checks.Check([], [])
+        _, template = pf_checks.check_tokenizer(target, False, check)
+        assert check.problems == [] and template["prefix_stable"] is stable
+        assert template["auto_mode"] == ("prefix" if stable else "per_turn")

@@ -167,11 +167,7 @@ def read_records(path: str | Path) -> Iterator[RawRecord]:
     elif kind == ".json":
         yield from _json_records(path)
     elif kind == ".parquet":
-        try:
-            table = pq.read_table(path)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise DataError(f"{name}: cannot read as Parquet ({_one_line(exc)})") from exc
-        yield from _table_records(name, [table])
+        yield from _table_records(name, _parquet_tables(path))
     elif kind == "datasets":
         yield from _table_records(name, _datasets_tables(path))
     else:
@@ -209,6 +205,15 @@ def _table_records(name: str, tables: Iterator[pa.Table]) -> Iterator[RawRecord]
                 # a column absent from this row's form reads back as null
                 yield RawRecord(name, index, {k: v for k, v in row.items() if v is not None})
                 index += 1
+
+
+def _parquet_tables(path: Path) -> Iterator[pa.Table]:
+    """A Parquet file a batch of rows at a time (bounded memory)."""
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            yield pa.Table.from_batches([batch])
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"{path}: cannot read as Parquet ({_one_line(exc)})") from exc
 
 
 def _datasets_tables(path: Path) -> Iterator[pa.Table]:
