@@ -75,6 +75,7 @@ KEPT_LINTS = {
         for rule in (
             "build_demo_conversations",
             "build_demo_target",
+            "regenerate_responses",
             "tokenize_conversations",
             "build_vocab_map",
             "preflight",

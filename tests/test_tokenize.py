@@ -426,7 +426,12 @@ def test_template_error_not_prefix_stable(tok, tmp_path):
     # auto: the multi-turn record is trained turn by turn, each in its generation context
     examples, tally = collect_examples(hiding, [path], 4 * MAX_LEN, strict=False)
     assert not tally.dropped
-    assert [e.sample_id for e in examples] == [f"{path}:1", f"{path}:2#0", f"{path}:2#1", f"{path}:3"]
+    assert [e.sample_id for e in examples] == [
+        f"{path}:1",
+        f"{path}:2#0",
+        f"{path}:2#1",
+        f"{path}:3",
+    ]
 
 
 def test_no_chat_template_names_folder(tok, tmp_path):
