@@ -137,7 +137,8 @@ def only_these_stages(monkeypatch):
 
 
 def write_conversations(path: Path) -> Path:
-    """Four question/answer pairs, twice, as OpenAI `messages` records."""
+    """Four question/answer pairs, twice (numbered: identical records are one), as OpenAI
+    `messages` records."""
     pairs = [
         ("What is a list?", "A mutable sequence."),
         ("How to sort?", "Use sorted(x)."),
@@ -145,8 +146,13 @@ def write_conversations(path: Path) -> Path:
         ("Thanks", "You are welcome."),
     ] * 2
     records = (
-        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
-        for q, a in pairs
+        {
+            "messages": [
+                {"role": "user", "content": f"{q} ({i})"},
+                {"role": "assistant", "content": f"{a} ({i})"},
+            ]
+        }
+        for i, (q, a) in enumerate(pairs)
     )
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     return path
