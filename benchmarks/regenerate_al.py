@@ -77,8 +77,8 @@ def row(workdir: Path, name: str, wall_s: float) -> dict:
         "steps": tr["steps"],
         "final_loss": tr["final"]["loss"],
         "records_used": rep["records_used"],
-        "train_tokens": rep["shards"]["tokens"],
-        "train_assistant_tokens": rep["shards"]["assistant_tokens"],
+        "train_tokens": sum(s["tokens"] for s in rep["shards"]),
+        "train_assistant_tokens": sum(s["assistant_tokens"] for s in rep["shards"]),
         "regenerate_cut": dropped.get("regenerate_cut", 0),
         "regenerate_failed": dropped.get("regenerate_failed", 0),
         "snakemake_s": wall_s,
@@ -141,7 +141,13 @@ def section(result: dict) -> str:
             f"{x['records_used']} | {x['train_tokens']} | {time_s} |"
         )
     rate = cost["tokens"] / cost["seconds"] if cost["seconds"] else 0
+    more = r["train_tokens"] / o["train_tokens"] - 1
     lines += [
+        "",
+        f"Both runs train the same epochs, so the steps follow the data: the regenerated "
+        f"responses have {100 * more:+.1f}% tokens and {100 * (r['steps'] / o['steps'] - 1):+.1f}% "
+        "steps (`--epochs-match` picks the regenerated run's epochs closest to the original's "
+        "steps).",
         "",
         f"Regeneration: {cost['records']} records, {cost['turns']} turns, {cost['tokens']} tokens "
         f"({rate:.0f} tokens/s over the jobs' wall time), {cost['cut']} cut at "
