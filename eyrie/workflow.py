@@ -33,10 +33,15 @@ def _vllm_used(config: dict) -> bool:
     return _vllm_extract(config) or config["eval"]["vllm"]
 
 
+def _vllm_regenerate(config: dict) -> bool:
+    return config["regenerate"]["backend"] == "vllm"
+
+
 # `rule?condition` in the table: the rule takes the key only when the condition holds
 CONDITIONS = {
     "vllm_extract": (_vllm_extract, "with extract.backend: vllm"),
     "vllm": (_vllm_used, "when vLLM is used"),
+    "vllm_regenerate": (_vllm_regenerate, "with regenerate.backend: vllm"),
 }
 
 
@@ -54,6 +59,7 @@ class Row:
 DEMO_TARGET = ("build_demo_target",)
 DATA = ("tokenize_conversations",)
 REGENERATE = ("regenerate_responses",)
+VLLM_REGENERATE = ("regenerate_responses?vllm_regenerate",)
 EXTRACT = ("extract_hidden_states",)
 TRAIN = ("train_draft", "export_draft")
 VLLM_EXTRACT = ("extract_hidden_states?vllm_extract",)
@@ -63,7 +69,10 @@ ENGINE_READ = ("extract_engine?vllm_extract",)
 TABLE = (
     Row("target.name", other="the paths results/<name>/..., logs/<name>/..."),
     Row("target.path", other="the target folder (null: the demo target, built by the workflow)"),
-    Row("target.trust_remote_code", ("tokenize_conversations", "preflight", *EXTRACT)),
+    Row(
+        "target.trust_remote_code",
+        ("tokenize_conversations", "preflight", *EXTRACT, "preflight_regenerate", *REGENERATE),
+    ),
     Row("demo.seed", ("build_demo_conversations", *DEMO_TARGET)),
     Row("demo.num_conversations", ("build_demo_conversations",)),
     Row("demo.vocab_size", DEMO_TARGET),
@@ -106,7 +115,7 @@ TABLE = (
             "batch_size",
         )
     ),
-    Row("layers.aux_ids", ("preflight", *EXTRACT)),
+    Row("layers.aux_ids", ("preflight", *EXTRACT, "preflight_regenerate")),
     Row("vocab.draft_vocab_size", ("build_vocab_map",)),
     Row(
         "extract.backend",
@@ -150,7 +159,7 @@ TABLE = (
     Row("eval.vllm", read=VLLM_READ, other="`all` asks for eval_vllm.json"),
     Row(
         "vllm.python",
-        read=(*VLLM_READ, *ENGINE_READ),
+        read=(*VLLM_READ, *ENGINE_READ, *VLLM_REGENERATE),
         other="evaluate_vllm compares it as params.python (another environment: another vLLM)",
     ),
     Row(
@@ -160,15 +169,18 @@ TABLE = (
     ),
     Row(
         "vllm.tensor_parallel_size",
-        (*VLLM_EXTRACT, "preflight?vllm_extract", "evaluate_vllm"),
+        (*VLLM_EXTRACT, "preflight?vllm_extract", "evaluate_vllm", *VLLM_REGENERATE),
         VLLM_READ,
         other="the GPUs of a vLLM engine (extract_engine, evaluate_vllm)",
     ),
     Row("vllm.gpu_memory_gib", read=VLLM_READ),
-    Row("vllm.gpu_memory_utilization", read=(*VLLM_READ, *ENGINE_READ, "evaluate_vllm")),
-    Row("vllm.enforce_eager", (*VLLM_EXTRACT, "evaluate_vllm")),
-    Row("vllm.dtype", ("evaluate_vllm",)),
-    Row("vllm.max_model_len", (*VLLM_EXTRACT, "evaluate_vllm")),
+    Row(
+        "vllm.gpu_memory_utilization",
+        read=(*VLLM_READ, *ENGINE_READ, "evaluate_vllm", *VLLM_REGENERATE),
+    ),
+    Row("vllm.enforce_eager", (*VLLM_EXTRACT, "evaluate_vllm", *VLLM_REGENERATE)),
+    Row("vllm.dtype", ("evaluate_vllm", *VLLM_REGENERATE)),
+    Row("vllm.max_model_len", (*VLLM_EXTRACT, "evaluate_vllm", *VLLM_REGENERATE)),
 )
 
 

@@ -40,6 +40,7 @@ rule regenerate_responses:
     input:
         conversations=CONVERSATIONS,
         target=TARGET_FILES,
+        preflight=ancient("results/{name}/preflight-regenerate.json"),
     output:
         "results/{name}/regenerated/shard_{rshard}.jsonl",
     log:

@@ -19,3 +19,21 @@ rule preflight:
     shell:
         "eyrie --threads {threads} preflight --target {params.target} --tokenize-report {input.report}"
         " --out {output} --settings {params.settings:q} --runtime {PREFLIGHT_RUNTIME:q} > {log} 2>&1"
+
+
+# The same target checks before regeneration (no tokenize report exists yet): the regenerate jobs
+# load the target, so a broken target fails here in seconds. They take it as ancient() input:
+# a rerun of this check (layers.aux_ids changed) reruns no regeneration.
+rule preflight_regenerate:
+    input:
+        target=TARGET_FILES,
+    output:
+        "results/{name}/preflight-regenerate.json",
+    log:
+        "logs/{name}/preflight_regenerate.log",
+    params:
+        settings=settings("preflight_regenerate"),
+        target=target_dir,
+    shell:
+        "eyrie --threads {threads} preflight --target {params.target} --out {output}"
+        " --settings {params.settings:q} > {log} 2>&1"

@@ -76,6 +76,7 @@ KEPT_LINTS = {
             "build_demo_conversations",
             "build_demo_target",
             "regenerate_responses",
+            "preflight_regenerate",
             "tokenize_conversations",
             "build_vocab_map",
             "preflight",

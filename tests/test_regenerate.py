@@ -466,7 +466,8 @@ def test_workflow_regenerate_jobs_only_when_enabled(tmp_path):
     assert '"regenerate":true' in tokenize
     # beside the regenerate jobs, the same jobs are planned
     stats_on, stats_off = job_stats(on), job_stats(off)
-    assert stats_on.pop("regenerate_responses") == 4 and stats_on == stats_off
+    assert stats_on.pop("regenerate_responses") == 4 and stats_on.pop("preflight_regenerate") == 1
+    assert stats_on == stats_off
 
 
 # ----------------------------------------------------------------------------- vLLM on a GPU
@@ -537,3 +538,23 @@ def test_vllm_backend_on_a_gpu_matches_hugging_face(tok, inputs, tmp_path):
     assert [x["regenerated_turns"] for x in a] == [x["regenerated_turns"] for x in b]
     same = sum(x["messages"] == y["messages"] for x, y in zip(a, b))
     assert same >= 3, (same, a, b)  # bfloat16 kernels differ; most greedy responses agree
+
+
+def test_the_workflow_gives_the_vllm_backend_its_engine_settings():
+    from eyrie.settings import validate_config
+    from eyrie.vllm.regenerate_vllm import parse_settings
+    from eyrie.workflow import settings_param
+
+    config = validate_config(
+        {
+            "target": {"name": "t", "trust_remote_code": True},
+            "data": {"regenerate": True},
+            "regenerate": {"backend": "vllm"},
+            "vllm": {"tensor_parallel_size": 8, "max_model_len": 4096},
+        }
+    )
+    cfg, engine = parse_settings(json.loads(settings_param(config, "regenerate_responses")), 0.7)
+    assert cfg.trust_remote_code and engine.tensor_parallel_size == 8
+    assert engine.max_model_len == 4096 and engine.gpu_memory_utilization == 0.7
+    config["regenerate"]["backend"] = "hf"
+    assert "vllm" not in json.loads(settings_param(config, "regenerate_responses"))
