@@ -365,9 +365,25 @@ def _tool_calls(calls: object, where: str) -> list[dict]:
     return calls
 
 
-def _message(turn: dict, i: int, form: str, keys: tuple[str, str], roles, keep_text: bool):
+@dataclass(frozen=True)
+class _Form:
+    """A record form: its list key, the role and text keys of a turn, and its roles."""
+
+    name: str
+    role_key: str
+    text_key: str
+    roles: dict
+
+
+FORMS = (
+    _Form("messages", "role", "content", {r: r for r in OPENAI_ROLES}),
+    _Form("conversations", "from", "value", SHAREGPT_ROLES),
+)
+
+
+def _message(turn: dict, i: int, fm: _Form, keep_text: bool) -> tuple[dict, int]:
     """One turn as the template sees it, and how many non-text parts it lost."""
-    role_key, text_key = keys
+    form, role_key, text_key, roles = fm.name, fm.role_key, fm.text_key, fm.roles
     role = turn[role_key]
     if role not in roles:
         raise RecordError(
@@ -408,14 +424,12 @@ def to_conversation(obj: object, non_text: str = "drop") -> Conversation:
     """
     if not isinstance(obj, dict):
         raise RecordError("unknown_format", f"record is a JSON {type(obj).__name__}, not an object")
-    if "messages" in obj:
-        form, keys, roles = "messages", ("role", "content"), {r: r for r in OPENAI_ROLES}
-    elif "conversations" in obj:
-        form, keys, roles = "conversations", ("from", "value"), SHAREGPT_ROLES
-    else:
+    fm = next((f for f in FORMS if f.name in obj), None)
+    if fm is None:
         raise RecordError(
             "unknown_format", f"no 'messages' or 'conversations' key (keys: {sorted(obj)[:8]})"
         )
+    form, keys = fm.name, (fm.role_key, fm.text_key)
     turns = obj[form]
     if not isinstance(turns, list) or not turns:
         raise RecordError("unknown_format", f"'{form}' must be a non-empty list")
@@ -429,7 +443,7 @@ def to_conversation(obj: object, non_text: str = "drop") -> Conversation:
             raise RecordError(
                 "unknown_format", f"{form}[{i}] must be an object with '{keys[0]}' and '{keys[1]}'"
             )
-        message, lost = _message(turn, i, form, keys, roles, non_text == "keep_text")
+        message, lost = _message(turn, i, fm, non_text == "keep_text")
         messages.append(message)
         dropped += lost
     if not any(m["role"] == "assistant" for m in messages):
