@@ -354,3 +354,32 @@ def test_rerun_after_deleting_two_shards_loads_once_and_builds_only_those(built,
     assert log.count("engine: loaded target") == 1
     assert served_shards(log) == ["shard_001", "shard_003"]
     assert planned(work, *(str(p.relative_to(work)) for p in shards)) == {}
+
+
+@pytest.mark.slow
+def test_regeneration_reruns_tokenization_on_the_targets_responses(built, tmp_path):
+    """data.regenerate switched on for a finished run (on a copy): the target preflight and one
+    regenerate job per shard, then tokenization from their files; nothing else before it."""
+    work = tmp_path / "wf"
+    shutil.copytree(built, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    write_config(
+        work, data__regenerate=True, regenerate__num_shards=2, regenerate__max_new_tokens=16
+    )
+    report = "results/tiny/tokenized/report.json"
+    out = snakemake(work, report)
+    assert job_table(out) == {
+        "preflight_regenerate": 1,
+        "regenerate_responses": 2,
+        "tokenize_conversations": 1,
+    }
+    lines = [
+        json.loads(line)
+        for s in ("000", "001")
+        for line in (work / f"results/tiny/regenerated/shard_{s}.jsonl").read_text().splitlines()
+    ]
+    assert len(lines) == 60 and {x["status"] for x in lines} <= {"ok", "cut", "failed"}
+    got = json.loads((work / report).read_text())
+    summary = got["regenerated"]
+    assert summary["records_used"] + summary["cut"] + summary["failed"] > 0
+    assert got["dropped_by_reason"].get("regenerate_cut", 0) == summary["cut"]
+    assert planned(work, report) == {}
