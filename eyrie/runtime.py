@@ -1,8 +1,9 @@
 """What every stage's process shares: its CPU threads, its --settings argument, its error lines.
 
 `usable_threads` / `set_torch_threads` cap torch's threads at the CPUs this process may run on;
-`settings_arg` parses a stage's `--settings JSON` (an object); `describe` gives an exception's
-message, never an empty one. The CLI and the stage entries use these; none imports a stage.
+`settings_arg` parses a stage's `--settings JSON` (an object); `auto_device` resolves a
+`*.device` setting; `describe` gives an exception's message, never an empty one. The CLI and the
+stage entries use these; none imports a stage.
 """
 
 from __future__ import annotations
@@ -33,6 +34,20 @@ def set_torch_threads(asked: int, share: int = 1) -> None:
     import torch
 
     torch.set_num_threads(max(1, usable_threads(asked) // share))
+
+
+def auto_device(key: str, value: str, error: type[Exception]) -> str:
+    """A `*.device` setting as cpu or cuda: auto takes cuda when one is visible; cuda without
+    one raises `error` naming `key`."""
+    import torch
+
+    if value == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if value == "cuda" and not torch.cuda.is_available():
+        raise error(
+            f"{key}=cuda but no CUDA device is visible; run on a GPU node or set {key} to auto/cpu"
+        )
+    return value
 
 
 def describe(exc: BaseException) -> str:

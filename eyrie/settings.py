@@ -116,6 +116,11 @@ def value_problems(key: str, value: Any, name: str | None = None) -> list[str]:
     return _problems(key_schema(key), value, [name or key])
 
 
+def flag_problems(key: str, value: Any, flag: str) -> list[str]:
+    """The schema's problems with a CLI flag that overrides `key` (none when it is not given)."""
+    return [] if value is None else value_problems(key, value, flag)
+
+
 def _settings_schema(schema_path: Path = SCHEMA_PATH) -> dict:
     """The schema of a --settings object: the config's sections, aliased keys at the top."""
     tree = schema(schema_path)

@@ -20,6 +20,7 @@ from eyrie.data.regeneration import (
     Generated,
     RegenSettings,
     ShardPaths,
+    add_shard_arguments,
     end_token_ids,
     regenerate_shard,
     split_at_end,
@@ -27,23 +28,9 @@ from eyrie.data.regeneration import (
 )
 from eyrie.errors import DataError
 from eyrie.io import provenance
-from eyrie.runtime import settings_arg
+from eyrie.runtime import auto_device
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> str:
-    """regenerate.device as a torch device name (auto: cuda when one is visible)."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise DataError(
-            "regenerate.device=cuda but no CUDA device is visible; run on a GPU node or set "
-            "regenerate.device to auto/cpu"
-        )
-    return device
 
 
 def load_model(target: str | Path, device: str, trust_remote_code: bool):
@@ -112,7 +99,7 @@ class HfBackend:
 def load_backend(target: str | Path, cfg: RegenSettings) -> HfBackend:
     import torch
 
-    device = resolve_device(cfg.device)
+    device = auto_device("regenerate.device", cfg.device, DataError)
     tokenizer = load_chat_tokenizer(target, cfg.trust_remote_code)
     torch.manual_seed(cfg.seed)
     model = load_model(target, device, cfg.trust_remote_code)
@@ -121,17 +108,8 @@ def load_backend(target: str | Path, cfg: RegenSettings) -> HfBackend:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="the target model folder")
-    parser.add_argument(
-        "--inputs", nargs="+", required=True, help="data.conversations, in the config's order"
-    )
-    parser.add_argument("--shard", type=int, required=True, help="the shard to regenerate")
-    parser.add_argument("--out", required=True, help="shard_SSS.jsonl to write")
-    parser.add_argument(
-        "--settings",
-        type=settings_arg,
-        required=True,
-        help="JSON: the regenerate section (and data.non_text, trust_remote_code)",
+    add_shard_arguments(
+        parser, "JSON: the regenerate section (and data.non_text, trust_remote_code)"
     )
 
 

@@ -17,14 +17,24 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 from eyrie.arch.target import read_config
 from eyrie.data.chat import render
-from eyrie.data.records import RawRecord, RecordError, _one_line, read_records, to_conversation
+from eyrie.data.records import (
+    Conversation,
+    RawRecord,
+    RecordError,
+    _one_line,
+    read_records,
+    to_conversation,
+)
 from eyrie.errors import DataError
 from eyrie.io import atomic_path
 from eyrie.settings import load_settings, schema_default
+
+if TYPE_CHECKING:
+    import argparse
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +89,19 @@ class RegenSettings:
 
 
 # ----------------------------------------------------------------------------- shards
+
+
+def add_shard_arguments(parser: argparse.ArgumentParser, settings_help: str) -> None:
+    """The arguments both regenerate entries take (the rule's command line)."""
+    from eyrie.runtime import settings_arg
+
+    parser.add_argument("--target", required=True, help="the target model folder")
+    parser.add_argument(
+        "--inputs", nargs="+", required=True, help="data.conversations, in the config's order"
+    )
+    parser.add_argument("--shard", type=int, required=True, help="the shard to regenerate")
+    parser.add_argument("--out", required=True, help="shard_SSS.jsonl to write")
+    parser.add_argument("--settings", type=settings_arg, required=True, help=settings_help)
 
 
 def shard_of(index: int, num_shards: int) -> int:
@@ -243,10 +266,8 @@ class Job:
 
     def line(self) -> dict:
         """The record's line of the output file (docs/contracts.md#files)."""
-        out = {"sample_id": self.sample_id, "messages": self.messages}
-        if self.tools is not None:
-            out["tools"] = self.tools
-        out["status"] = self.status
+        record = Conversation(self.messages, self.tools).to_record()
+        out = {"sample_id": self.sample_id, **record, "status": self.status}
         if self.status != "ok":
             out["detail"] = self.detail
         out["regenerated_turns"] = self.regenerated

@@ -26,6 +26,7 @@ from eyrie.formats.report import read_report
 from eyrie.formats.tokenized import read_prompts
 from eyrie.formats.vocab import read_vocab
 from eyrie.io import atomic_path, provenance, write_json
+from eyrie.runtime import auto_device
 from eyrie.settings import load_settings
 
 log = logging.getLogger(__name__)
@@ -46,13 +47,7 @@ def parse_settings(settings: dict) -> EvalSettings:
     """The eval settings, checked by the schema (every problem at once, each naming its key), with
     the device resolved."""
     ev = load_settings(settings, ["eval"], EvaluateError)["eval"]
-    device = ev["device"]
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise EvaluateError(
-            "eval.device=cuda but no CUDA device is visible; set eval.device to auto or cpu"
-        )
+    device = auto_device("eval.device", ev["device"], EvaluateError)
     return EvalSettings(
         ev["num_speculative_tokens"], ev["max_new_tokens"], ev["num_prompts"], device
     )

@@ -26,6 +26,7 @@ from eyrie.arch.target import inspect_target, resolve_layer_ids, tokenizer_hash
 from eyrie.errors import ExtractError
 from eyrie.formats.tokenized import Tokenized, read_tokenized
 from eyrie.io import provenance
+from eyrie.runtime import auto_device
 from eyrie.settings import load_settings
 
 if TYPE_CHECKING:
@@ -226,14 +227,7 @@ def parse_settings(settings: dict) -> ExtractSettings:
         )
     loaded = load_settings(settings, ["extract", "layers"], ExtractError, problems)
     ext, vllm = loaded["extract"], loaded.get("vllm") or {}
-    device = ext["device"]
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise ExtractError(
-            "extract.device=cuda but no CUDA device is visible; run on a GPU node "
-            "or set extract.device to auto/cpu"
-        )
+    device = auto_device("extract.device", ext["device"], ExtractError)
     dtype = ext["dtype"]
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"

@@ -30,6 +30,7 @@ from eyrie.formats.hidden import ShardReader, validate_shard
 from eyrie.formats.report import read_report
 from eyrie.formats.vocab import read_vocab
 from eyrie.io import provenance, write_json
+from eyrie.runtime import auto_device
 from eyrie.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -610,12 +611,8 @@ def verify_shards(paths: list[Path], expect: dict, scan_values: bool, dist: Dist
 def resolve_device(name: str, dist: Dist | None = None) -> torch.device:
     """cpu, or this process's GPU (cuda:LOCAL_RANK) when CUDA is asked for or `auto` finds it."""
     dist = dist or Dist()
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
+    if auto_device("train.device", name, EyrieError) == "cpu":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise EyrieError("train.device is cuda but no CUDA device is visible; use auto or cpu")
     if dist.local_world > torch.cuda.device_count():
         raise EyrieError(
             f"{dist.local_world} processes on this node but {torch.cuda.device_count()} "

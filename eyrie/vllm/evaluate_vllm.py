@@ -27,7 +27,7 @@ from eyrie.evaluate.specdec import SpecStats
 from eyrie.formats.draft import DRAFT_ARCHS, UNSERVABLE_FLAGS
 from eyrie.formats.tokenized import read_prompts
 from eyrie.io import provenance, write_json
-from eyrie.settings import load_settings, value_problems
+from eyrie.settings import flag_problems, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,8 @@ def parse_settings(settings: dict, gpu_memory_utilization: float | None = None) 
     `gpu_memory_utilization` (the CLI flag) replaces vllm.gpu_memory_utilization: it changes no
     result, so the workflow keeps it out of --settings (no rerun when it changes).
     """
-    flag = "--gpu-memory-utilization"
-    problems = (
-        value_problems("vllm.gpu_memory_utilization", gpu_memory_utilization, flag)
-        if gpu_memory_utilization is not None
-        else []
+    problems = flag_problems(
+        "vllm.gpu_memory_utilization", gpu_memory_utilization, "--gpu-memory-utilization"
     )
     loaded = load_settings(settings, ["eval", "vllm"], EvaluateError, problems)
     ev, vl = loaded["eval"], loaded["vllm"]

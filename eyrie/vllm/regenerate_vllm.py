@@ -22,6 +22,7 @@ from eyrie.data.regeneration import (
     Generated,
     RegenSettings,
     ShardPaths,
+    add_shard_arguments,
     end_token_ids,
     generation_eos,
     regenerate_shard,
@@ -30,8 +31,7 @@ from eyrie.data.regeneration import (
 )
 from eyrie.errors import DataError
 from eyrie.io import provenance
-from eyrie.runtime import settings_arg
-from eyrie.settings import load_settings, value_problems
+from eyrie.settings import flag_problems, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,8 @@ def parse_settings(
     """The regenerate and vllm sections (schema-checked, every problem at once);
     `gpu_memory_utilization` (the CLI flag, not compared by the workflow) wins over the
     section's."""
-    flag = "--gpu-memory-utilization"
-    problems = (
-        value_problems("vllm.gpu_memory_utilization", gpu_memory_utilization, flag)
-        if gpu_memory_utilization is not None
-        else []
+    problems = flag_problems(
+        "vllm.gpu_memory_utilization", gpu_memory_utilization, "--gpu-memory-utilization"
     )
     loaded = load_settings(settings, ["regenerate", "vllm"], DataError, problems)
     cfg = RegenSettings.from_settings(settings)
@@ -153,17 +150,8 @@ def load_backend(target: str | Path, cfg: RegenSettings, engine: VllmEngine) -> 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="the target model folder")
-    parser.add_argument(
-        "--inputs", nargs="+", required=True, help="data.conversations, in the config's order"
-    )
-    parser.add_argument("--shard", type=int, required=True, help="the shard to regenerate")
-    parser.add_argument("--out", required=True, help="shard_SSS.jsonl to write")
-    parser.add_argument(
-        "--settings",
-        type=settings_arg,
-        required=True,
-        help="JSON: the regenerate and vllm sections (and data.non_text, trust_remote_code)",
+    add_shard_arguments(
+        parser, "JSON: the regenerate and vllm sections (and data.non_text, trust_remote_code)"
     )
     parser.add_argument(
         "--gpu-memory-utilization",
