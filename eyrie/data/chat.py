@@ -18,9 +18,6 @@ from pathlib import Path
 from eyrie.data.records import Conversation, RecordError, _one_line
 from eyrie.errors import DataError
 
-MASK_MODES = ("auto", "prefix", "per_turn", "generation")
-
-
 GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -155,7 +152,11 @@ def per_turn_samples(tokenizer, conv: Conversation) -> list[Sample]:
             continue
         before = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
         upto = render(tokenizer, messages[: i + 1], tools=tools)
-        turn = upto[len(before) :] if upto.startswith(before) else _final_turn(tokenizer, conv, i)
+        turn = (
+            upto[len(before) :]
+            if upto.startswith(before)
+            else _final_turn(tokenizer, conv, i, before, upto)
+        )
         if not turn.strip():
             raise RecordError("template_error", f"assistant turn {i} renders no text")
         text = before + turn
@@ -171,14 +172,13 @@ def per_turn_samples(tokenizer, conv: Conversation) -> list[Sample]:
 SENTINEL = "\u2063"  # invisible separator: marks where a final turn's own text begins
 
 
-def _final_turn(tokenizer, conv: Conversation, i: int) -> str:
+def _final_turn(tokenizer, conv: Conversation, i: int, before: str, upto: str) -> str:
     """The text of assistant turn `i` as the template renders it as the final turn, for a
     template that also re-renders the history once the turn exists (e.g. drops earlier
-    reasoning): what follows the generation prompt in front of the turn's first own character."""
+    reasoning): what follows the generation prompt in front of the turn's first own character.
+    `before` and `upto`: the renderings up to the turn, with the generation prompt, and with it."""
     messages, tools = conv.messages, conv.tools
     history = render(tokenizer, messages[:i], tools=tools)
-    before = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
-    upto = render(tokenizer, messages[: i + 1], tools=tools)
     marked = dict(messages[i])
     for key in ("content", "reasoning_content"):
         if key in marked:

@@ -166,11 +166,16 @@ def tokenize_conversation(
     return record
 
 
-def tokenize_record(tokenizer, raw: RawRecord, cfg: DataSettings) -> Record:
-    """One raw record -> its Record; RecordError if unusable."""
+def conversation_of(raw: RawRecord, cfg: DataSettings) -> Conversation:
+    """The record's conversation; RecordError (its reading error, or why it is unusable)."""
     if raw.error is not None:
         raise raw.error
-    return tokenize_conversation(tokenizer, raw, to_conversation(raw.obj, cfg.non_text), cfg)
+    return to_conversation(raw.obj, cfg.non_text)
+
+
+def tokenize_record(tokenizer, raw: RawRecord, cfg: DataSettings) -> Record:
+    """One raw record -> its Record; RecordError if unusable."""
+    return tokenize_conversation(tokenizer, raw, conversation_of(raw, cfg), cfg)
 
 
 def collect_records(tokenizer, inputs: list[str | Path], cfg: DataSettings) -> Tally:
@@ -204,9 +209,7 @@ def collect_records(tokenizer, inputs: list[str | Path], cfg: DataSettings) -> T
 
 def _usable(tokenizer, raw: RawRecord, cfg: DataSettings, seen: dict[str, str]) -> Record:
     """The record tokenized, unless it repeats a conversation already kept (`seen`: key -> id)."""
-    if raw.error is not None:
-        raise raw.error
-    conv = to_conversation(raw.obj, cfg.non_text)
+    conv = conversation_of(raw, cfg)
     key = conv.key()
     if key in seen:
         raise RecordError("duplicate", f"the same conversation as {seen[key]}")
