@@ -13,9 +13,11 @@ import pytest
 from template_cases import CASES, family_tokenizer
 
 from eyrie import cli as cli
+from eyrie.data import inputs as inputs_mod
 from eyrie.data import records as records_mod
 from eyrie.data.chat import MaskSettings, masked_samples, template_traits
-from eyrie.data.records import RecordError, read_records, to_conversation
+from eyrie.data.inputs import read_records
+from eyrie.data.records import RecordError, to_conversation
 from eyrie.data.tokenize import DataSettings, collect_records, tokenize
 from eyrie.errors import DataError
 
@@ -236,7 +238,7 @@ def test_compressed_and_datasets_inputs(tmp_path):
 
 
 def test_a_huge_line_costs_that_record_only(tmp_path, monkeypatch):
-    monkeypatch.setattr(records_mod, "MAX_RECORD_BYTES", 200)
+    monkeypatch.setattr(inputs_mod, "MAX_RECORD_BYTES", 200)
     path = tmp_path / "c.jsonl"
     lines = [json.dumps(r) for r in _records(3)]
     lines.insert(1, json.dumps(user_assistant("x" * 1000, "y")))

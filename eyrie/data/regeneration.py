@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Iterator, Protocol
 
 from eyrie.arch.target import read_config
 from eyrie.data.chat import render
+from eyrie.data.inputs import read_records
 from eyrie.data.records import (
     Conversation,
     RawRecord,
     RecordError,
     _one_line,
-    read_records,
     to_conversation,
 )
 from eyrie.errors import DataError

@@ -27,12 +27,12 @@ from eyrie.data.chat import (
     prompt_ids,
     template_traits,
 )
+from eyrie.data.inputs import read_records
 from eyrie.data.records import (
     REASONS,
     Conversation,
     RawRecord,
     RecordError,
-    read_records,
     to_conversation,
 )
 from eyrie.errors import DataError, TargetError
