@@ -1,26 +1,48 @@
 #!/usr/bin/env bash
-# Creates .venv-vllm: vLLM (which pins its own torch) plus what eyrie's vLLM stages import, and
-# eyrie itself. Idempotent. About 9 GB from PyPI (README.md gives the time).
+# Creates a vLLM environment: vLLM (which pins its own torch) plus what eyrie's vLLM stages import,
+# and eyrie itself. Idempotent. About 9 GB each from PyPI (README.md gives the time).
 # On a CPU-only machine vLLM imports (preflight introspects it) but cannot run a model.
-# Usage: bash scripts/setup-vllm.sh     (EYRIE_VLLM_VENV=DIR to put it elsewhere)
+#   bash scripts/setup-vllm.sh          the default, envs/vllm.txt -> .venv-vllm (vllm.python)
+#   bash scripts/setup-vllm.sh 0.33     envs/vllm-0.33.txt -> .venv-vllm-0.33
+#   bash scripts/setup-vllm.sh all      every envs/vllm*.txt (CI: the suite reads each version)
+# EYRIE_VLLM_VENV=DIR puts a single environment elsewhere. Versions and how each is tested:
+# docs/vllm.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VENV=${EYRIE_VLLM_VENV:-.venv-vllm}
-stamp=$VENV/.eyrie-setup
-want=$(cat envs/vllm.txt pyproject.toml | sha256sum | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  echo "setup-vllm: $VENV is up to date"
-  exit 0
-fi
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip "setuptools<82" wheel
-"$VENV/bin/python" -m pip install -q -r envs/vllm.txt
-"$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
-"$VENV/bin/python" - <<'PY'
+
+one() {  # one() REQUIREMENTS VENV
+  local req=$1 venv=$2 stamp want
+  stamp=$venv/.eyrie-setup
+  want=$(cat "$req" pyproject.toml | sha256sum | cut -c1-16)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    echo "setup-vllm: $venv is up to date"
+    return 0
+  fi
+  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip "setuptools<82" wheel
+  "$venv/bin/python" -m pip install -q -r "$req"
+  "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
+  "$venv/bin/python" - "$venv" <<'PY'
+import sys
 from importlib.metadata import version
 
 import vllm  # noqa: F401  (must import, even without a GPU)
-print("setup-vllm: " + ", ".join(f"{p} {version(p)}" for p in ("vllm", "torch", "transformers")))
+print(f"setup-vllm: {sys.argv[1]}: "
+      + ", ".join(f"{p} {version(p)}" for p in ("vllm", "torch", "transformers")))
 PY
-echo "$want" > "$stamp"
+  echo "$want" > "$stamp"
+}
+
+case "${1:-default}" in
+  default) one envs/vllm.txt "${EYRIE_VLLM_VENV:-.venv-vllm}" ;;
+  all)
+    one envs/vllm.txt .venv-vllm
+    for req in envs/vllm-*.txt; do
+      v=${req#envs/vllm-}; one "$req" ".venv-vllm-${v%.txt}"
+    done ;;
+  *)
+    req=envs/vllm-$1.txt
+    [ -f "$req" ] || { echo "setup-vllm: no $req (versions: $(ls envs/vllm*.txt | tr '\n' ' '))" >&2; exit 2; }
+    one "$req" "${EYRIE_VLLM_VENV:-.venv-vllm-$1}" ;;
+esac

@@ -105,19 +105,23 @@ def one(problems: list[str], pattern: str) -> str:
     return hits[0]
 
 
-# Classes with the signatures vLLM had or may have; inspected, never run.
+# Classes with the signatures vLLM had or may have; inspected, and their forwards run on stub
+# layers, by the same code as vLLM's classes (eyrie.vllm.probe).
 class DeepseekModelOldEmbed(torch.nn.Module):
-    """vLLM < 0.12: embeddings through get_input_embeddings."""
+    """vLLM < 0.12: embeddings through get_input_embeddings; states captured before each layer."""
 
     def get_input_embeddings(self, input_ids):
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors, inputs_embeds=None):
+        hidden_states, residual = self.get_input_embeddings(input_ids), None
         aux_hidden_states = []
         for idx, layer in enumerate(self.layers):
             if idx in self.aux_hidden_state_layers:
-                aux_hidden_states.append(idx)
-        return aux_hidden_states
+                aux_hidden_states.append(hidden_states + residual)
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states, aux_hidden_states
 
 
 class DeepseekModelFutureEmbed(torch.nn.Module):
@@ -242,12 +246,26 @@ def test_no_worker_extension(facts, tmp_path):
 
 
 @need_vllm
-@pytest.mark.parametrize("version", ["0.17.1", "0.23.0"])
+@pytest.mark.parametrize("version", ["0.17.1", "0.34.0"])
 def test_unsupported_vllm_version(facts, tmp_path, version):
     got = run_checks(tmp_path, LLAMA, replace(facts["llama"], version=version))
     problem = one(got["problems"], "outside the supported range")
-    assert f"vLLM {version} is outside the supported range [0.18.0, 0.23.0)" in problem
+    assert f"vLLM {version} is outside the supported range [0.18.0, 0.34.0)" in problem
     assert SETUP_FIX in problem and "vllm.python" in problem
+    # ... and every other check still ran and says what it found
+    report = got["report"]
+    assert report["extraction_path"]["chosen"] == ("capture" if version < "0.18" else "native")
+    assert report["memory"] is not None and report["adapter"] == "llama"
+
+
+@need_vllm
+def test_untested_vllm_version_warns(facts, tmp_path):
+    # inside the range but never tested: a warning; tested on a CPU only: a warning saying so
+    for version, says in [("0.30.0", "untested"), ("0.33.0", "tested on a CPU only")]:
+        got = run_checks(tmp_path / version, LLAMA, replace(facts["llama"], version=version))
+        assert got["problems"] == [] and says in one(got["warnings"], f"vLLM {version}")
+    got = run_checks(tmp_path / "gpu", LLAMA, replace(facts["llama"], version="0.26.0"))
+    assert not [w for w in got["warnings"] if "vLLM 0.26.0" in w]
 
 
 @need_vllm
@@ -261,7 +279,7 @@ def test_no_native_method_or_connector(facts, tmp_path):
     got = run_checks(tmp_path / "native", LLAMA, gone, extraction_path="native")
     assert len(got["problems"]) == 2
     assert all(
-        p.startswith("vllm.extraction_path=native: vLLM 0.22.0: ")
+        p.startswith(f"vllm.extraction_path=native: vLLM {facts['llama'].version}: ")
         and p.endswith("set vllm.extraction_path to capture or auto")
         for p in got["problems"]
     )

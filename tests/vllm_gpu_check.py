@@ -1,10 +1,12 @@
 """GPU check of the vLLM extraction backend against the Hugging Face one (run on a CUDA machine in
 the vLLM environment; tests/test_vllm_gpu.py wraps it as a `gpu`-marked test).
 
-For a tiny random-weight Llama and a DeepSeek-V3-style MLA+MoE target built from transformers
-configs: the Hugging Face reference (eyrie.arch.hooks hooks, bf16 on cuda) and every vLLM path that
-preflight allows (native, capture) on the same prompts; reports the minimum per-token cosine
-similarity per layer id and checks that native is refused where it cannot return id N.
+For a tiny random-weight Llama, a DeepSeek-V3-style MLA+MoE target built from transformers
+configs, and a Kimi-K2.5-style multimodal wrapper (`kimi_k25`, vLLM's own config class) around
+the same DeepSeek-V3 weights: the Hugging Face reference (eyrie.arch.hooks hooks, bf16 on cuda;
+the wrapper's is its text model's) and every vLLM path that preflight allows (native, capture) on
+the same prompts; reports the minimum per-token cosine similarity per layer id and checks that
+native is refused where it cannot return id N.
 
     python tests/vllm_gpu_check.py build DIR            # targets + prompts
     python tests/vllm_gpu_check.py hf DIR KIND          # reference states
@@ -21,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-KINDS = ("llama", "deepseek_v3")
+KINDS = ("llama", "deepseek_v3", "kimi_k25")
+REFERENCE = {"kimi_k25": "deepseek_v3"}  # whose Hugging Face states a kind is compared with
 LENGTHS = [7, 64, 1, 130, 33, 250, 12, 90, 3, 48, 177, 20]
 
 
@@ -72,7 +75,7 @@ def build(root: Path) -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 1000, n).tolist() for n in LENGTHS]
     (root / "prompts.json").write_text(json.dumps(prompts))
-    for kind in KINDS:
+    for kind in KINDS[:2]:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(make_config(kind)).to(torch.bfloat16)
         with torch.no_grad():
@@ -84,6 +87,27 @@ def build(root: Path) -> None:
                     if "e_score_correction_bias" in name:
                         buf.zero_()
         model.save_pretrained(root / kind)
+    wrap_kimi(root / "deepseek_v3", root / "kimi_k25")
+
+
+def wrap_kimi(text: Path, out: Path) -> None:
+    """Kimi-K2.5's layout: the DeepSeek-V3 model as `text_config` (model_type kimi_k2) of a
+    kimi_k25 wrapper, its weights under `language_model.` (the vision tower is left out:
+    eyrie's engines run the language model only)."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    text_config = json.loads((text / "config.json").read_text())
+    text_config["model_type"] = "kimi_k2"
+    config = {
+        "model_type": "kimi_k25",
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "text_config": text_config,
+        "torch_dtype": "bfloat16",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    weights = load_file(text / "model.safetensors")
+    save_file({f"language_model.{k}": v for k, v in weights.items()}, out / "model.safetensors")
 
 
 def layer_ids(kind: str) -> list[int]:
@@ -176,9 +200,11 @@ def run_vllm(root: Path, kind: str, path: str) -> None:
 
 
 def compare(root: Path) -> dict:
-    table = {}
+    import vllm
+
+    table = {"vllm_version": vllm.__version__}
     for kind in KINDS:
-        saved = torch.load(root / f"{kind}.hf.pt")
+        saved = torch.load(root / f"{REFERENCE.get(kind, kind)}.hf.pt")
         ref, margins, moe_layers = saved["states"], saved["margins"], saved["moe_layers"]
         for path in ("native", "capture"):
             meta = root / f"{kind}.{path}.json"

@@ -5,6 +5,8 @@ installed vLLM (.venv-vllm), gathered once per test session for all configs in o
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,32 @@ NO_VLLM = (
     "it (.ci/run does, before pytest)"
 )
 need_vllm = pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=NO_VLLM)
+
+
+def _pin(requirements: Path) -> str:
+    return re.search(r"^vllm==(\S+)", requirements.read_text(), re.M)[1]
+
+
+# every vLLM environment scripts/setup-vllm.sh makes: version -> its python (envs/vllm.txt is the
+# default, .venv-vllm; envs/vllm-X.txt is .venv-vllm-X)
+VLLM_ENVS = {_pin(REPO / "envs" / "vllm.txt"): VLLM_PYTHON} | {
+    _pin(req): REPO / f".venv-vllm-{req.stem.removeprefix('vllm-')}" / "bin" / "python"
+    for req in sorted((REPO / "envs").glob("vllm-*.txt"))
+}
+
+
+def vllm_env(version: str) -> Path:
+    """The python of the environment for `version`: a skip where it is missing, a failure where
+    the environments are part of the setup (.ci/run sets EYRIE_REQUIRE_VLLM)."""
+    python = VLLM_ENVS[version]
+    if not python.is_file():
+        reason = (
+            f"no vLLM {version} environment at {python.parent.parent}: "
+            "`bash scripts/setup-vllm.sh all`"
+        )
+        (pytest.fail if os.environ.get("EYRIE_REQUIRE_VLLM") else pytest.skip)(reason)
+    return python
+
 
 LLAMA = {
     "model_type": "llama",
@@ -87,17 +115,52 @@ KIMI_K25 = {
 }
 # a Llama whose architectures[0] no vLLM knows
 UNKNOWN_ARCH = {**LLAMA, "architectures": ["LlamaNextForCausalLM"]}
+# a tiny Qwen3-MoE and a tiny gpt-oss (sliding-window and full attention layers)
+QWEN3_MOE = {
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 320,
+    "torch_dtype": "bfloat16",
+}
+GPT_OSS = {
+    "model_type": "gpt_oss",
+    "architectures": ["GptOssForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 128,
+    "vocab_size": 320,
+    "torch_dtype": "bfloat16",
+}
 REAL_CONFIGS = {
     "llama": LLAMA,
     "deepseek": DEEPSEEK,
     "kimi": KIMI_K25,
     "unknown_arch": UNKNOWN_ARCH,
+    "qwen3_moe": QWEN3_MOE,
+    "gpt_oss": GPT_OSS,
 }
 
 
-def real_facts() -> dict[str, VllmFacts]:
-    """The installed vLLM's facts for every REAL_CONFIGS entry (one subprocess per session)."""
-    got = vllm_preflight.facts_for(VLLM_PYTHON, list(REAL_CONFIGS.values()))
+def real_facts(python: Path = VLLM_PYTHON) -> dict[str, VllmFacts]:
+    """An installed vLLM's facts for every REAL_CONFIGS entry (one subprocess per session and
+    environment)."""
+    got = vllm_preflight.facts_for(python, list(REAL_CONFIGS.values()))
     return {name: VllmFacts.from_json(g) for name, g in zip(REAL_CONFIGS, got)}
 
 

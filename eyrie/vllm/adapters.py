@@ -9,6 +9,9 @@ Imports nothing from vLLM. See docs/vllm.md.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+from pathlib import Path
 
 import numpy as np
 
@@ -16,12 +19,19 @@ from eyrie.arch.registry import VllmAdapter
 from eyrie.errors import VllmAdapterError
 
 # vLLM versions eyrie supports: [low, high). Tested ones and how: docs/vllm.md.
-SUPPORTED_VLLM = ((0, 18, 0), (0, 23, 0))
+SUPPORTED_VLLM = ((0, 18, 0), (0, 34, 0))
 
 
+# version -> how eyrie tested it; each is installed by scripts/setup-vllm.sh (envs/vllm*.txt) and
+# its facts are pinned per version by tests/test_vllm_versions.py
 TESTED_VLLM = {
-    "0.22.0": "H200: both extraction paths and eagle3 evaluation; CPU: introspection in CI"
+    "0.22.0": "H200: both extraction paths and eagle3 evaluation; CPU: its facts, in CI",
+    "0.26.0": "H200: both extraction paths and eagle3 evaluation; CPU: its facts, in CI",
+    "0.33.0": "CPU: its facts, in CI (it pins torch 2.14, which the GPU image cannot carry)",
 }
+
+
+GPU_TESTED_VLLM = ("0.22.0", "0.26.0")
 
 
 NATIVE_METHOD = "extract_hidden_states"
@@ -82,3 +92,32 @@ def call_layer(adapter: VllmAdapter, layer, positions, hidden, residual, extras:
 def request_key(token_ids) -> str:
     """Name of a prompt's capture file: a hash of its token ids (int64)."""
     return hashlib.sha1(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:20]
+
+
+# the architecture class's method for its default EAGLE-3 aux layers, newest name first
+EAGLE3_DEFAULT_LAYERS = (
+    "get_eagle3_default_aux_hidden_state_layers",
+    "get_eagle3_aux_hidden_state_layers",
+)
+
+
+# What eyrie's engines (extraction, evaluation, regeneration) start vLLM with unless the user's
+# environment sets it: the V1 model runner, on which eyrie's GPU checks ran. V2 is vLLM's default
+# from 0.26 on (VllmFacts.default_runner); EAGLE-3 acceptance was reported lower on it.
+ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def engine_environment(env=None) -> dict:
+    """ENGINE_ENV set where `env` (os.environ by default) does not set it; returns `env`."""
+    env = os.environ if env is None else env
+    for key, value in ENGINE_ENV.items():
+        env.setdefault(key, value)
+    return env
+
+
+def text_only(target) -> dict:
+    """The engine argument that leaves a multimodal wrapper's vision tower out (Kimi-K2.5:
+    config.json with a text_config): eyrie's engines feed token ids only, and the tower would
+    take memory and profiling time for nothing."""
+    config = json.loads((Path(target) / "config.json").read_text())
+    return {"language_model_only": True} if config.get("text_config") else {}

@@ -26,7 +26,7 @@ import torch
 from eyrie.arch.registry import adapter_for
 from eyrie.errors import ExtractError
 from eyrie.extract.extractor import HostBatch, StoredBatch
-from eyrie.vllm.adapters import request_key
+from eyrie.vllm.adapters import engine_environment, request_key, text_only
 from eyrie.vllm.checks import ExtractLayers, choose_path, config_problems, version_problems
 from eyrie.vllm.facts import gather_facts
 
@@ -43,6 +43,7 @@ class VllmBackend:
         # The engine process has touched CUDA (device resolution) before vLLM starts its engine
         # core: forking then fails ("Cannot re-initialize CUDA in forked subprocess").
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        engine_environment()
         from vllm import LLM
 
         self.v = dict(cfg.vllm or {})
@@ -99,6 +100,7 @@ class VllmBackend:
             enable_prefix_caching=False,
             seed=0,
             skip_tokenizer_init=True,  # prompts go as token ids; no tokenizer code runs
+            **text_only(target),
         )
         if self.path == "native":
             kwargs.update(

@@ -14,6 +14,7 @@ from eyrie.vllm.adapters import (
     EMBED_METHODS,
     EXTRA_HELPER_PARAMS,
     EXTRA_HELPERS,
+    GPU_TESTED_VLLM,
     NATIVE_CONNECTOR,
     NATIVE_METHOD,
     PATHS,
@@ -121,10 +122,27 @@ def config_problems(adapter: VllmAdapter, config: dict) -> list[str]:
     return out
 
 
-def native_problems(facts: VllmFacts, layer_ids: list[int], num_layers: int) -> list[str]:
+def attention_kinds(config: dict) -> list[str]:
+    """The target's distinct layer kinds (config's layer_types, text_config's for wrappers):
+    more than one puts its layers in several KV-cache groups."""
+    text = config.get("text_config") or config
+    return sorted(set(text.get("layer_types") or []))
+
+
+def native_problems(
+    facts: VllmFacts, layer_ids: list[int], num_layers: int, config: dict | None = None
+) -> list[str]:
     """Why vLLM's native extraction cannot return `layer_ids` for this target ([] when it can)."""
     v = f"vLLM {facts.version}"
     out = []
+    kinds = attention_kinds(config or {})
+    if len(kinds) > 1 and not facts.native_hybrid:
+        state = "reads them wrongly" if facts.native_hybrid is False else "is unknown"
+        out.append(
+            f"{v}: this target's layers are of several kinds ({', '.join(kinds)}), and whether "
+            f"the hidden-states connector reads their states from the right KV-cache group "
+            f"{state} ({facts.native_hybrid_how})"
+        )
     if parse_version(facts.version) < SUPPORTED_VLLM[0]:
         out.append(f"{v}: native extraction needs vLLM >= 0.18")
     if not facts.native_method:
@@ -138,14 +156,22 @@ def native_problems(facts: VllmFacts, layer_ids: list[int], num_layers: int) -> 
         )
     if facts.native_ids is None:
         out.append(
+            f"{v}: which ids the {facts.model_type} model's forward returns is unknown "
+            f"({facts.native_ids_how}); run tests/vllm_gpu_check.py on a GPU for this family "
+            "(docs/vllm.md) before using the native path"
+        )
+    elif facts.native_ids == "none":
+        out.append(
             f"{v}: the {facts.model_type} model's forward captures no auxiliary hidden states"
         )
-    elif facts.native_ids == "1..N-1":
-        bad = [i for i in layer_ids if not 1 <= i <= num_layers - 1]
+    else:
+        low, high = native_range(facts.native_ids, num_layers)
+        bad = [i for i in layer_ids if not low <= i <= high]
         if bad:
+            when = "BEFORE each layer" if high < num_layers else "at ids"
             out.append(
-                f"{v}: the {facts.model_type} model captures states BEFORE each layer "
-                f"(ids 1..{num_layers - 1}), so id {bad[0]}"
+                f"{v}: the {facts.model_type} model captures states {when} "
+                f"(ids {low}..{high}), so id {bad[0]}"
                 + (
                     " (the last layer's output, which the training targets need)"
                     if bad[0] == num_layers
@@ -154,6 +180,12 @@ def native_problems(facts: VllmFacts, layer_ids: list[int], num_layers: int) -> 
                 + " is never returned"
             )
     return out
+
+
+def native_range(native_ids: str, num_layers: int) -> tuple[int, int]:
+    """The ids a VllmFacts.native_ids range ("0..N", "1..N-1", ...) means for a target."""
+    low, high = native_ids.split("..")
+    return int(low), num_layers - (1 if high == "N-1" else 0)
 
 
 @dataclass(frozen=True)
@@ -175,7 +207,7 @@ def choose_path(
     """(path to use, problems). `auto` prefers native and falls back to capture."""
     if requested not in PATHS:
         return None, [f"vllm.extraction_path={requested!r}: use one of {list(PATHS)}"]
-    native = native_problems(facts, layers.ids, layers.num_layers)
+    native = native_problems(facts, layers.ids, layers.num_layers, config)
     capture = capture_problems(adapter, facts, config)
     if requested == "native":
         if native:
@@ -201,7 +233,25 @@ def version_problems(facts: VllmFacts) -> list[str]:
         return [
             f"vLLM {facts.version} is outside the supported range "
             f"[{'.'.join(map(str, low))}, {'.'.join(map(str, high))}); install a tested "
-            f"version ({', '.join(TESTED_VLLM)}: bash scripts/setup-vllm.sh) or point "
-            "vllm.python at an environment that has one"
+            f"version ({', '.join(TESTED_VLLM)}: bash scripts/setup-vllm.sh [VERSION]) or "
+            "point vllm.python at an environment that has one"
+        ]
+    return []
+
+
+def version_warnings(facts: VllmFacts) -> list[str]:
+    """A version in the range that eyrie has not tested, or tested on a CPU only."""
+    if version_problems(facts):
+        return []
+    if facts.version not in TESTED_VLLM:
+        return [
+            f"vLLM {facts.version} is in the supported range but untested (tested: "
+            f"{', '.join(TESTED_VLLM)}); docs/vllm.md says what to check on a GPU first"
+        ]
+    if facts.version not in GPU_TESTED_VLLM:
+        return [
+            f"vLLM {facts.version} is tested on a CPU only (its facts, in CI), not run on a GPU "
+            f"by eyrie (GPU-tested: {', '.join(GPU_TESTED_VLLM)}); run the GPU check "
+            "(docs/vllm.md) before a long job"
         ]
     return []

@@ -28,6 +28,7 @@ from eyrie.formats.draft import DRAFT_ARCHS, UNSERVABLE_FLAGS
 from eyrie.formats.tokenized import read_prompts
 from eyrie.io import provenance, write_json
 from eyrie.settings import flag_problems, load_settings
+from eyrie.vllm.adapters import engine_environment, text_only
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,7 @@ def run_engine(name: str, request: dict, workdir: Path) -> dict:
     """
     req_path, res_path = workdir / f"{name}.request.json", workdir / f"{name}.result.json"
     req_path.write_text(json.dumps(request))
-    env = dict(os.environ)
+    env = engine_environment(dict(os.environ))
     # greedy sampling never uses FlashInfer's top-k/top-p sampler; offline installs lack it
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     log.info("vLLM %s run: %d prompts (%s)", name, len(request["prompts"]), sys.executable)
@@ -457,6 +458,7 @@ def engine_requests(plan: VllmPlan) -> tuple[dict, dict]:
         # tokenizer saved by another transformers version than this environment's cannot break it.
         "skip_tokenizer_init": True,
         "seed": 0,
+        **text_only(plan.paths.target),
     }
     # The target path is always passed: the draft's verifier.name_or_path may not resolve here.
     speculative = {

@@ -10,11 +10,19 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import typing
 from dataclasses import asdict, dataclass, field
 
 from eyrie.arch.registry import VllmAdapter, adapter_for
 from eyrie.errors import VllmAdapterError
-from eyrie.vllm.adapters import EMBED_METHODS, EXTRA_HELPERS, NATIVE_CONNECTOR, NATIVE_METHOD
+from eyrie.vllm import probe
+from eyrie.vllm.adapters import (
+    EAGLE3_DEFAULT_LAYERS,
+    EMBED_METHODS,
+    EXTRA_HELPERS,
+    NATIVE_CONNECTOR,
+    NATIVE_METHOD,
+)
 
 
 @dataclass
@@ -34,15 +42,32 @@ class VllmFacts:
     native_method: bool = False  # "extract_hidden_states" speculative method exists
     native_connector: bool = False  # the hidden-states KV connector is registered
     eagle3_target: bool = False  # architecture class supports EAGLE-3 aux hidden states
-    # which ids the native path captures: "0..N" (after each layer, incl. the last), "1..N-1"
-    # (before each layer: no id 0, no id N), or None (no aux-hidden-state capture in the forward)
+    # which ids the native path returns (eyrie.vllm.probe.native_ids): "0..N" (after each
+    # layer, incl. the last), "1..N" (before each layer plus the last layer's output), "1..N-1"
+    # (before each layer only), "none" (no capture in the forward), None (unknown)
     native_ids: str | None = None
+    native_ids_how: str | None = None  # what established it (or why it is unknown)
     worker_extension: bool = False  # LLM(worker_extension_cls=...) + collective_rpc
     # EXTRA_HELPERS name -> the helper's parameter names (None: helper absent)
     helper_params: dict[str, list[str] | None] = field(default_factory=dict)
     quantization_methods: list[str] | None = None  # vLLM's QUANTIZATION_METHODS
     # fields vLLM's speculators "eagle3" converter copies from a draft's config.json (None: unknown)
     eagle3_draft_fields: list[str] | None = None
+    # the model runner vLLM picks for this architecture when VLLM_USE_V2_MODEL_RUNNER is unset
+    # ("v1" | "v2"; None: no choice in this vLLM or unknown) and what established it
+    default_runner: str | None = None
+    default_runner_how: str | None = None
+    # whether the hidden-states connector reads the right KV-cache group for a hybrid target
+    # (several attention kinds); None: unknown
+    native_hybrid: bool | None = None
+    native_hybrid_how: str | None = None
+    # whether the hidden-states connector accepts chunked prefill (None: unknown)
+    native_chunked_prefill: bool | None = None
+    # the method the architecture class offers for its default EAGLE-3 aux layers (None: none),
+    # used by vLLM only when a draft carries no eagle_aux_hidden_state_layer_ids
+    eagle3_default_layers: str | None = None
+    # the packages the target's quantization method imports (eyrie.vllm.quantization)
+    quantization_packages: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -58,19 +83,6 @@ def parse_version(text: str) -> tuple[int, int, int]:
     if not m:
         raise VllmAdapterError(f"cannot read vLLM version {text!r}")
     return int(m[1]), int(m[2]), int(m[3] or 0)
-
-
-def _native_ids(model_cls) -> str | None:
-    """How the installed model's forward captures aux hidden states (read from its source)."""
-    try:
-        src = inspect.getsource(model_cls.forward)
-    except (OSError, TypeError):
-        return None
-    if "_maybe_add_hidden_state" in src:  # EagleModelMixin: id 0, then after layer i -> id i+1
-        return "0..N"
-    if "aux_hidden_state_layers" in src:  # `if idx in ...` before layer idx: ids 1..N-1 only
-        return "1..N-1"
-    return None
 
 
 def layer_signature(layer_cls) -> tuple[list[str], list[str]]:
@@ -94,12 +106,13 @@ def inspect_classes(model_cls, layer_cls) -> dict:
         "layer_required": None,
         "embed_method": None,
         "native_ids": None,
+        "native_ids_how": None,
     }
     if layer_cls is not None:
         out["layer_params"], out["layer_required"] = layer_signature(layer_cls)
     if model_cls is not None:
         out["embed_method"] = next((m for m in EMBED_METHODS if hasattr(model_cls, m)), None)
-        out["native_ids"] = _native_ids(model_cls)
+        out["native_ids"], out["native_ids_how"] = probe.native_ids(model_cls)
     return out
 
 
@@ -142,7 +155,16 @@ def gather_facts(config: dict) -> VllmFacts:
     facts.native_connector = _has_native_connector()
     facts.worker_extension = _has_worker_extension()
     facts.quantization_methods = _quantization_methods()
-    facts.eagle3_draft_fields = _eagle3_draft_fields()
+    facts.eagle3_draft_fields, _ = probe.draft_fields()
+    facts.default_runner, facts.default_runner_how = probe.default_runner(facts.architecture)
+    facts.native_chunked_prefill, _ = probe.chunked_prefill_with_connector()
+    facts.native_hybrid, facts.native_hybrid_how = probe.hybrid_groups()
+    try:  # TEMP until eyrie.vllm.quantization lands
+        from eyrie.vllm.quantization import required_packages
+
+        facts.quantization_packages = required_packages(config)
+    except ModuleNotFoundError:
+        pass
     return facts
 
 
@@ -172,15 +194,25 @@ def _read_architecture_class(facts: VllmFacts) -> None:
         facts.eagle3_target = bool(
             arch_cls is not None and hasattr(arch_cls, "set_aux_hidden_state_layers")
         )
+        facts.eagle3_default_layers = next(
+            (m for m in EAGLE3_DEFAULT_LAYERS if hasattr(arch_cls, m)), None
+        )
 
 
 def _has_native_method() -> bool:
+    """Whether NATIVE_METHOD is one of the values SpeculativeConfig.method accepts (its type)."""
     try:
-        import vllm.config.speculative as spec_mod
-
-        return NATIVE_METHOD in inspect.getsource(spec_mod)
-    except (ImportError, OSError):
+        from vllm.config.speculative import SpeculativeConfig
+    except ImportError:
         return False
+    return NATIVE_METHOD in _literal_values(typing.get_type_hints(SpeculativeConfig).get("method"))
+
+
+def _literal_values(hint) -> set:
+    """Every value of a (nested, optional) typing.Literal."""
+    if typing.get_origin(hint) is typing.Literal:
+        return {v for a in typing.get_args(hint) for v in (_literal_values(a) or {a})}
+    return {v for a in typing.get_args(hint) for v in _literal_values(a)}
 
 
 def _has_native_connector() -> bool:
@@ -206,15 +238,4 @@ def _quantization_methods() -> list[str] | None:
 
         return sorted(QUANTIZATION_METHODS)
     except ImportError:
-        return None
-
-
-def _eagle3_draft_fields() -> list[str] | None:
-    """The draft config.json fields vLLM's speculators "eagle3" converter copies (its source)."""
-    try:
-        from vllm.transformers_utils.configs.speculators import algos
-
-        src = inspect.getsource(algos.SUPPORTED_SPECULATORS_TYPES["eagle3"])
-        return sorted(set(re.findall(r'pre_trained_config\["(\w+)"\]', src)))
-    except (ImportError, AttributeError, KeyError, OSError, TypeError):
         return None

@@ -29,6 +29,7 @@ from eyrie.vllm.checks import (
     config_problems,
     native_problems,
     version_problems,
+    version_warnings,
 )
 from eyrie.vllm.facts import VllmFacts
 
@@ -418,11 +419,7 @@ def check_facts(check: VllmCheck, facts: VllmFacts) -> None:
     check.report["version"] = facts.version
     check.report["facts"] = facts.to_json()
     check.problems += version_problems(facts)
-    if facts.version not in TESTED_VLLM and not version_problems(facts):
-        check.warnings.append(
-            f"vLLM {facts.version} is in the supported range but untested (tested: "
-            f"{', '.join(TESTED_VLLM)}); docs/vllm.md says what to check on a GPU first"
-        )
+    check.warnings += version_warnings(facts)
     config_json = check.target / "config.json"
     if facts.architecture is None:
         check.problems.append(
@@ -457,7 +454,7 @@ def check_extraction_path(check: VllmCheck, adapter, facts: VllmFacts) -> None:
     layers = ExtractLayers(layer_ids, num_layers)
     path, path_problems = choose_path(requested, adapter, facts, check.config, layers)
     check.problems += path_problems
-    refused = native_problems(facts, layer_ids, num_layers)
+    refused = native_problems(facts, layer_ids, num_layers, check.config)
     check.report["extraction_path"] = {
         "requested": requested,
         "chosen": path,

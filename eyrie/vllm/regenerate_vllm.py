@@ -32,6 +32,7 @@ from eyrie.data.regeneration import (
 from eyrie.errors import DataError
 from eyrie.io import provenance
 from eyrie.settings import flag_problems, load_settings
+from eyrie.vllm.adapters import engine_environment, text_only
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ def engine_kwargs(target: str | Path, cfg: RegenSettings, engine: VllmEngine) ->
         # prompts go as ids and come back as ids: the tokenizer runs in eyrie, not in vLLM
         "skip_tokenizer_init": True,
         "seed": cfg.seed,
+        **text_only(target),
     }
 
 
@@ -143,6 +145,7 @@ def load_backend(target: str | Path, cfg: RegenSettings, engine: VllmEngine) -> 
             f"{target}: neither the tokenizer nor generation_config.json names an eos token; "
             "a response would only ever stop at regenerate.max_new_tokens"
         )
+    engine_environment()
     llm = LLM(**engine_kwargs(target, cfg, engine))
     params = SamplingParams(**sampling_kwargs(cfg, ends))
     context = engine.max_model_len or target_context(target)
