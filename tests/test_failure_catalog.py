@@ -25,6 +25,7 @@ import transformers
 from train_helpers import train_settings
 from vllm_helpers import (
     DEEPSEEK,
+    GPT_OSS,
     KIMI_K25,
     LLAMA,
     NO_VLLM,
@@ -40,11 +41,12 @@ from eyrie import errors as pf_errors
 from eyrie.arch.target import inspect_target, resolve_layer_ids
 from eyrie.data.vocab import build_vocab
 from eyrie.demo.tokenizer import build_chat_tokenizer
-from eyrie.errors import ExportError, TargetError, VocabError
+from eyrie.errors import EvaluateError, ExportError, TargetError, VocabError
 from eyrie.preflight import checks as pf_checks
 from eyrie.preflight import preflight as pf
 from eyrie.train.export import export
-from eyrie.vllm.adapters import llama_4_scaling
+from eyrie.vllm.adapters import engine_environment, llama_4_scaling
+from eyrie.vllm.evaluate_vllm import check_draft_config
 from eyrie.vllm.facts import inspect_classes
 from eyrie.vllm.preflight_checks import VllmTarget, vllm_checks
 
@@ -72,6 +74,11 @@ CATALOG = {
     "vllm_environment_missing": "preflight",
     "architecture_unknown_to_vllm": "preflight",
     "eval_target_without_eagle3": "preflight",
+    "deepseek_final_layer_fixed": "preflight",
+    "native_ids_unknown": "preflight",
+    "hybrid_attention_states": "preflight",
+    "model_runner_v2_default": "engine start",
+    "draft_without_explicit_aux_ids": "vLLM evaluation stage",
 }
 SETUP_FIX = "bash scripts/setup-vllm.sh"
 ADAPTER_FIX = "update the adapter in eyrie/arch/registry.py"
@@ -122,6 +129,30 @@ class DeepseekModelOldEmbed(torch.nn.Module):
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states, aux_hidden_states
+
+
+class DeepseekModelFinalFix(DeepseekModelOldEmbed):
+    """vLLM 0.26 on: the last layer's output is appended after the loop when asked for."""
+
+    def forward(self, input_ids, positions, intermediate_tensors, inputs_embeds=None):
+        hidden_states, residual = self.get_input_embeddings(input_ids), None
+        aux_hidden_states = []
+        for idx, layer in enumerate(self.layers):
+            if idx in self.aux_hidden_state_layers:
+                aux_hidden_states.append(hidden_states + residual)
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if self.end_layer in self.aux_hidden_state_layers:
+            aux_hidden_states.append(hidden_states + residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states, aux_hidden_states
+
+
+class DeepseekModelOpaque(DeepseekModelOldEmbed):
+    """A forward that neither runs on stub layers (it needs vLLM's forward context) nor shows its
+    capture in its source (it hands the loop to a helper)."""
+
+    def forward(self, input_ids, positions, intermediate_tensors, inputs_embeds=None):
+        return self.run_layers(self.forward_context(), input_ids, positions)
 
 
 class DeepseekModelFutureEmbed(torch.nn.Module):
@@ -580,6 +611,88 @@ def test_eval_target_without_eagle3(facts, tmp_path):
     problem = one(got["problems"], "eval.vllm")
     assert "cannot be an EAGLE-3 target (no set_aux_hidden_state_layers" in problem
     assert "set eval.vllm: false" in problem
+
+
+@need_vllm
+def test_deepseek_final_layer_fixed(facts, tmp_path):
+    # the fix (vLLM 0.26 on): the forward appends id N after the loop; running it on stub layers
+    # finds ids 1..N, so native returns every id Kimi-K2.5 needs and auto takes it
+    fixed = with_classes(facts["kimi"], DeepseekModelFinalFix)
+    assert fixed.native_ids == "1..N" and fixed.native_ids_how.startswith("forward run")
+    got = run_checks(tmp_path, KIMI_K25, fixed, weights_gib=KIMI_INT4_GIB, **H200)
+    path = got["report"]["extraction_path"]
+    assert got["problems"] == [] and path["chosen"] == "native"
+    assert path["layer_ids"] == [2, 30, 58, 61]
+
+
+@need_vllm
+def test_native_ids_unknown(facts, tmp_path):
+    # neither the stub run nor the source tells which ids come back: unknown, never guessed
+    opaque = with_classes(facts["deepseek"], DeepseekModelOpaque)
+    assert opaque.native_ids is None
+    assert opaque.native_ids_how.startswith("unknown: no loop over the decoder layers")
+    assert "the stub forward failed: AttributeError" in opaque.native_ids_how
+    got = run_checks(
+        tmp_path / "native", DEEPSEEK, opaque, aux_ids=[1, 2, 3], extraction_path="native"
+    )
+    problem = one(got["problems"], "is unknown")
+    assert "which ids the deepseek_v3 model's forward returns is unknown" in problem
+    assert "run tests/vllm_gpu_check.py on a GPU" in problem
+    got = run_checks(tmp_path / "auto", DEEPSEEK, opaque, aux_ids=[1, 2, 3])
+    assert got["problems"] == [] and got["report"]["extraction_path"]["chosen"] == "capture"
+
+
+@need_vllm
+def test_hybrid_attention_states(facts, tmp_path):
+    # a connector that copies finished requests' states without finding its own KV-cache group
+    # (the design vLLM PR #46301 fixed) reads zeros for a target whose layers fall into several
+    # groups (gpt-oss: sliding-window and full attention)
+    wrong = replace(facts["gpt_oss"], native_hybrid=False, native_hybrid_how="the bug")
+    got = run_checks(tmp_path / "auto", GPT_OSS, wrong, aux_ids=[1, 2, 3])
+    path = got["report"]["extraction_path"]
+    assert got["problems"] == [] and path["chosen"] == "capture"
+    assert (
+        "this target's layers are of several kinds (full_attention, sliding_attention), and "
+        "whether the hidden-states connector reads their states from the right KV-cache group "
+        "reads them wrongly (the bug)" in path["native_refused"][0]
+    )
+    # the installed vLLM's own connector (run on stand-in groups or read by its design) is right
+    assert facts["gpt_oss"].native_hybrid is True
+    got = run_checks(tmp_path / "real", GPT_OSS, facts["gpt_oss"], aux_ids=[1, 2, 3])
+    assert got["report"]["extraction_path"]["chosen"] == "native"
+
+
+@need_vllm
+def test_model_runner_v2_default(facts):
+    # vLLM's default runner per architecture is a fact (V2 from 0.26 on); eyrie's engines start
+    # on V1, where its GPU checks ran, unless the user's environment says otherwise
+    assert facts["llama"].default_runner in ("v1", "v2")
+    assert facts["llama"].default_runner_how.startswith("VllmConfig.use_v2_model_runner")
+    assert engine_environment({}) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert engine_environment({"VLLM_USE_V2_MODEL_RUNNER": "1"}) == {
+        "VLLM_USE_V2_MODEL_RUNNER": "1"
+    }
+
+
+@need_vllm
+def test_draft_without_explicit_aux_ids(facts, tmp_path):
+    # vLLM falls back to the architecture's default aux layers (2, N/2, N-3) only when a draft
+    # carries no eagle_aux_hidden_state_layer_ids; its converter carries the field in every
+    # tested version, export always writes it (tests/test_export.py), and the vLLM evaluation
+    # refuses a draft without it
+    assert "eagle_aux_hidden_state_layer_ids" in facts["kimi"].eagle3_draft_fields
+    assert facts["kimi"].eagle3_default_layers == "get_eagle3_default_aux_hidden_state_layers"
+    info = inspect_target(write_target(tmp_path / "target", LLAMA))
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    (draft / "model.safetensors").write_bytes(b"")
+    with pytest.raises(EvaluateError) as err:
+        check_draft_config(draft, info)
+    assert str(err.value).startswith(f"{draft / 'config.json'}: vLLM would not serve this draft")
+    assert "eagle_aux_hidden_state_layer_ids None must be a non-empty list of layer ids" in str(
+        err.value
+    )
 
 
 # ----------------------------------------------------------------------------- the catalog itself

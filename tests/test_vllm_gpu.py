@@ -44,7 +44,10 @@ def table(tmp_path_factory):
             step("hf", str(root), kind)
         for path in ("native", "capture"):
             step("vllm", str(root), kind, path)
-    return json.loads(step("compare", str(root)))
+    table = json.loads(step("compare", str(root)))
+    if os.environ.get("EYRIE_GPU_TABLE"):  # where to keep the table (docs/vllm.md's figures)
+        Path(os.environ["EYRIE_GPU_TABLE"]).write_text(json.dumps(table, indent=1))
+    return table
 
 
 @pytest.mark.parametrize("path", ["native", "capture"])
