@@ -32,6 +32,7 @@ from eyrie.vllm.checks import (
     version_warnings,
 )
 from eyrie.vllm.facts import VllmFacts
+from eyrie.vllm.quantization import missing_packages
 
 FACTS_TIMEOUT_S = 120.0  # far above what `import vllm` takes on a small machine: past it, it hangs
 
@@ -126,14 +127,20 @@ def run_gatherer(python: Path, configs: list[dict], timeout: float = FACTS_TIMEO
 
 
 def facts_config(config: dict) -> dict:
-    """What eyrie.vllm.facts.gather_facts reads from a config.json: architectures and the model
-    types (text_config's for wrappers). Sending only these makes config variants share facts."""
+    """What eyrie.vllm.facts.gather_facts reads from a config.json: architectures, the model
+    types and the quantization_config (text_config's for wrappers; eyrie.vllm.quantization reads
+    its quant_method). Sending only these makes config variants share facts."""
     out = {
         "model_type": config.get("model_type"),
         "architectures": config.get("architectures") or [],
     }
-    if config.get("text_config"):
-        out["text_config"] = {"model_type": config["text_config"].get("model_type")}
+    if config.get("quantization_config"):
+        out["quantization_config"] = config["quantization_config"]
+    text = config.get("text_config")
+    if text:
+        out["text_config"] = {"model_type": text.get("model_type")}
+        if text.get("quantization_config"):
+            out["text_config"]["quantization_config"] = text["quantization_config"]
     return out
 
 
@@ -299,7 +306,8 @@ def quantization_check(
 ) -> tuple[dict | None, list[str], list[str]]:
     """(what the report says about quantization, problems, warnings). A problem only for what
     vLLM cannot load: a quantization_config without quant_method (vLLM reads
-    quant_cfg["quant_method"])."""
+    quant_cfg["quant_method"]), or a package the method imports on a GPU that the vLLM environment
+    cannot import (eyrie.vllm.quantization; `report["packages"]`)."""
     text = config.get("text_config") or {}
     where, q = (
         ("config.json: text_config.quantization_config", text["quantization_config"])
@@ -310,6 +318,10 @@ def quantization_check(
         return None, [], []
     method = q.get("quant_method") if isinstance(q, dict) else None
     report = {"quant_method": method, "where": where.split(": ", 1)[1]}
+    # None: facts gathered for another config or before the field (eyrie.vllm.quantization)
+    packages = getattr(facts, "quantization_packages", None)
+    if packages is not None:
+        report["packages"] = packages
     if not method:
         return (
             report,
@@ -331,7 +343,19 @@ def quantization_check(
                 "recognises the checkpoint"
             ],
         )
-    return report, [], []
+    if packages is None:
+        return report, [], []
+    key = f"{where}.quant_method={method!r}"
+    if packages.get("modules") is None:
+        return (
+            report,
+            [],
+            [
+                f"{key}: the packages vLLM {facts.version} imports for it are unknown "
+                f"({packages.get('how')}); a missing one fails only on the GPU"
+            ],
+        )
+    return report, missing_packages(key, packages, facts.version), []
 
 
 @dataclass(frozen=True)
