@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from eyrie.arch.registry import VllmAdapter, adapter_for
 from eyrie.errors import VllmAdapterError
-from eyrie.vllm import probe
+from eyrie.vllm import probe, quantization
 from eyrie.vllm.adapters import (
     EAGLE3_DEFAULT_LAYERS,
     EMBED_METHODS,
@@ -159,12 +159,7 @@ def gather_facts(config: dict) -> VllmFacts:
     facts.default_runner, facts.default_runner_how = probe.default_runner(facts.architecture)
     facts.native_chunked_prefill, _ = probe.chunked_prefill_with_connector()
     facts.native_hybrid, facts.native_hybrid_how = probe.hybrid_groups()
-    try:  # TEMP until eyrie.vllm.quantization lands
-        from eyrie.vllm.quantization import required_packages
-
-        facts.quantization_packages = required_packages(config)
-    except ModuleNotFoundError:
-        pass
+    facts.quantization_packages = quantization.required_packages(config)
     return facts
 
 
