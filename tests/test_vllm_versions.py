@@ -72,16 +72,8 @@ BY_VERSION = {
         "deepseek": {"native_ids": "1..N"},
         "kimi": {"native_ids": "1..N"},
     },
-    "0.33.0": {
-        "*": {
-            "default_runner": "v2",
-            "native_chunked_prefill": True,
-            "eagle3_draft_fields": sorted([*BASE_DRAFT_FIELDS, "fc_norm", "norm_output"]),
-        },
-        "deepseek": {"native_ids": "1..N"},
-        "kimi": {"native_ids": "1..N"},
-    },
 }
+BY_VERSION["0.33.0"] = BY_VERSION["0.26.0"]  # no fact eyrie reads changed from 0.26 to 0.33
 DENSE_IDS = {"llama": "0..N", "qwen3_moe": "0..N", "gpt_oss": "0..N"}
 
 # the path preflight (vllm.extraction_path: auto) picks per version and config
