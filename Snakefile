@@ -14,7 +14,7 @@ include: "rules/evaluate.smk"
 rule all:
     default_target: True
     input:
-        f"{RESULTS}/draft/config.json",
+        f"{RESULTS}/draft.json",
         f"{RESULTS}/eval/eval.json",
         f"{RESULTS}/eval/eval.png",
         # evaluation through vLLM itself: needs a GPU and .venv-vllm (docs/vllm.md)

@@ -1,13 +1,16 @@
 """`eyrie <stage> ...`: one entry per workflow rule. Each stage module provides
-`add_arguments(parser)` and `run(args)`; this layer only parses and reports errors: an EyrieError
-as one line with its fix (exit 2), anything else with its type and traceback (exit 1)."""
+`add_arguments(parser)` and `run(args)`; this layer only parses and reports errors: an EyrieError,
+or an OSError the user fixes (a full disk, a read-only or forbidden folder), as one line with its
+fix (exit 2), anything else with its type and traceback (exit 1)."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
+import re
 import socket
 import sys
 import traceback
@@ -45,11 +48,38 @@ STAGES = {
         "eyrie.vllm.evaluate_vllm",
         "acceptance length measured by vLLM itself (vLLM environment)",
     ),
+    "store": ("eyrie.store.manage", "list and prune the output store (not a rule)"),
 }
 
 
 # Logged at the start of a stage when set: the SLURM job and the GPUs the job saw.
 PLACEMENT_VARS = ("SLURM_JOB_ID", "SLURM_NODELIST", "CUDA_VISIBLE_DEVICES")
+
+# OSErrors of the file system the user fixes (not bugs): errno -> the fix.
+OS_FIXES = {
+    errno.ENOSPC: "free space on that disk, or run the workflow where there is room (snakemake -d)",
+    errno.EDQUOT: "free space within your disk quota, or run the workflow on another file system",
+    errno.EROFS: "run the workflow in a writable folder (snakemake -d DIR)",
+    errno.EACCES: "fix its permissions (chmod/chown), or run the workflow in a folder you may write",
+    errno.EPERM: "fix its permissions (chmod/chown), or run the workflow in a folder you may write",
+}
+# eyrie.io.atomic_path writes `.<name>.tmp-<pid>` beside an output: named as the output itself
+TEMPORARY = re.compile(r"(^|/)\.([^/]+)\.tmp-\d+(?=/|$)")
+
+
+def os_error_line(exc: BaseException, args: argparse.Namespace) -> str | None:
+    """One line for an OSError in OS_FIXES: the path (the output, not its temporary; the
+    stage's output when the error names none, as a write that fills the disk), what happened
+    and the fix; None for any other exception."""
+    if not isinstance(exc, OSError) or exc.errno not in OS_FIXES:
+        return None
+    if exc.filename is not None:
+        path = TEMPORARY.sub(r"\1\2", os.fsdecode(exc.filename))
+    else:
+        out = getattr(args, "out", None) or getattr(args, "out_dir", None)
+        path = f"writing {out}" if out else "writing an output"
+    what = exc.strerror or os.strerror(exc.errno)
+    return f"{path}: {what}; {OS_FIXES[exc.errno]}"
 
 
 def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
@@ -92,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eyrie {args.stage}: error: {describe(exc)}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a bug or an environment failure: type + traceback
+        line = os_error_line(exc, args)
+        if line:
+            print(f"eyrie {args.stage}: error: {line}", file=sys.stderr)
+            return 2
         logging.getLogger("eyrie.cli").error(
             "eyrie %s: unexpected %s: %s\n%s",
             args.stage,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyrie.settings import SETTINGS_ALIASES, schema, schema_default, settings_json
+from eyrie.store.store import ENV as STORE_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACTS = REPO / "docs" / "contracts.md"
@@ -181,6 +182,11 @@ TABLE = (
     Row("vllm.enforce_eager", (*VLLM_EXTRACT, "evaluate_vllm", *VLLM_REGENERATE)),
     Row("vllm.dtype", ("evaluate_vllm", *VLLM_REGENERATE)),
     Row("vllm.max_model_len", (*VLLM_EXTRACT, "evaluate_vllm", *VLLM_REGENERATE)),
+    Row(
+        "store.path",
+        other="EYRIE_STORE of every job (eyrie.workflow.prepare): where extraction and "
+        "regeneration keep and find their outputs; changes no output",
+    ),
 )
 
 
@@ -240,15 +246,21 @@ def engine_sockets(results: str, shards: list[str], group_size: int) -> list[str
     return [f"{results}/hidden/engine_{g:03d}.sock" for g in groups]
 
 
-def prepare(basedir: str, python: str, sockets: list[str]) -> None:
+def prepare(basedir: str, python: str, sockets: list[str], store: str | None = None) -> None:
     """What the rules need before they run: the `eyrie` CLI of the Python running Snakemake and,
     under SLURM, scripts/slurm-shims (the SLURM plugin mistakes sacct's "CANCELLED by <uid>" for a
-    running job) on the PATH; an empty placeholder for each missing engine socket (a service
-    output counts as missing, so the shard jobs take it as ancient() input: docs/extraction.md)."""
+    running job) on the PATH; the output store's folder in EYRIE_STORE (store.path; every job
+    parses the workflow again, so SLURM jobs get it too); an empty placeholder for each missing
+    engine socket (a service output counts as missing, so the shard jobs take it as ancient()
+    input: docs/extraction.md)."""
     path = os.path.dirname(python) + os.pathsep + os.environ.get("PATH", "")
     if shutil.which("sacct"):
         path = os.path.join(basedir, "scripts", "slurm-shims") + os.pathsep + path
     os.environ["PATH"] = path
+    if store:
+        os.environ[STORE_ENV] = os.path.abspath(store)
+    else:
+        os.environ.pop(STORE_ENV, None)
     for socket in sockets:
         if not os.path.lexists(socket):
             os.makedirs(os.path.dirname(socket), exist_ok=True)

@@ -2,9 +2,11 @@
 # eyrie.workflow's settings table (docs/contracts.md).
 
 import os
+import shlex
 import sys
 
 from eyrie.settings import settings_json, validate_config
+from eyrie.store.fingerprint import track_target
 from eyrie.workflow import engine_sockets, prepare, runtime_settings, settings_param
 
 
@@ -19,8 +21,19 @@ LOGS = f"logs/{NAME}"
 BENCH = f"{RESULTS}/benchmarks"
 DEMO = config["target"]["path"] is None
 TARGET = f"{RESULTS}/target" if DEMO else config["target"]["path"]
-# Files that stand for the target folder in the DAG (weights may be sharded in user targets).
-TARGET_FILES = [f"{TARGET}/config.json", f"{TARGET}/tokenizer_config.json"]
+# Files that stand for the target folder in the DAG. The demo target is an output of the
+# workflow. A user's target is described at every parse by two fingerprint files, rewritten
+# only when the config, weights or code (weights.json) or the tokenizer files (tokenizer.json)
+# changed: a rule reruns exactly when what it reads of the target did (eyrie.store.fingerprint).
+if DEMO:
+    TARGET_WEIGHTS = TARGET_TOKENIZER = [
+        f"{TARGET}/config.json",
+        f"{TARGET}/tokenizer_config.json",
+    ]
+else:
+    _tracked = track_target(TARGET, f"{RESULTS}/fingerprint")
+    TARGET_WEIGHTS, TARGET_TOKENIZER = [_tracked["weights"]], [_tracked["tokenizer"]]
+TARGET_FILES = list(dict.fromkeys(TARGET_WEIGHTS + TARGET_TOKENIZER))  # the whole target
 CONVERSATIONS = config["data"]["conversations"] or (
     [f"resources/{NAME}/conversations.jsonl"] if DEMO else []
 )
@@ -35,9 +48,17 @@ VLLM_EXTRACT = config["extract"]["backend"] == "vllm"
 # GPUs of one vLLM engine (extraction with the vllm backend, evaluation through vLLM).
 VLLM_GPUS = config["vllm"]["tensor_parallel_size"]
 VLLM_PYTHON = os.path.join(workflow.basedir, config["vllm"]["python"])
+# Paths that reach a shell command from the config: quoted (a space must not split them).
+VLLM_PYTHON_ARG = shlex.quote(VLLM_PYTHON)
+TARGET_ARG = shlex.quote(TARGET)
 
 # The rules' `eyrie` on the PATH and the engine socket placeholders (eyrie.workflow.prepare).
-prepare(workflow.basedir, sys.executable, engine_sockets(RESULTS, SHARDS, GROUP_SIZE))
+prepare(
+    workflow.basedir,
+    sys.executable,
+    engine_sockets(RESULTS, SHARDS, GROUP_SIZE),
+    config["store"]["path"],
+)
 
 
 def _all_cores() -> int:
@@ -68,8 +89,8 @@ def gpus(device: str, count: int = 1) -> int:
 # Folders passed to the stages. Functions of the wildcards only: Snakemake still compares their
 # values (a function of input or output would leave the params trigger), as for the plain strings.
 def target_dir(wildcards) -> str:
-    """The target folder (its files stand for it in the inputs: TARGET_FILES)."""
-    return TARGET
+    """The target folder, quoted for the shell (its files stand for it in the inputs)."""
+    return TARGET_ARG
 
 
 def tokenized_dir(wildcards) -> str:
@@ -85,6 +106,7 @@ def train_dir(wildcards) -> str:
 
 
 def draft_dir(wildcards) -> str:
+    """The link to the newest good draft version (its manifest, draft.json, is the output)."""
     return f"results/{wildcards.name}/draft"
 
 

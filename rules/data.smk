@@ -16,7 +16,7 @@ REGENERATED = (
 # The vLLM backend runs in the vLLM environment (its path in the text: another vLLM reruns).
 REGENERATE_SHELL = (
     (
-        f"{VLLM_PYTHON} -m eyrie.cli regenerate-vllm"
+        f"{VLLM_PYTHON_ARG} -m eyrie.cli regenerate-vllm"
         " --gpu-memory-utilization {config[vllm][gpu_memory_utilization]}"
         if REGENERATE_VLLM
         else "eyrie --threads {threads} regenerate"
@@ -62,7 +62,7 @@ rule regenerate_responses:
 rule tokenize_conversations:
     input:
         conversations=CONVERSATIONS,
-        target=TARGET_FILES,
+        target=TARGET_TOKENIZER,
         regenerated=REGENERATED,
     output:
         eval="results/{name}/tokenized/eval.parquet",
@@ -80,7 +80,7 @@ rule tokenize_conversations:
 rule build_vocab_map:
     input:
         tokenized="results/{name}/tokenized/report.json",
-        target=TARGET_FILES,
+        target=TARGET_TOKENIZER,
     output:
         "results/{name}/vocab/vocab.safetensors",
     log:

@@ -3,7 +3,7 @@
 
 rule evaluate_draft:
     input:
-        draft="results/{name}/draft/config.json",
+        draft="results/{name}/draft.json",
         vocab="results/{name}/vocab/vocab.safetensors",
         eval_set="results/{name}/tokenized/eval.parquet",
         preflight="results/{name}/preflight.json",
@@ -37,7 +37,7 @@ rule evaluate_draft:
 # gpu_memory_utilization changes no result: command text, not compared.
 rule evaluate_vllm:
     input:
-        draft="results/{name}/draft/config.json",
+        draft="results/{name}/draft.json",
         eval_set="results/{name}/tokenized/eval.parquet",
         hf_eval="results/{name}/eval/eval.json",
         target=TARGET_FILES,
@@ -52,7 +52,7 @@ rule evaluate_vllm:
     params:
         settings=settings("evaluate_vllm"),
         # compared: another environment may be another vLLM
-        python=VLLM_PYTHON,
+        python=VLLM_PYTHON_ARG,
         target=target_dir,
         draft_dir=draft_dir,
     shell:

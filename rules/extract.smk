@@ -7,7 +7,7 @@
 EXTRACT_SETTINGS = settings("extract_hidden_states")
 # The engine runs in the environment of its backend: vLLM pins its own torch (envs/vllm.txt).
 ENGINE_COMMAND = (
-    f"{VLLM_PYTHON} -m eyrie.cli extract-engine"
+    f"{VLLM_PYTHON_ARG} -m eyrie.cli extract-engine"
     f" --gpu-memory-utilization {config['vllm']['gpu_memory_utilization']}"
     if VLLM_EXTRACT
     else "eyrie extract-engine"
@@ -35,7 +35,7 @@ rule extract_engine:
     # `exec`: Snakemake's SIGTERM after the last shard then reaches the engine, not just bash.
     # --torch-threads, not the global --threads: the socket must exist before torch is imported.
     shell:
-        "exec {ENGINE_COMMAND} --torch-threads {threads} --socket {output} --target {TARGET}"
+        "exec {ENGINE_COMMAND} --torch-threads {threads} --socket {output} --target {TARGET_ARG}"
         " --preflight {input.preflight} --settings {EXTRACT_SETTINGS:q} > {log} 2>&1"
 
 

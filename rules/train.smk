@@ -6,7 +6,7 @@ rule train_draft:
         shards=expand("results/{{name}}/hidden/shard_{shard}.h5", shard=SHARDS),
         vocab="results/{name}/vocab/vocab.safetensors",
         preflight="results/{name}/preflight.json",
-        target=TARGET_FILES,
+        target=TARGET_WEIGHTS,
     output:
         draft=directory("results/{name}/train/draft"),
         metrics="results/{name}/train/metrics.jsonl",
@@ -42,10 +42,11 @@ rule train_draft:
 rule export_draft:
     input:
         summary="results/{name}/train/train.json",
-        target=TARGET_FILES,
+        target=TARGET_WEIGHTS,
+    # The manifest, not the draft's files: Snakemake deletes outputs before a job runs, and the
+    # draft `vllm serve` uses must outlive a failed export (eyrie.formats.versions).
     output:
-        "results/{name}/draft/config.json",
-        "results/{name}/draft/model.safetensors",
+        "results/{name}/draft.json",
     log:
         "logs/{name}/export_draft.log",
     params:
@@ -55,4 +56,4 @@ rule export_draft:
         out_dir=draft_dir,
     shell:
         "eyrie --threads {threads} export --target {params.target} --train-dir {params.train_dir}"
-        " --out-dir {params.out_dir} --settings {params.settings:q} > {log} 2>&1"
+        " --out-dir {params.out_dir} --manifest {output} --settings {params.settings:q} > {log} 2>&1"

@@ -292,6 +292,7 @@ from eyrie.extract import engine
 
 class Stubborn:
     def __init__(self, *args):
+        print("loading", flush=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
@@ -309,11 +310,23 @@ sys.exit(engine.serve({str(sock)!r}, engine.Load("t", "p.json", {{}}), idle_exit
         [sys.executable, "-c", script], stdout=log.open("w"), stderr=subprocess.STDOUT
     )
     wait_for_socket(sock, proc)
+    # the load starts with the first request: a client that connects and waits
+    client = threading.Thread(
+        target=lambda: pytest.raises(
+            EngineError, request, EngineSocket(sock, wait_s=10), "s.parquet", tmp_path / "o.h5"
+        ),
+        daemon=True,
+    )
+    client.start()
+    deadline = time.monotonic() + 30
+    while "loading" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
     time.sleep(0.3)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout=30)
     took = time.monotonic() - t0
+    client.join(timeout=30)
     text = log.read_text()
     assert rc == 128 + signal.SIGTERM and "caught" in text
     assert "loading the target failed" not in text  # no client is told of a made-up load error

@@ -20,6 +20,7 @@ from eyrie.data.regeneration import (
     Generated,
     RegenSettings,
     ShardPaths,
+    StoredShard,
     add_shard_arguments,
     end_token_ids,
     regenerate_shard,
@@ -121,6 +122,12 @@ def run(args: argparse.Namespace) -> int:
             "(the workflow does), or set regenerate.backend: hf"
         )
     log.info("regenerate: provenance %s", json.dumps(provenance(args.settings), default=str))
+    paths = ShardPaths(args.inputs, args.shard, args.out)
+    stored = StoredShard.of(args.target, paths, args.settings)
+    if stored is not None and stored.restore(args.out):
+        return 0  # regenerated before from the same target, inputs and settings
     backend = load_backend(args.target, cfg)
-    regenerate_shard(backend, ShardPaths(args.inputs, args.shard, args.out), cfg)
+    regenerate_shard(backend, paths, cfg)
+    if stored is not None:
+        stored.put(args.out)
     return 0

@@ -11,6 +11,7 @@ docs/contracts.md#files.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -32,6 +33,8 @@ from eyrie.data.records import (
 from eyrie.errors import DataError
 from eyrie.io import atomic_path
 from eyrie.settings import load_settings, schema_default
+from eyrie.store import store
+from eyrie.store.fingerprint import content_digest
 
 if TYPE_CHECKING:
     import argparse
@@ -422,3 +425,42 @@ def regenerate_shard(backend: Backend, paths: ShardPaths, cfg: RegenSettings) ->
     for failure in stats.failures:
         log.warning("regenerate: failed: %s", failure)
     return stats
+
+
+def _input_sha256(path: Path) -> str:
+    """A conversations file's sha256; a `datasets` folder's, over its files' names and bytes."""
+    if not path.is_dir():
+        return store.file_sha256(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f"{f.relative_to(path)}\0{store.file_sha256(f)}\0".encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class StoredShard:
+    """A regenerated shard in the output store (docs/store.md): its key hashes the target's
+    content, the inputs' bytes, the shard index and the settings."""
+
+    kept: store.Store
+    key: str
+    material: dict
+
+    @classmethod
+    def of(cls, target: str | Path, paths: ShardPaths, settings: dict) -> StoredShard | None:
+        kept = store.Store.from_env()
+        if kept is None:
+            return None
+        material = {
+            "target": content_digest(target),
+            "inputs": [_input_sha256(Path(p)) for p in paths.inputs],
+            "shard": paths.shard,
+            "settings": settings,
+        }
+        return cls(kept, store.key("regenerated", material), material)
+
+    def restore(self, out: str | Path) -> bool:
+        return self.kept.restore("regenerated", self.key, {"shard.jsonl": Path(out)})
+
+    def put(self, out: str | Path) -> None:
+        self.kept.put("regenerated", self.key, {"shard.jsonl": Path(out)}, self.material)

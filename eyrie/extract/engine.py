@@ -2,12 +2,13 @@
 (`eyrie extract --engine SOCKET` is the client, eyrie.extract.protocol the wire format).
 
 The contract with Snakemake's service() jobs (docs/extraction.md):
-- the socket is bound before the model loads; clients that connect during the load wait in the
+- the socket is bound first; the model loads on the first request (a group whose shards the
+  output store restores loads nothing), and clients that connect during the load wait in the
   listen backlog;
 - requests run one at a time on the loaded model, in the main thread;
 - every failure reaches the client as a reply (a failed load is the reply to every client that
   connects), since Snakemake never checks a service's exit status;
-- the engine exits after `--idle-exit-s` without a connection once loaded (first answering any
+- the engine exits after `--idle-exit-s` without a connection (first answering any
   client that connected at that moment), and promptly on SIGTERM/SIGINT (forced STOP_GRACE_S
   later if the stop is swallowed), leaving an empty placeholder file where its socket was.
 Only the standard library is imported at the top: the socket is bound before torch is imported.
@@ -267,7 +268,8 @@ class Load:
 
 
 def serve(socket_path: str | Path, load: Load, idle_exit_s: float = DEFAULT_IDLE_EXIT_S) -> int:
-    """Bind, load the target once, serve until idle or signalled. Returns the exit status."""
+    """Bind, serve (loading the target once, on the first request) until idle or signalled.
+    Returns the exit status."""
     engine = None
     with _stop:
         try:
@@ -286,36 +288,57 @@ def serve(socket_path: str | Path, load: Load, idle_exit_s: float = DEFAULT_IDLE
                 engine.close()
 
 
+class _Lazy:
+    """The request handler that loads the target on the first request: a group whose shards
+    the output store restores asks nothing and loads nothing (docs/store.md). A failed load is
+    the reply to that request and every later one."""
+
+    def __init__(self, engine: Engine, load: Load):
+        self.engine, self.load = engine, load
+        self.extractor = None
+        self.handle: Callable[[dict], dict] | None = None
+        self.failed = False
+
+    def __call__(self, request: dict) -> dict:
+        if self.handle is None:
+            self.handle = self._load()
+        return self.handle(request)
+
+    def _load(self) -> Callable[[dict], dict]:
+        t0 = time.monotonic()
+        try:
+            self.extractor = self.load.extractor()
+        except Exception as exc:
+            _stop.check(exc)
+            log.error(
+                "engine: loading the target failed: %s: %s\n%s",
+                type(exc).__name__,
+                exc,
+                traceback.format_exc(),
+            )
+            self.failed = True
+            failure = error_reply(exc)
+            # Snakemake does not look at a service's exit status: the clients must hear it.
+            return lambda request: failure
+        log.info(
+            "engine: loaded target %s in %.1f s (load 1 of this engine)",
+            self.load.target,
+            time.monotonic() - t0,
+        )
+        return _extract_handler(self.extractor, self.load.settings)
+
+
 def _load_and_serve(engine: Engine, load: Load) -> int:
     """0 after serving shards until idle; 1 after serving a failed load's error until idle."""
-    engine.busy = True
-    t0 = time.monotonic()
+    lazy = _Lazy(engine, load)
     try:
-        extractor = load.extractor()
-    except Exception as exc:
-        _stop.check(exc)
-        log.error(
-            "engine: loading the target failed: %s: %s\n%s",
-            type(exc).__name__,
-            exc,
-            traceback.format_exc(),
-        )
-        failure = error_reply(exc)
-        engine.busy = False
-        # Snakemake does not look at a service's exit status: the clients must hear it.
-        engine.serve(lambda request: failure)
-        return 1
-    engine.busy = False
-    log.info(
-        "engine: loaded target %s in %.1f s (load 1 of this engine)",
-        load.target,
-        time.monotonic() - t0,
-    )
-    try:
-        engine.serve(_extract_handler(extractor, load.settings))
+        engine.serve(lazy)
     finally:
-        extractor.close()
-    return 0
+        if lazy.extractor is not None:
+            lazy.extractor.close()
+    if lazy.handle is None:
+        log.info("engine: no request came (the store held every shard?): nothing was loaded")
+    return 1 if lazy.failed else 0
 
 
 def add_arguments(parser) -> None:
@@ -338,7 +361,7 @@ def add_arguments(parser) -> None:
         "--idle-exit-s",
         type=float,
         default=DEFAULT_IDLE_EXIT_S,
-        help="exit after this many seconds without a connection, once loaded (default %(default)g)",
+        help="exit after this many seconds without a connection (default %(default)g)",
     )
     parser.add_argument(
         "--torch-threads",

@@ -3,12 +3,17 @@
 With `--engine SOCKET` this is a light client: it sends the shard to a running `eyrie
 extract-engine` and waits for its reply (eyrie.extract.protocol; no torch, h5py or pyarrow is
 imported). Without it, the target is loaded here for this one shard (eyrie.extract.extractor).
-docs/extraction.md.
+With the output store (EYRIE_STORE), a shard made before from the same inputs is restored
+instead, and a new one is kept. docs/extraction.md, docs/store.md.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from eyrie.extract import protocol
+from eyrie.formats import report
+from eyrie.store import store
 
 
 def add_arguments(parser) -> None:
@@ -46,7 +51,24 @@ def add_arguments(parser) -> None:
     )
 
 
+def store_key(shard: str, preflight: str, settings: dict) -> tuple[str, dict]:
+    """The output store's key of a hidden-state shard: the tokenized shard's bytes, what in the
+    preflight report determines the states (the target's content, the layer ids, the vLLM path)
+    and the extraction settings."""
+    material = {
+        "tokenized": store.file_sha256(shard),
+        "preflight": report.identity(report.read_report(preflight)),
+        "settings": settings,
+    }
+    return store.key("hidden", material), material
+
+
 def run(args) -> int:
+    kept = store.Store.from_env()
+    if kept is not None:
+        key, material = store_key(args.shard, args.preflight, args.settings)
+        if kept.restore("hidden", key, {"shard.h5": Path(args.out)}):
+            return 0  # made before from the same inputs: no engine asked, no target loaded
     if args.engine:
         engine = protocol.EngineSocket(args.engine, wait_s=args.engine_wait_s, log=args.engine_log)
         protocol.request(engine, args.shard, args.out, settings=args.settings)
@@ -54,4 +76,6 @@ def run(args) -> int:
         from eyrie.extract.extractor import extract_shard
 
         extract_shard(args.target, args.shard, args.preflight, args.out, args.settings)
+    if kept is not None:
+        kept.put("hidden", key, {"shard.h5": Path(args.out)}, material)
     return 0

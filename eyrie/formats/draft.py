@@ -72,14 +72,14 @@ def expected_tensors(model) -> dict[str, tuple[int, ...]]:
     }
 
 
-def random_packed_batch(model, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Two documents and trailing padding: hidden_states float32 [1, T, n_aux*H],
-    verifier_last_hidden_states float32 [1, T, H], input_ids/position_ids/document_ids int64
-    [1, T], loss_mask bool [1, T]."""
+def random_packed_batch(model, seed: int = 0, ttt_steps: int = 3) -> dict[str, torch.Tensor]:
+    """Two documents, each longer than `ttt_steps` (every TTT step has tokens left to predict),
+    and trailing padding: hidden_states float32 [1, T, n_aux*H], verifier_last_hidden_states
+    float32 [1, T, H], input_ids/position_ids/document_ids int64 [1, T], loss_mask bool [1, T]."""
     g = torch.Generator().manual_seed(seed)
     H = model.hidden_size
     n_aux = model.fc.in_features // H
-    lengths, pad = (9, 6), 3
+    lengths, pad = (ttt_steps + 6, ttt_steps + 3), 3
     T = sum(lengths) + pad
     return {
         "hidden_states": torch.randn(1, T, n_aux * H, generator=g),
@@ -148,7 +148,7 @@ def validate_export(folder: Path, reference, ttt_steps: int, expect_config: dict
             f"(unexpected {extra}, missing {lost}, shape mismatch {shapes})"
         )
     loaded = load_draft(folder)
-    batch = random_packed_batch(reference)
+    batch = random_packed_batch(reference, ttt_steps=ttt_steps)
     a, b = draft_outputs(reference, batch, ttt_steps), draft_outputs(loaded, batch, ttt_steps)
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     if differ or a.keys() != b.keys():

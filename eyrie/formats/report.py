@@ -1,11 +1,14 @@
 """The preflight report's reader: preflight.json, for every stage gated on it.
 
 `read_report` returns the report only when it passed (`ok` is true) and, given the target's
-fingerprint, only when it was made for the target as it is now. The file: docs/contracts.md#files.
+fingerprint, only when it was made for the target as it is now. `identity` is what in a report
+determines the outputs made under it (the stores' keys and training's run id use it). The file:
+docs/contracts.md#files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -37,3 +40,23 @@ def read_report(path: str | Path, fingerprint: str | None = None) -> dict:
             f"target's config.json now gives {fingerprint!r}); rerun it"
         )
     return report
+
+
+def identity(report: dict) -> str:
+    """sha256 of what in a report determines the outputs made under it: the target as content
+    (not where it lies), the layer ids, the chat template, the vLLM version and extraction path;
+    not its time, host, free disk or warnings (a rerun of preflight changes those alone)."""
+    target = {k: v for k, v in (report.get("target") or {}).items() if k != "path"}
+    vllm = report.get("vllm") or {}
+    kept = {
+        "target": target,
+        "aux_layer_ids": report.get("aux_layer_ids"),
+        "final_layer_id": report.get("final_layer_id"),
+        "chat_template": report.get("chat_template"),
+        "vllm": {
+            "version": vllm.get("version"),
+            "adapter": vllm.get("adapter"),
+            "path": (vllm.get("extraction_path") or {}).get("chosen"),
+        },
+    }
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()

@@ -8,6 +8,7 @@ checks).
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from pathlib import Path
 from eyrie.arch.target import tokenizer_hash
 from eyrie.errors import EyrieError
 from eyrie.formats.codecs import bytes_per_token
+from eyrie.store.fingerprint import safetensors_header, safetensors_problem
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +51,58 @@ class Check:
 
 
 def check_weights(path: Path, check: Check) -> None:
-    if list(path.glob("*.safetensors")):
+    """Safetensors weights, each file as long as its header says (a cut copy fails here, in
+    seconds, instead of when the GPU engine loads it), and every file and tensor the index
+    names present."""
+    index = path / "model.safetensors.index.json"
+    files = sorted(path.glob("*.safetensors"))
+    if not files and not index.is_file():
+        if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+            check.problem(
+                f"{path}: weights are only in pickle files (.bin/.pt), which eyrie does not "
+                "load; convert them to safetensors (save_pretrained(..., safe_serialization=True))"
+            )
+        else:
+            check.problem(
+                f"{path}: no *.safetensors weights found; point target.path at a complete "
+                "Hugging Face model folder"
+            )
         return
-    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
-        check.problem(
-            f"{path}: weights are only in pickle files (.bin/.pt), which eyrie does not "
-            "load; convert them to safetensors (save_pretrained(..., safe_serialization=True))"
-        )
-    else:
-        check.problem(
-            f"{path}: no *.safetensors weights found; point target.path at a complete "
-            "Hugging Face model folder"
-        )
+    headers = {}
+    for f in files:
+        problem = safetensors_problem(f)
+        if problem:
+            check.problem(f"{problem}; copy the file again from its source")
+        else:
+            headers[f.name] = safetensors_header(f)[1]
+    if index.is_file():
+        _check_index(index, headers, check)
+
+
+def _check_index(index: Path, headers: dict, check: Check) -> None:
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, ValueError, AttributeError) as exc:
+        weight_map = exc
+    if not isinstance(weight_map, dict):
+        check.problem(f"{index}: no readable weight_map ({weight_map}); copy the file again")
+        return
+    wanted: dict[str, list[str]] = {}
+    for tensor, name in weight_map.items():
+        wanted.setdefault(name, []).append(tensor)
+    for name, tensors in sorted(wanted.items()):
+        if not (index.parent / name).is_file():
+            check.problem(
+                f"{index}: names {name} ({len(tensors)} tensors), which is not in the folder; "
+                "copy the missing weight file"
+            )
+        elif name in headers:
+            missing = [t for t in tensors if t not in headers[name]]
+            if missing:
+                check.problem(
+                    f"{index.parent / name}: lacks {len(missing)} tensor(s) the index puts "
+                    f"there (first: {missing[0]}); copy the file again from its source"
+                )
 
 
 def check_tokenizer(path: Path, trust_remote_code: bool, check: Check) -> tuple[str, dict] | None:
@@ -68,14 +110,23 @@ def check_tokenizer(path: Path, trust_remote_code: bool, check: Check) -> tuple[
     multi-turn conversation with reasoning); None with a problem if it cannot train anything."""
     from transformers import AutoTokenizer
 
-    from eyrie.data.chat import MaskSettings, masked_samples, template_traits
-    from eyrie.data.records import Conversation
+    from eyrie.data.chat import (
+        MaskSettings,
+        masked_samples,
+        template_traits,
+        tokenizer_files_problem,
+    )
+    from eyrie.data.records import Conversation, _one_line
 
+    problem = tokenizer_files_problem(path, trust_remote_code)
+    if problem:
+        check.problem(problem)
+        return None
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - any loader failure is reported with its type
         check.problem(
-            f"{path}: tokenizer does not load ({type(exc).__name__}: {exc}); "
+            f"{path}: tokenizer does not load ({type(exc).__name__}: {_one_line(exc)}); "
             "check the tokenizer files or set target.trust_remote_code if it ships code"
         )
         return None

@@ -23,6 +23,7 @@ from eyrie.preflight.checks import (
     check_weights,
 )
 from eyrie.settings import load_settings, merge_settings, schema_default, vllm_uses
+from eyrie.store.fingerprint import content_digest
 from eyrie.vllm import preflight_checks as vllm_preflight
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ def target_entry(target: Path, info, tokenizer_hash: str | None) -> dict:
         "vocab_size": info.vocab_size,
         "fingerprint": info.fingerprint,
         "tokenizer_hash": tokenizer_hash,
+        # config, weights, tokenizer and code files by size and (sampled) content
+        "content_digest": content_digest(target),
     }
 
 

@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 from eyrie.arch.target import fingerprint, read_config
+from eyrie.formats.report import identity, read_report
 from eyrie.io import atomic_path
+from eyrie.store.fingerprint import file_digest
 from eyrie.train.config import NOT_IN_RUN_ID, TrainSettings
 
 log = logging.getLogger(__name__)
@@ -30,28 +32,25 @@ log = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 2
 
 
-def _file_identity(path: Path, content: bool) -> dict:
-    st = path.stat()
-    ident = {"name": path.name, "size": st.st_size}
-    if content:
-        ident["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
-    else:  # large files: name, size and modification time
-        ident["mtime_ns"] = st.st_mtime_ns
-    return ident
+def _file_identity(path: Path) -> dict:
+    """Name, size and content (whole for a small file, sampled for a large one): a shard the
+    output store restored, with a new mtime, is the same input."""
+    size = path.stat().st_size
+    return {"name": path.name, "size": size, "digest": file_digest(path, size)}
 
 
 def run_id(
     cfg: TrainSettings, target: Path, preflight: Path, vocab: Path, shards: list[Path]
 ) -> str:
     """16 hex digits naming the run: what changes the weights, never the number of processes."""
-    weights = sorted(p for p in target.iterdir() if p.suffix == ".safetensors")
     ident = {
         "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_RUN_ID},
         "target_config": fingerprint(read_config(target)),
-        "target_weights": [_file_identity(p, content=False) for p in weights],
-        "preflight": _file_identity(preflight, content=True),
-        "vocab": _file_identity(vocab, content=True),
-        "shards": [_file_identity(p, content=False) for p in shards],
+        # what in the report determines the weights, not its time or host: a preflight rerun
+        # with the same outcome keeps the run (and its checkpoints)
+        "preflight": identity(read_report(preflight)),
+        "vocab": _file_identity(vocab),
+        "shards": [_file_identity(p) for p in shards],
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -3,7 +3,9 @@
 The folder is built under a temporary name, then validated with speculators' own loader
 (`Eagle3DraftModel.from_pretrained`): the tensor names and shapes must be exactly the expected
 set, every config field must be explicit, and the loaded model's logits must be bit-identical to
-the trained model's on a random packed batch. Only then is it renamed into place.
+the trained model's on a random packed batch. Only then is it renamed into place as a new
+version under drafts/, and the link `draft` pointed at it (eyrie.formats.versions): a failed
+export leaves the last good draft where `vllm serve` finds it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from eyrie.formats.draft import (
     load_draft,
     validate_export,
 )
-from eyrie.io import atomic_path, provenance, write_json
+from eyrie.formats.versions import DraftVersions
+from eyrie.io import provenance, write_json
 from eyrie.train.config import TrainSettings
 
 log = logging.getLogger(__name__)
@@ -118,8 +121,10 @@ def export(
     settings: dict,
     *,
     num_speculative_tokens: int | None = None,
+    manifest: str | Path | None = None,
 ) -> dict:
-    """Write `out_dir` (config.json, config.py, model.safetensors, provenance.json)."""
+    """Write a new draft version (config.json, config.py, model.safetensors, provenance.json)
+    beside `out_dir`, check it, then point the link `out_dir` at it and write `manifest`."""
     cfg = TrainSettings.from_settings(settings)
     K = num_speculative_tokens if num_speculative_tokens is not None else cfg.ttt_steps
     if K < 1:
@@ -130,7 +135,8 @@ def export(
     reference = load_draft(trained.draft_dir, verifier=target)
     architectures = configure(reference, target, K)
     expect = expected_config(reference, trained, target, K, architectures)
-    with atomic_path(out_dir) as tmp:
+    versions = DraftVersions(out_dir)
+    with versions.new() as tmp:
         reference.save_pretrained(tmp)
         validate_export(tmp, reference, K, expect)
         write_json(
@@ -144,14 +150,26 @@ def export(
                 **provenance(settings),
             },
         )
+    version = versions.publish()
     log.info(
-        "exported %s (K=%d, %d tensors, verifier %s); loads in speculators with identical outputs",
+        "exported %s -> %s (K=%d, %d tensors, verifier %s); loads in speculators with "
+        "identical outputs",
         out_dir,
+        version,
         K,
         len(expected_tensors(reference)),
         target,
     )
-    return {"out_dir": str(out_dir), "num_speculative_tokens": K}
+    done = {
+        "out_dir": str(out_dir),
+        "version": str(version),
+        "files": versions.digests(version),
+        "num_speculative_tokens": K,
+        "train_run_id": trained.summary.get("run_id"),
+    }
+    if manifest is not None:
+        write_json(manifest, done)
+    return done
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +182,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="target model folder (written as the verifier path, absolute)",
     )
     parser.add_argument("--train-dir", required=True, type=Path, help="results/<name>/train")
-    parser.add_argument("--out-dir", required=True, type=Path, help="results/<name>/draft")
+    parser.add_argument(
+        "--out-dir",
+        required=True,
+        type=Path,
+        help="results/<name>/draft: the link to the newest good version (in the drafts/ beside it)",
+    )
+    parser.add_argument(
+        "--manifest", type=Path, default=None, help="results/<name>/draft.json, written last"
+    )
     parser.add_argument("--settings", required=True, type=settings_arg, help='{"train": {...}}')
     parser.add_argument(
         "--num-speculative-tokens",
@@ -181,5 +207,6 @@ def run(args: argparse.Namespace) -> int:
         args.out_dir,
         args.settings,
         num_speculative_tokens=args.num_speculative_tokens,
+        manifest=args.manifest,
     )
     return 0

@@ -22,6 +22,7 @@ from eyrie.data.regeneration import (
     Generated,
     RegenSettings,
     ShardPaths,
+    StoredShard,
     add_shard_arguments,
     end_token_ids,
     generation_eos,
@@ -167,6 +168,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg, engine = parse_settings(args.settings, args.gpu_memory_utilization)
     log.info("regenerate: provenance %s", json.dumps(provenance(args.settings), default=str))
+    paths = ShardPaths(args.inputs, args.shard, args.out)
+    stored = StoredShard.of(args.target, paths, args.settings)
+    if stored is not None and stored.restore(args.out):
+        return 0  # regenerated before from the same target, inputs and settings
     backend = load_backend(args.target, cfg, engine)
-    regenerate_shard(backend, ShardPaths(args.inputs, args.shard, args.out), cfg)
+    regenerate_shard(backend, paths, cfg)
+    if stored is not None:
+        stored.put(args.out)
     return 0

@@ -1,0 +1,191 @@
+"""What stands for a user's target folder in the DAG: two small fingerprint files, rewritten
+only when what they describe changed.
+
+A target is hundreds of GB; Snakemake would compare the weights by mtime only, and tracking only
+config.json missed weights replaced in place. At parse time `track_target` describes each
+tracked file by its size and a digest: the whole file when small, and for a large one its
+safetensors header plus SAMPLE_BLOCKS blocks spread over its data (MiBs read, not GBs). A file
+whose size and mtime match the last description is not read again. `weights.json` (config,
+weights, remote code) and `tokenizer.json` (config, tokenizer files, remote code) are rewritten
+only when their digest changed, so their mtime moves exactly when their content did: the rules
+take them as inputs. Standard library only: the Snakefile imports this at every parse.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from eyrie.arch.target import TOKENIZER_FILES
+from eyrie.errors import TargetError
+
+FORMAT = 1
+# Each group: the file name patterns (top level of the target folder) whose content it tracks.
+GROUPS = {
+    "weights": (
+        "config.json",
+        "generation_config.json",
+        "*.safetensors",
+        "*.safetensors.index.json",
+        "*.bin",
+        "*.bin.index.json",
+        "*.py",
+    ),
+    "tokenizer": (
+        "config.json",
+        *TOKENIZER_FILES,
+        "added_tokens.json",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "*.tiktoken",
+        "chat_template.json",
+        "*.py",
+    ),
+}
+WHOLE_FILE_BYTES = 16 << 20  # files up to this size are hashed whole
+SAMPLE_BLOCKS = 64  # a larger file: its header and this many blocks over its data
+SAMPLE_BYTES = 16 << 10
+MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
+
+
+def safetensors_header(path: Path) -> tuple[int, dict]:
+    """The header length and header of a safetensors file; ValueError saying what is wrong."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{size} bytes: too short for a safetensors header")
+        n = int.from_bytes(head, "little")
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{size} bytes, but its header claims {n:,} header bytes")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"its header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    return n, header
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file is cut short or corrupt (None when its length matches its header)."""
+    try:
+        n, header = safetensors_header(path)
+        ends = [t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"]
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        return f"{path}: not a readable safetensors file ({exc})"
+    size, expected = path.stat().st_size, 8 + n + max(ends, default=0)
+    if size != expected:
+        cut = "truncated" if size < expected else "longer than its tensors"
+        return f"{path}: {size:,} bytes, but its header says {expected:,} ({cut})"
+    return None
+
+
+def file_digest(path: Path, size: int) -> str:
+    """sha256 of a small file; of a large one's size, safetensors header and sampled blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= WHOLE_FILE_BYTES:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+            return "sha256:" + h.hexdigest()
+        h.update(str(size).encode())
+        start = 0
+        if path.suffix == ".safetensors":
+            try:
+                n, header = safetensors_header(path)
+                h.update(json.dumps(header, sort_keys=True).encode())
+                start = 8 + n
+            except ValueError:
+                pass  # sampled like any file; preflight names the problem
+        span = max(size - start - SAMPLE_BYTES, 0)
+        for i in range(SAMPLE_BLOCKS):
+            f.seek(start + span * i // (SAMPLE_BLOCKS - 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return "sampled:" + h.hexdigest()
+
+
+def tracked_files(target: Path, patterns: tuple[str, ...]) -> list[Path]:
+    """The regular files at the top of `target` that match one of `patterns`, by name."""
+    names = sorted(p.name for p in target.iterdir() if p.is_file())
+    return [target / n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+
+
+def _describe(files: list[Path], known: dict) -> dict:
+    out = {}
+    for path in files:
+        st = path.stat()
+        seen = known.get(path.name) or {}
+        if seen.get("size") == st.st_size and seen.get("mtime_ns") == st.st_mtime_ns:
+            digest = seen["digest"]
+        else:
+            digest = file_digest(path, st.st_size)
+        out[path.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": digest}
+    return out
+
+
+def _group_digest(files: dict) -> str:
+    content = {name: (d["size"], d["digest"]) for name, d in files.items()}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+def _read(path: Path) -> dict:
+    try:
+        got = json.loads(path.read_text())
+        return got if isinstance(got, dict) and got.get("format") == FORMAT else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: Path, record: dict, keep_mtime_ns: int | None) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    if keep_mtime_ns is not None:  # same content: the rules must not see it as changed
+        os.utime(tmp, ns=(keep_mtime_ns, keep_mtime_ns))
+    os.replace(tmp, path)
+
+
+def track_target(target: str | Path, out_dir: str | Path) -> dict[str, str]:
+    """Write out_dir/<group>.json for each group of GROUPS; their paths, by group.
+
+    A file is rewritten only when its group's digest changed (its mtime then moves), or with its
+    old mtime kept when only the files' mtimes did (so the next parse reads nothing again).
+    """
+    target, out_dir = Path(target), Path(out_dir)
+    if not target.is_dir():
+        raise TargetError(
+            f"target.path {target}: not a folder; set it to a Hugging Face model folder "
+            "(config.json, safetensors weights, tokenizer)"
+        )
+    if not (target / "config.json").is_file():
+        raise TargetError(
+            f"target.path {target}: no config.json; set it to a Hugging Face model folder"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for group, patterns in GROUPS.items():
+        path = out_dir / f"{group}.json"
+        old = _read(path)
+        files = _describe(tracked_files(target, patterns), old.get("files") or {})
+        record = {
+            "format": FORMAT,
+            "target": str(target.resolve()),
+            "group": group,
+            "digest": _group_digest(files),
+            "files": files,
+        }
+        if record != old:
+            same = old.get("digest") == record["digest"] and path.is_file()
+            _write(path, record, path.stat().st_mtime_ns if same else None)
+        paths[group] = str(path)
+    return paths
+
+
+def content_digest(target: str | Path) -> str:
+    """One digest of every tracked file of `target`, read now (preflight records it)."""
+    patterns = tuple(dict.fromkeys(p for group in GROUPS.values() for p in group))
+    return _group_digest(_describe(tracked_files(Path(target), patterns), {}))

@@ -1,0 +1,168 @@
+"""The output store: the expensive outputs kept by what made them, so that a rerun Snakemake
+plans for outputs made before (a setting reverted, an output deleted, a failed run's cleanup)
+takes seconds instead of GPU-hours.
+
+`<root>/<kind>/<key[:2]>/<key>/` holds an output's files and `entry.json` (what it is, the key's
+material, when it was stored), renamed into place complete. The key is the sha256 of the
+canonical JSON of everything that determines the output (`key`). Files are hard links to the
+output where the store shares its filesystem (no extra disk while the output exists; the store
+keeps the old bytes alive once Snakemake deletes or replaces it), copies otherwise. Every
+writer publishes by rename, never in place, so a link is never changed under the store.
+The workflow sets the root in EYRIE_STORE (config `store.path`); unset, nothing is stored.
+Standard library only: the shard client and the vLLM environment use it. docs/store.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ENV = "EYRIE_STORE"
+# Bumped when a kind's output for the same key material changes (its writer changed).
+VERSIONS = {"hidden": 1, "regenerated": 1}
+ENTRY = "entry.json"
+
+
+def key(kind: str, material: dict) -> str:
+    """The key of `kind`'s output made from `material` (JSON; key order does not matter)."""
+    text = json.dumps({"kind": kind, "version": VERSIONS[kind], **material}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    try:
+        os.link(src, dest)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        shutil.copy2(src, dest)
+
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str
+    key: str
+    path: Path
+    bytes: int  # all its files
+    held_bytes: int  # the bytes only the store holds (no output links to them)
+    used: float  # last stored or restored (seconds since the epoch)
+
+
+class Store:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    @classmethod
+    def from_env(cls) -> Store | None:
+        root = os.environ.get(ENV)
+        return cls(root) if root else None
+
+    def entry(self, kind: str, k: str) -> Path:
+        return self.root / kind / k[:2] / k
+
+    def restore(self, kind: str, k: str, outputs: dict[str, Path]) -> bool:
+        """Put the stored files of (kind, key) at `outputs` (name -> path), each renamed into
+        place; False when the store has no complete entry. A store that cannot be read is a
+        miss (logged), never a failure: the stage then computes the output."""
+        entry = self.entry(kind, k)
+        if not (entry / ENTRY).is_file() or not all((entry / n).is_file() for n in outputs):
+            return False
+        try:
+            for name, dest in outputs.items():
+                dest = Path(dest)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+                _link_or_copy(entry / name, tmp)
+                os.utime(tmp)  # new to Snakemake: older than its inputs, it would rerun again
+                os.replace(tmp, dest)
+            os.utime(entry / ENTRY)  # last used: what `eyrie store --prune` keeps
+        except OSError as exc:
+            log.warning("store: could not restore %s from %s (%s): computing it", kind, entry, exc)
+            return False
+        log.info("store: restored %s from %s", ", ".join(map(str, outputs.values())), entry)
+        return True
+
+    def put(self, kind: str, k: str, outputs: dict[str, Path], material: dict) -> None:
+        """Keep `outputs` (name -> path) under (kind, key). A failure to store (a full or
+        read-only store) is a warning: the output itself is good."""
+        entry = self.entry(kind, k)
+        if (entry / ENTRY).is_file():
+            return
+        tmp = entry.with_name(f".{k}.tmp-{os.getpid()}")
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            for name, src in outputs.items():
+                _link_or_copy(Path(src), tmp / name)
+            record = {"kind": kind, "key": k, "material": material, "stored": time.time()}
+            record["files"] = {n: os.stat(tmp / n).st_size for n in outputs}
+            (tmp / ENTRY).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+            for name in (*outputs, ENTRY):
+                _fsync(tmp / name)
+            os.rename(tmp, entry)
+            _fsync(entry.parent, directory=True)
+        except OSError as exc:
+            if not (entry / ENTRY).is_file():  # else another writer stored the same key first
+                log.warning(
+                    "store: could not keep %s in %s (%s); the output is fine, but a later "
+                    "rerun will compute it again",
+                    kind,
+                    self.root,
+                    exc,
+                )
+            return
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("store: kept %s as %s", kind, entry)
+
+    def entries(self) -> list[Entry]:
+        """Every complete entry, oldest used first."""
+        out = []
+        for meta in self.root.glob(f"*/??/*/{ENTRY}"):
+            folder = meta.parent
+            stats = [p.stat() for p in folder.iterdir() if p.is_file()]
+            out.append(
+                Entry(
+                    kind=folder.parent.parent.name,
+                    key=folder.name,
+                    path=folder,
+                    bytes=sum(s.st_size for s in stats),
+                    held_bytes=sum(s.st_size for s in stats if s.st_nlink == 1),
+                    used=meta.stat().st_mtime,
+                )
+            )
+        return sorted(out, key=lambda e: e.used)
+
+    def remove(self, entry: Entry) -> None:
+        """Remove an entry (entry.json first: a half-removed entry is never restored)."""
+        (entry.path / ENTRY).unlink(missing_ok=True)
+        shutil.rmtree(entry.path, ignore_errors=True)
