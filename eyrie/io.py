@@ -2,18 +2,22 @@
 
 `atomic_path` writes a file or folder under a temporary sibling name and renames it into place only
 when the write succeeded, so a partial output never looks complete (a killed writer's temporary is
-removed by the next one); `write_json` writes a JSON file that way. `provenance(settings)` is what
-produced an output (command, settings, git SHA, package versions, host, time). docs/contracts.md.
+removed by the next one); what it renames is fsynced before the rename and its folder after, so a
+machine that loses power keeps the old output or the complete new one. `write_json` writes a JSON
+file that way. `provenance(settings)` is what produced an output (command, settings, git SHA,
+package versions, host, time). docs/contracts.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -34,7 +38,9 @@ def remove_stale_temporaries(final: str | Path) -> None:
 def atomic_path(final: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling path; rename it to `final` only if the block succeeds.
 
-    Works for files and folders. On failure the temporary is removed and `final` untouched.
+    Works for files and folders. Every file and folder under the temporary is fsynced before the
+    rename and the parent folder after it: without that a crash can leave a renamed name whose
+    data never reached the disk. On failure the temporary is removed and `final` untouched.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -43,11 +49,40 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         _apply_umask(tmp)
+        sync_tree(tmp)
         if final.exists():
             _remove(final)
         os.replace(tmp, final)
+        sync_path(final.parent)
     finally:
         _remove(tmp)
+
+
+def sync_path(path: Path) -> None:
+    """fsync one file or folder (a folder: its entries). A filesystem that cannot fsync this
+    kind of file (EINVAL, ENOTSUP) is left as it is; a failed write (EIO, ENOSPC) raises."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def sync_tree(path: Path) -> None:
+    """fsync a file, or every regular file of a folder and then every folder, the deepest first
+    and `path` last (a file's name lives in its folder); symbolic links are not followed."""
+    if not path.is_dir() or path.is_symlink():
+        if stat.S_ISREG(path.lstat().st_mode):
+            sync_path(path)
+        return
+    for top, _, files in os.walk(path, topdown=False):
+        for name in files:
+            if stat.S_ISREG(os.lstat(os.path.join(top, name)).st_mode):
+                sync_path(Path(top, name))
+        sync_path(Path(top))
 
 
 def _apply_umask(path: Path) -> None:
