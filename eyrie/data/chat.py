@@ -1,6 +1,7 @@
 """The target's chat template as token ids and an assistant-only loss mask.
 
-`load_chat_tokenizer` loads the target's tokenizer (refusing one without a chat template);
+`load_chat_tokenizer` loads the target's tokenizer (refusing a folder without tokenizer files,
+`tokenizer_files_problem`, and a tokenizer without a chat template);
 `render` is the template's text for a conversation (its tools and template switches passed);
 `masked_samples` turns one conversation into training samples under a mask mode: `prefix` (one
 sample, spans found by rendering prefixes: a prefix-stable template), `per_turn` (each assistant
@@ -11,6 +12,7 @@ per_turn). `template_traits` tests a template once. docs/data.md#the-loss-mask.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +22,35 @@ from eyrie.errors import DataError
 
 GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
+# The files transformers builds a tokenizer from (its tokenizers' vocab_files_names): a fast
+# tokenizer.json, a sentencepiece *.model (tokenizer.model, spiece.model, ...), BPE or WordPiece
+# vocabularies, tiktoken ranks. A folder with none of them fails in transformers with several
+# lines about sentencepiece, or loads as an empty tokenizer of 3 tokens.
+TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.tiktoken")
+
+
+def tokenizer_files_problem(folder: str | Path, trust_remote_code: bool = False) -> str | None:
+    """One line naming `folder`, the files looked for and the fix when it has no tokenizer file;
+    None when it has one, or when trusted remote code declares its own tokenizer class."""
+    folder = Path(folder)
+    if any(next(folder.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        return None
+    if trust_remote_code:
+        try:
+            auto_map = json.loads((folder / "tokenizer_config.json").read_text()).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            auto_map = None
+        if isinstance(auto_map, dict) and "AutoTokenizer" in auto_map:
+            return None  # the folder's own code decides which files it reads
+    return (
+        f"{folder}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}); copy the "
+        "model's tokenizer files into this folder, or set target.path to the folder that has them"
+    )
+
 
 def load_chat_tokenizer(target: str | Path, trust_remote_code: bool = False):
-    """The target's tokenizer; refuse one without a chat template."""
+    """The target's tokenizer; refuse a folder without tokenizer files or a tokenizer without a
+    chat template."""
     from transformers import AutoTokenizer
 
     target = Path(target)
@@ -30,6 +58,9 @@ def load_chat_tokenizer(target: str | Path, trust_remote_code: bool = False):
         raise DataError(
             f"{target}: target folder not found; set target.path to a Hugging Face model folder"
         )
+    problem = tokenizer_files_problem(target, trust_remote_code)
+    if problem:
+        raise DataError(problem)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
