@@ -56,12 +56,13 @@ STAGES = {
 PLACEMENT_VARS = ("SLURM_JOB_ID", "SLURM_NODELIST", "CUDA_VISIBLE_DEVICES")
 
 # OSErrors of the file system the user fixes (not bugs): errno -> the fix.
+PERMISSIONS = "fix its permissions or owner (chmod/chown), or use a path you may read and write"
 OS_FIXES = {
     errno.ENOSPC: "free space on that disk, or run the workflow where there is room (snakemake -d)",
     errno.EDQUOT: "free space within your disk quota, or run the workflow on another file system",
     errno.EROFS: "run the workflow in a writable folder (snakemake -d DIR)",
-    errno.EACCES: "fix its permissions (chmod/chown), or run the workflow in a folder you may write",
-    errno.EPERM: "fix its permissions (chmod/chown), or run the workflow in a folder you may write",
+    errno.EACCES: PERMISSIONS,
+    errno.EPERM: PERMISSIONS,
 }
 # eyrie.io.atomic_path writes `.<name>.tmp-<pid>` beside an output: named as the output itself
 TEMPORARY = re.compile(r"(^|/)\.([^/]+)\.tmp-\d+(?=/|$)")
@@ -73,7 +74,7 @@ def os_error_line(exc: BaseException, args: argparse.Namespace) -> str | None:
     and the fix; None for any other exception."""
     if not isinstance(exc, OSError) or exc.errno not in OS_FIXES:
         return None
-    if exc.filename is not None:
+    if isinstance(exc.filename, (str, bytes, os.PathLike)):
         path = TEMPORARY.sub(r"\1\2", os.fsdecode(exc.filename))
     else:
         out = getattr(args, "out", None) or getattr(args, "out_dir", None)
