@@ -1,9 +1,11 @@
 """Configuration and stage settings, both checked against config/schema.yaml (docs/contracts.md).
 
-`validate_config` checks the whole config; `load_settings` checks a stage's `--settings` (its
-sections of the config, `trust_remote_code` at the top) against the same schema subtrees. Both
-fill the schema's defaults and report every problem at once, each naming its dotted key; a stage
-then checks only the cross-field rules a schema cannot express.
+`validate_config` checks the whole config, with the cross-field rules that can be checked before
+any job runs; `load_settings` checks a stage's `--settings` (its sections of the config,
+`trust_remote_code` at the top) against the same schema subtrees. Both fill the schema's
+defaults and report every problem at once, each naming its dotted key; a stage then checks only
+the cross-field rules a schema cannot express. `config_file` and `workflow_config` are the
+Snakefile's: one line per problem on the terminal, no traceback (rules/common.smk).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -67,8 +70,70 @@ def _problems(schema: dict, instance: Any, prefix: Sequence[str] = ()) -> list[s
                     f"{_key([*path, name])}: unknown key (allowed here: {', '.join(allowed)})"
                 )
         else:
-            problems.append(f"{_key(path)}: {err.message}")
+            # a pattern's message is the regular expression: the schema's `fix` says it in words
+            what = f"{err.instance!r} is not allowed" if err.validator == "pattern" else err.message
+            fix = f"; {err.schema['fix']}" if "fix" in err.schema else ""
+            problems.append(f"{_key(path)}: {what}{fix}")
     return problems
+
+
+def _ints(config: dict, *keys: str) -> list[int] | None:
+    """The values of dotted `keys` when each is an integer (else the schema reports it)."""
+    values = []
+    for key in keys:
+        node = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, int) or isinstance(node, bool):
+            return None
+        values.append(node)
+    return values
+
+
+def cross_field_problems(config: dict) -> list[str]:
+    """Rules between keys that would otherwise fail only in the job that reads them."""
+    problems = []
+    both = _ints(config, "train.max_tokens_per_batch", "train.ttt_steps")
+    if both and both[0] < 8 * both[1]:  # as eyrie.train.config checks it at the start of training
+        problems.append(
+            f"train.max_tokens_per_batch: {both[0]} is too small for train.ttt_steps={both[1]}; "
+            f"set it to at least {8 * both[1]} (8 per TTT step) or lower train.ttt_steps"
+        )
+    return problems
+
+
+def config_warnings(config: dict) -> list[str]:
+    """Legal settings that likely do not do what was meant, each naming its keys and the fix."""
+    warnings = []
+    lengths = _ints(config, "train.max_tokens_per_batch", "data.max_seq_len", "train.ttt_steps")
+    if lengths:
+        tokens, seq_len, ttt = lengths
+        # a sample of T <= max_seq_len tokens trains T - 1 positions; a pack gives each sample at
+        # most max_tokens_per_batch - (ttt_steps - 1) of them (eyrie.train.packing.pack)
+        room = tokens - (ttt - 1)
+        if room < seq_len - 1:
+            warnings.append(
+                f"train.max_tokens_per_batch={tokens} with data.max_seq_len={seq_len} and "
+                f"train.ttt_steps={ttt}: training cuts every sample longer than {room + 1} "
+                f"tokens to {room + 1}; set train.max_tokens_per_batch to at least "
+                f"{seq_len + ttt - 2} or data.max_seq_len to at most {room + 1}"
+            )
+    prompts = _ints(config, "eval.num_prompts", "data.num_eval")
+    if prompts and prompts[0] > prompts[1]:
+        warnings.append(
+            f"eval.num_prompts={prompts[0]} is more than data.num_eval={prompts[1]}: the "
+            f"evaluation has at most {prompts[1]} prompts; raise data.num_eval or lower "
+            "eval.num_prompts"
+        )
+    return warnings
+
+
+def _checked(config: dict, schema_path: Path = SCHEMA_PATH) -> tuple[dict, list[str]]:
+    """A copy of `config` with the defaults filled, and its problems ("<dotted key>: ...")."""
+    tree = schema(schema_path)
+    config = copy.deepcopy(config)
+    _fill_defaults(tree, config)
+    return config, _problems(tree, config) + cross_field_problems(config)
 
 
 def validate_config(config: dict, schema_path: Path = SCHEMA_PATH) -> dict:
@@ -76,10 +141,7 @@ def validate_config(config: dict, schema_path: Path = SCHEMA_PATH) -> dict:
 
     Raises ConfigError listing every problem, one per line, each naming its key.
     """
-    tree = schema(schema_path)
-    config = copy.deepcopy(config)
-    _fill_defaults(tree, config)
-    problems = _problems(tree, config)
+    config, problems = _checked(config, schema_path)
     if problems:
         raise ConfigError(
             f"invalid configuration ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  "
@@ -88,13 +150,97 @@ def validate_config(config: dict, schema_path: Path = SCHEMA_PATH) -> dict:
     return config
 
 
-def load_config(path: str | Path) -> dict:
+def yaml_problem(path: str | Path, exc: yaml.YAMLError) -> str:
+    """A YAML error as one line: file:line:column where the parser gave up, what and the fix."""
+    mark, context = getattr(exc, "problem_mark", None), getattr(exc, "context", None)
+    if mark is None:
+        where, what = str(path), str(exc)
+    else:
+        where, what = f"{path}:{mark.line + 1}:{mark.column + 1}", str(exc.problem)
+        if context:
+            start = getattr(exc, "context_mark", None)
+            since = f" from line {start.line + 1}, column {start.column + 1}" if start else ""
+            what += f" ({context}{since})"
+    return (
+        f"{where}: not valid YAML: {' '.join(what.split())}; fix the syntax there (indent with "
+        "spaces, never tabs; close every bracket and quote)"
+    )
+
+
+def read_config(path: str | Path) -> dict:
+    """A YAML config file as a dict; ConfigError in one line if it is not valid YAML."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    return validate_config(raw)
+        raise ConfigError(yaml_problem(path, exc)) from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: not a mapping of config sections; see config/config.yaml")
+    return raw
+
+
+def load_config(path: str | Path) -> dict:
+    return validate_config(read_config(path))
+
+
+def _exit(lines: list[str]) -> None:
+    """End the Snakefile's parse with `lines` and nothing else: Snakemake prints any exception
+    from a Snakefile with traceback frames, but lets SystemExit through (exit status 1)."""
+    for line in lines:
+        print(line, file=sys.stderr)
+    raise SystemExit(1)
+
+
+def config_file(path: str | Path) -> str:
+    """The Snakefile's `configfile:` path, checked first: Snakemake's own error for a file that
+    is not YAML names neither the file nor the line. A missing file is Snakemake's to report."""
+    if not Path(path).is_file():
+        return str(path)
+    try:
+        read_config(path)
+    except ConfigError as exc:
+        _exit([f"eyrie config: error: {exc}"])
+    return str(path)
+
+
+def workflow_config(
+    config: dict, files: Sequence[str | Path] = (), overrides: Sequence[str | Path] = ()
+) -> dict:
+    """validate_config for the Snakefile: every problem one line on the terminal, naming the
+    config file that sets its key, then exit; every warning of config_warnings one line.
+    `files` are all config files read (Snakemake's workflow.configfiles), `overrides` those
+    given with --configfile, which win in their order. Returns the config, defaults filled."""
+    config, problems = _checked(config)
+    if problems:
+        given = [str(Path(f).absolute()) for f in overrides]
+        order = [str(f) for f in files if str(Path(f).absolute()) not in given] + given
+        setters = [(f, _dotted_keys(f)) for f in order]
+        lines = []
+        for problem in problems:
+            key = problem.split(":", 1)[0]
+            where = next((f for f, keys in reversed(setters) if key in keys), None)
+            where = where or (order[0] if order else "config")  # a key no file sets
+            lines.append(f"eyrie config: error: {where}: {problem}")
+        _exit(lines)
+    for warning in config_warnings(config):
+        print(f"eyrie config: warning: {warning}", file=sys.stderr)
+    return config
+
+
+def _dotted_keys(path: str | Path) -> set[str]:
+    """Every dotted key a config file sets (sections too); none if it cannot be read."""
+    try:
+        raw = read_config(path)
+    except (ConfigError, OSError):
+        return set()
+    keys, todo = set(), [((), raw)]
+    while todo:
+        prefix, node = todo.pop()
+        for name, value in node.items():
+            keys.add(_key([*prefix, name]))
+            if isinstance(value, dict):
+                todo.append(((*prefix, name), value))
+    return keys
 
 
 def key_schema(key: str, schema_path: Path = SCHEMA_PATH) -> dict:
