@@ -322,3 +322,17 @@ def test_folder_without_tokenizer_files_is_one_line(tmp_path):
     check = Check([], [])
     assert check_tokenizer(folder, False, check) is None
     assert check.problems == [f"{folder}: {NO_TOKENIZER}"]
+
+
+def test_tokenizer_files_found_by_pattern_or_left_to_trusted_code(tmp_path):
+    from eyrie.data.chat import tokenizer_files_problem
+
+    folder = model_without_tokenizer(tmp_path / "model")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["tokenization_x.XTokenizer", None]}})
+    )
+    # remote code reads whatever files it ships, but only runs when trusted
+    assert tokenizer_files_problem(folder, trust_remote_code=False) == f"{folder}: {NO_TOKENIZER}"
+    assert tokenizer_files_problem(folder, trust_remote_code=True) is None
+    (folder / "tiktoken.model").write_bytes(b"")  # Kimi-K2's tiktoken ranks
+    assert tokenizer_files_problem(folder) is None
