@@ -32,10 +32,11 @@ from eyrie.formats.vocab import read_vocab
 from eyrie.io import provenance, write_json
 from eyrie.runtime import auto_device
 from eyrie.train.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
+    Checkpoint,
+    CheckpointProblem,
+    Checkpoints,
+    restore,
     run_id,
-    save_checkpoint,
     truncate_metrics,
 )
 from eyrie.train.config import TrainSettings, check_world
@@ -165,6 +166,7 @@ class TrainRecipe:
         d2t, t2d = read_vocab(self.paths.vocab)
         self.plan = self._plan()
         self._build_model(d2t, t2d)
+        self.checkpoints = Checkpoints(self.run_dir, self.rid, self.plan.steps_per_epoch)
         position = self._restore()
         self.resumed_from = position["step"]
         self.net = self._wrap_ddp()
@@ -263,11 +265,13 @@ class TrainRecipe:
         self.loss_config = resolve_loss_config("kl_div", "eager")
 
     def _restore(self) -> dict:
-        """The position to start from: the latest checkpoint's, or a fresh seeded start."""
+        """The position to start from: the newest checkpoint that verifies, or a fresh seeded
+        start. Rank 0 verifies and picks; every rank reads that one (the same on all ranks)."""
         dist = self.dist
-        ckpt = dist.from_main(str(latest_checkpoint(self.run_dir) or "") if dist.main else None)
-        if ckpt:
-            return self._resume(Path(ckpt))
+        found = self.checkpoints.newest_good(self.model, self.optimizer) if dist.main else None
+        picked = dist.from_main(str(found.path) if found else "")
+        if picked:
+            return self._resume(found or self._read_picked(Path(picked)))
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed)
         torch.manual_seed(self.cfg.seed)
@@ -282,16 +286,21 @@ class TrainRecipe:
             "run_id": self.rid,
         }
 
-    def _resume(self, ckpt: Path) -> dict:
-        if not (ckpt / "position.json").is_file():
+    def _read_picked(self, path: Path) -> Checkpoint:
+        """Another rank's read of the checkpoint rank 0 verified."""
+        try:
+            return self.checkpoints.read(path, self.model, self.optimizer)
+        except CheckpointProblem as exc:
             raise EyrieError(
-                f"rank {self.dist.rank}: rank 0 resumes from {ckpt}, which this node does not "
-                "see; put --state-dir on a filesystem that every node shares"
-            )
-        position = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler)
+                f"rank {self.dist.rank}: rank 0 resumes from {path}, which this process cannot "
+                f"use ({exc}); put --state-dir on a filesystem that every node shares"
+            ) from None
+
+    def _resume(self, ckpt: Checkpoint) -> dict:
+        position = restore(ckpt, self.model, self.optimizer, self.scheduler)
         log.info(
             "resumed from %s (step %d, epoch %d, step %d of the epoch)",
-            ckpt,
+            ckpt.path,
             position["step"],
             position["epoch"],
             position["step_in_epoch"],
@@ -462,8 +471,7 @@ class TrainRecipe:
     def checkpoint(self) -> None:
         """Rank 0 writes step_<N>/ (weights, optimizer, scheduler, RNG, position); all wait."""
         if self.dist.main:
-            save_checkpoint(
-                self.run_dir,
+            self.checkpoints.save(
                 self.model,
                 self.optimizer,
                 self.scheduler,
