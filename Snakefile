@@ -19,3 +19,10 @@ rule all:
         f"{RESULTS}/eval/eval.png",
         # evaluation through vLLM itself: needs a GPU and .venv-vllm (docs/vllm.md)
         [f"{RESULTS}/eval/eval_vllm.json"] if config["eval"]["vllm"] else [],
+
+
+# A failed run ends with one line per failed job: its rule, eyrie's error line and the log.
+onerror:
+    from eyrie.failures import report_failures
+
+    report_failures(workflow)

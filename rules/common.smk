@@ -5,15 +5,17 @@ import os
 import shlex
 import sys
 
-from eyrie.settings import settings_json, validate_config
+from eyrie.errors import TargetError
+from eyrie.settings import config_file, settings_json, workflow_config
 from eyrie.store.fingerprint import track_target
 from eyrie.workflow import engine_sockets, prepare, runtime_settings, settings_param
 
 
-configfile: os.path.join(workflow.basedir, "config", "config.yaml")
+configfile: config_file(os.path.join(workflow.basedir, "config", "config.yaml"))
 
 
-config = validate_config(config)  # all schema errors at once, each naming its key
+# every problem one line on the terminal, naming its file and key, then exit; warnings one line
+config = workflow_config(config, workflow.configfiles, workflow.overwrite_configfiles)
 
 NAME = config["target"]["name"]
 RESULTS = f"results/{NAME}"
@@ -31,7 +33,10 @@ if DEMO:
         f"{TARGET}/tokenizer_config.json",
     ]
 else:
-    _tracked = track_target(TARGET, f"{RESULTS}/fingerprint")
+    try:
+        _tracked = track_target(TARGET, f"{RESULTS}/fingerprint")
+    except TargetError as exc:  # one line, no traceback frames (Snakemake lets SystemExit out)
+        sys.exit(f"eyrie config: error: {exc}")
     TARGET_WEIGHTS, TARGET_TOKENIZER = [_tracked["weights"]], [_tracked["tokenizer"]]
 TARGET_FILES = list(dict.fromkeys(TARGET_WEIGHTS + TARGET_TOKENIZER))  # the whole target
 CONVERSATIONS = config["data"]["conversations"] or (

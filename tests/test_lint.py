@@ -99,7 +99,7 @@ KEPT_LINTS = {
         ("extract_engine", OUTSIDE.format(v)): "service without params"
         for v in (
             "ENGINE_COMMAND",
-            "TARGET",
+            "TARGET_ARG",
             "EXTRACT_SETTINGS",
         )
     },

@@ -342,6 +342,8 @@ def test_rerun_after_deleting_two_shards_loads_once_and_builds_only_those(built,
     model load, the two deleted shards; the other shards are not touched."""
     work = tmp_path / "wf"
     shutil.copytree(built, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    # without the output store (which would restore them: tests/test_reliability_outputs.py)
+    write_config(work, store__path=None)
     shards = [work / f"results/tiny/hidden/shard_{i:03d}.h5" for i in range(4)]
     before = [p.stat().st_mtime_ns for p in shards]
     shards[1].unlink()

@@ -4,11 +4,12 @@ only when what they describe changed.
 A target is hundreds of GB; Snakemake would compare the weights by mtime only, and tracking only
 config.json missed weights replaced in place. At parse time `track_target` describes each
 tracked file by its size and a digest: the whole file when small, and for a large one its
-safetensors header plus SAMPLE_BLOCKS blocks spread over its data (MiBs read, not GBs). A file
-whose size and mtime match the last description is not read again. `weights.json` (config,
-weights, remote code) and `tokenizer.json` (config, tokenizer files, remote code) are rewritten
-only when their digest changed, so their mtime moves exactly when their content did: the rules
-take them as inputs. Standard library only: the Snakefile imports this at every parse.
+safetensors header and samples of its tensors (about 1 MiB read per file, not GBs). A file
+whose size, mtime, ctime and inode match the last description is not read again.
+`weights.json` (config, weights, remote code) and `tokenizer.json` (config, tokenizer files,
+remote code) are rewritten only when their digest changed, so their mtime moves exactly when
+their content did: the rules take them as inputs. Standard library only: the Snakefile imports
+this at every parse.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ GROUPS = {
     ),
 }
 WHOLE_FILE_BYTES = 16 << 20  # files up to this size are hashed whole
-SAMPLE_BLOCKS = 64  # a larger file: its header and this many blocks over its data
-SAMPLE_BYTES = 16 << 10
+SAMPLE_TENSORS = 256  # a larger one: its header, the middle of this many of its tensors
+SAMPLE_BLOCKS = 16  # and this many blocks evenly over its data
+SAMPLE_BYTES = 4 << 10
 MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 
 
@@ -85,26 +87,39 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
+def _sample_offsets(path: Path, size: int) -> tuple[bytes, list[int]]:
+    """What to hash of a large file besides its size: the safetensors header, and where to read
+    SAMPLE_BYTES: the middle of up to SAMPLE_TENSORS tensors (spread over the file, so a change
+    of whole tensors, as a fine-tune or a merged adapter makes, is seen) and SAMPLE_BLOCKS
+    blocks evenly over the data."""
+    start, head, offsets = 0, b"", []
+    if path.suffix == ".safetensors":
+        try:
+            n, header = safetensors_header(path)
+            head, start = json.dumps(header, sort_keys=True).encode(), 8 + n
+            spans = sorted(t["data_offsets"] for k, t in header.items() if k != "__metadata__")
+            step = max(len(spans) // SAMPLE_TENSORS, 1)
+            for a, b in spans[::step]:
+                offsets.append(start + max((a + b - SAMPLE_BYTES) // 2, a))
+        except (ValueError, KeyError, TypeError):
+            pass  # sampled like any file; preflight names the problem
+    span = max(size - start - SAMPLE_BYTES, 0)
+    offsets += [start + span * i // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)]
+    return head, offsets
+
+
 def file_digest(path: Path, size: int) -> str:
-    """sha256 of a small file; of a large one's size, safetensors header and sampled blocks."""
+    """sha256 of a small file; of a large one's size, safetensors header and sampled bytes."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         if size <= WHOLE_FILE_BYTES:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
             return "sha256:" + h.hexdigest()
-        h.update(str(size).encode())
-        start = 0
-        if path.suffix == ".safetensors":
-            try:
-                n, header = safetensors_header(path)
-                h.update(json.dumps(header, sort_keys=True).encode())
-                start = 8 + n
-            except ValueError:
-                pass  # sampled like any file; preflight names the problem
-        span = max(size - start - SAMPLE_BYTES, 0)
-        for i in range(SAMPLE_BLOCKS):
-            f.seek(start + span * i // (SAMPLE_BLOCKS - 1))
+        head, offsets = _sample_offsets(path, size)
+        h.update(str(size).encode() + b"\0" + head)
+        for offset in offsets:
+            f.seek(offset)
             h.update(f.read(SAMPLE_BYTES))
     return "sampled:" + h.hexdigest()
 
@@ -119,12 +134,11 @@ def _describe(files: list[Path], known: dict) -> dict:
     out = {}
     for path in files:
         st = path.stat()
+        # ctime and inode too: a replacement given the old mtime (cp -p, rsync -t) differs there
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
         seen = known.get(path.name) or {}
-        if seen.get("size") == st.st_size and seen.get("mtime_ns") == st.st_mtime_ns:
-            digest = seen["digest"]
-        else:
-            digest = file_digest(path, st.st_size)
-        out[path.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": digest}
+        digest = seen["digest"] if seen.get("stat") == stamp else file_digest(path, st.st_size)
+        out[path.name] = {"size": st.st_size, "stat": stamp, "digest": digest}
     return out
 
 

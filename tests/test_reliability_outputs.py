@@ -1,0 +1,294 @@
+"""Nothing good lost, nothing stale kept: the target tracked by content, the output store, the
+versioned drafts, and the legal values that used to crash (docs/reliability.md has the table).
+
+Real Snakemake runs on the tiny config with a user target in a folder whose path has a space;
+each test constructs the fault and checks what reruns, what is kept and what the user reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_workflow import job_table, planned, snakemake, write_config
+from train_helpers import build_world, train_settings
+
+from eyrie.cli import main as cli_main
+from eyrie.errors import ExportError
+from eyrie.formats.draft import load_draft
+from eyrie.formats.versions import DraftVersions
+from eyrie.store.fingerprint import file_digest, track_target
+from eyrie.store.store import Store
+from eyrie.train.export import export
+from eyrie.train.recipe import TrainPaths, train
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET_RULES = {  # what replaced weights rerun: everything that reads them, not tokenization
+    "preflight": 1,
+    "extract_engine": 1,
+    "extract_hidden_states": 4,
+    "train_draft": 1,
+    "export_draft": 1,
+    "evaluate_draft": 1,
+    "all": 1,
+}
+
+
+def _same_mtime_copy(src_bytes: bytes, dest: Path) -> None:
+    """Replace `dest` in place as `cp -p` of an older file would: new bytes, old mtime."""
+    st = dest.stat()
+    dest.write_bytes(src_bytes)
+    os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.fixture(scope="module")
+def user_run(tmp_path_factory):
+    """The tiny workflow, run to completion against a user target (the demo target copied into
+    "my target/", a path with a space)."""
+    work = tmp_path_factory.mktemp("user")
+    convs = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eyrie.cli",
+            "demo-conversations",
+            "--out",
+            str(work / "convs.jsonl"),
+            "--settings",
+            json.dumps({"demo": {"seed": 7, "num_conversations": 60}}),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert convs.returncode == 0, convs.stderr
+    write_config(work)
+    snakemake(work, "results/tiny/target/model.safetensors")
+    target = work / "my target"
+    shutil.copytree(work / "results/tiny/target", target)
+    shutil.rmtree(work / "results")
+    write_config(work, target__path=str(target))
+    snakemake(work)
+    return work
+
+
+@pytest.mark.slow
+def test_a_target_path_with_a_space_runs_and_reruns_nothing(user_run):
+    assert (user_run / "results/tiny/eval/eval.json").is_file()
+    assert planned(user_run) == {}
+
+
+@pytest.mark.slow
+def test_weights_replaced_in_place_rerun_what_reads_them(user_run, tmp_path):
+    """Before: only config.json and tokenizer_config.json were tracked, so other weights of the
+    same shape, copied with their old mtime, left "Nothing to be done"."""
+    work = tmp_path / "wf"
+    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    write_config(work, target__path=str(work / "my target"))
+    weights = work / "my target/model.safetensors"
+    tensors = load_file(str(weights))
+    tensors = {k: v + 0.01 for k, v in tensors.items()}  # a fine-tune: same names and shapes
+    other = tmp_path / "other.safetensors"
+    save_file(tensors, str(other))
+    assert planned(work) == TARGET_RULES  # the first dry run after the copy: the path moved
+    snakemake(work, "--touch")
+    assert planned(work) == {}
+    _same_mtime_copy(other.read_bytes(), weights)
+    assert planned(work) == TARGET_RULES
+    # the same bytes again, with a new mtime: the content did not change, nothing reruns
+    _same_mtime_copy(load_file_bytes(user_run / "my target/model.safetensors"), weights)
+    os.utime(weights)
+    assert planned(work) == {}
+
+
+def load_file_bytes(path: Path) -> bytes:
+    return path.read_bytes()
+
+
+@pytest.mark.slow
+def test_a_changed_tokenizer_reruns_tokenization(user_run, tmp_path):
+    work = tmp_path / "wf"
+    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    write_config(work, target__path=str(work / "my target"))
+    snakemake(work, "--touch")
+    tok = work / "my target/tokenizer.json"
+    spec = json.loads(tok.read_text())
+    spec.setdefault("added_tokens", [])
+    tok.write_text(json.dumps(spec, indent=1))  # same tokenizer, other bytes
+    plan = planned(work)
+    assert plan.get("tokenize_conversations") == 1 and plan.get("build_vocab_map") == 1
+
+
+@pytest.mark.slow
+def test_reverted_setting_restores_shards_without_loading_the_target(user_run, tmp_path):
+    """Before: a bad layers.aux_ids run, reverted, reran every extraction job. Now the shards
+    come back from the store, the engine loads nothing, training resumes its finished run."""
+    work = tmp_path / "wf"
+    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    write_config(work, target__path=str(work / "my target"))
+    snakemake(work, "--touch")
+    store = Store(work / "results/store")
+    kept = len(store.entries())
+    assert kept == 4  # the four shards of the first run
+    write_config(work, target__path=str(work / "my target"), layers__aux_ids=[1, 2])
+    snakemake(work)
+    assert len(store.entries()) == 8
+    write_config(work, target__path=str(work / "my target"))
+    out = snakemake(work)
+    assert job_table(out)["extract_hidden_states"] == 4
+    logs = "".join(
+        (work / f"logs/tiny/extract_hidden_states/shard_{i:03d}.log").read_text() for i in range(4)
+    )
+    assert logs.count("store: restored") == 4
+    engine = (work / "logs/tiny/extract_engine/engine_000.log").read_text()
+    assert "engine: loaded target" not in engine and "nothing was loaded" in engine
+    assert "resumed from" in (work / "logs/tiny/train_draft.log").read_text()
+    assert planned(work) == {}
+
+
+@pytest.mark.slow
+def test_a_failed_export_keeps_the_draft_vllm_serves(user_run, tmp_path):
+    """Before: Snakemake deleted draft/config.json and model.safetensors before the export ran,
+    so a failed export took away the draft `vllm serve` used."""
+    work = tmp_path / "wf"
+    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    write_config(work, target__path=str(work / "my target"))
+    draft = work / "results/tiny/draft"
+    good = draft.resolve()
+    summary = work / "results/tiny/train/train.json"
+    broken = json.loads(summary.read_text())
+    broken["target"]["fingerprint"] = "0" * 16
+    summary.write_text(json.dumps(broken))
+    proc = subprocess.run(
+        [
+            *[sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")],
+            *["-d", str(work), "--configfile", str(work / "config.yaml"), "--cores", "2"],
+            *["-f", "results/tiny/draft.json"],
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0
+    assert "the draft was trained for target fingerprint" in proc.stdout + proc.stderr
+    assert not (work / "results/tiny/draft.json").exists()
+    assert draft.resolve() == good
+    assert load_draft(draft).config.speculators_config.proposal_methods[0].speculative_tokens == 3
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    world = build_world(root, num_conversations=8)
+    settings = train_settings(epochs=1, ttt_steps=2)
+    paths = TrainPaths(
+        world["target"],
+        world["preflight"],
+        world["vocab"],
+        world["shards"],
+        root / "train",
+        root / "state",
+    )
+    train(paths, settings)
+    return world, root / "train", settings
+
+
+@pytest.mark.parametrize("K", [1, 20])
+def test_export_at_any_k(trained, tmp_path, K):
+    """Before: K = 20 (train.ttt_steps: 20) failed in the export's own check batch, whose
+    documents were shorter than K."""
+    world, train_dir, settings = trained
+    got = export(world["target"], train_dir, tmp_path / "draft", settings, num_speculative_tokens=K)
+    assert got["num_speculative_tokens"] == K
+    config = json.loads((tmp_path / "draft/config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == K
+
+
+def test_draft_versions_link_the_newest_good_and_keep_three(trained, tmp_path):
+    world, train_dir, settings = trained
+    link = tmp_path / "draft"
+    firsts = []
+    for K in (1, 2, 3, 4):
+        export(world["target"], train_dir, link, settings, num_speculative_tokens=K)
+        firsts.append(link.resolve())
+    versions = DraftVersions(link).versions()
+    assert len(versions) == 3 and link.resolve() == firsts[-1] and firsts[0] not in versions
+    assert os.readlink(link).startswith("drafts/")  # relative: the results folder can move
+    with pytest.raises(ExportError):
+        export(world["target"], tmp_path / "no-train", link, settings, num_speculative_tokens=5)
+    assert link.resolve() == firsts[-1] and (link / "model.safetensors").is_file()
+    # a draft folder from an older eyrie becomes a version instead of being replaced
+    old = tmp_path / "old/draft"
+    shutil.copytree(firsts[-1], old)
+    export(world["target"], train_dir, old, settings, num_speculative_tokens=2)
+    assert old.is_symlink() and any(
+        p.name.startswith("folder-") for p in (old.parent / "drafts").iterdir()
+    )
+
+
+def test_truncated_weights_fail_preflight_in_seconds(tmp_path, capsys):
+    """Before: a truncated weight file passed preflight and failed only when the GPU engine
+    loaded it (after ~18 minutes on a large target)."""
+    world = build_world(tmp_path, num_conversations=4)
+    weights = next(Path(world["target"]).glob("*.safetensors"))
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size - 100)
+    rc = cli_main(
+        [
+            "preflight",
+            "--target",
+            str(world["target"]),
+            "--out",
+            str(tmp_path / "pf.json"),
+            "--settings",
+            json.dumps({"layers": {"aux_ids": [1, 2, 3]}}),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and not (tmp_path / "pf.json").exists()
+    line = next(ln for ln in err.splitlines() if "model" in ln and "safetensors" in ln)
+    assert f"{weights}: {size - 100:,} bytes, but its header says {size:,} (truncated)" in line
+    assert "copy the file again" in line
+
+
+def test_fingerprint_samples_each_tensor_and_is_rewritten_only_on_change(tmp_path):
+    """A large weight file is read in samples (the middle of each tensor, up to 256), so a
+    change of whole tensors is seen without reading the file."""
+    target = tmp_path / "t"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    big = target / "model.safetensors"
+    tensors = {f"layers.{i}.w": torch.zeros(100_000) for i in range(50)}  # 20 MB: sampled
+    save_file(tensors, str(big))
+    assert file_digest(big, big.stat().st_size).startswith("sampled:")
+    weights = Path(track_target(target, tmp_path / "fp")["weights"])
+    first = weights.stat().st_mtime_ns
+    os.utime(big)  # touched, same content: not rewritten
+    track_target(target, tmp_path / "fp")
+    assert weights.stat().st_mtime_ns == first
+    tensors["layers.37.w"] = torch.full((100_000,), 1e-3)  # one tensor changed, mtime kept
+    st = big.stat()
+    save_file(tensors, str(big))
+    os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns))
+    track_target(target, tmp_path / "fp")
+    assert weights.stat().st_mtime_ns != first
+
+
+def test_store_restores_by_link_and_prunes_oldest_first(tmp_path, capsys):
+    store = Store(tmp_path / "store")
+    out = tmp_path / "out.h5"
+    out.write_bytes(b"states")
+    store.put("hidden", "ab" * 32, {"shard.h5": out}, {"why": "test"})
+    out.unlink()  # Snakemake deletes the output before a rerun
+    assert store.restore("hidden", "ab" * 32, {"shard.h5": out})
+    assert out.read_bytes() == b"states" and out.stat().st_nlink == 2
+    assert not store.restore("hidden", "cd" * 32, {"shard.h5": tmp_path / "x.h5"})
+    rc = cli_main(["store", "--path", str(store.root), "--prune", "--max-gib", "0"])
+    assert rc == 0 and "removed 1 entries" in capsys.readouterr().out
+    assert out.read_bytes() == b"states"  # pruning never touches an output
+    assert store.entries() == []
