@@ -206,3 +206,43 @@ def test_pruning_never_removes_the_last_good_checkpoint(world, full, stopped, tm
         summary = run_train(world, root)
     assert not lines(caplog, "skipped checkpoint") and summary["resumed_from_step"] == 12
     assert_same_as_full(full, root)
+
+
+@pytest.mark.slow
+def test_under_two_processes_every_rank_resumes_from_the_checkpoint_rank_0_verified(
+    world, tmp_path
+):
+    """A run stopped at step 4 (one process; the number of processes is not part of the run),
+    its newest checkpoint cut, resumed by two: rank 0 verifies, skips step 4 and broadcasts
+    step 2, both ranks load it, and the run ends with the weights of an uninterrupted one
+    (up to DDP's float32 sum order, docs/training.md)."""
+    from test_train_ddp import DDP, assert_weights, eyrie_train, run_eyrie, weights
+
+    settings = train_settings(**DDP)  # checkpoints every 2 steps
+
+    def paths(root):
+        return TrainPaths(
+            world["target"],
+            world["preflight"],
+            world["vocab"],
+            world["shards"],
+            root / "train",
+            root / "state",
+        )
+
+    train(paths(tmp_path / "one"), settings)
+    assert train(paths(tmp_path), settings, stop_after_steps=4) is None
+    (run,) = (tmp_path / "state").iterdir()
+    why = cut_weights(run / "step_00000004")
+    proc = run_eyrie(eyrie_train(world, tmp_path, settings, "--nproc-per-node", "2"), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    skipped = [ln for ln in proc.stderr.splitlines() if "skipped checkpoint" in ln]
+    assert len(skipped) == 1, proc.stderr[-4000:]  # rank 0 only
+    assert re.search(
+        rf"skipped checkpoint {re.escape(str(run))}/step_00000004 \({why}\); resuming from "
+        rf"{re.escape(str(run))}/step_00000002$",
+        skipped[0],
+    ), skipped[0]
+    summary = json.loads((tmp_path / "train" / "train.json").read_text())
+    assert summary["resumed_from_step"] == 2 and summary["world_size"] == 2
+    assert_weights(weights(tmp_path / "one"), weights(tmp_path), exact=False)

@@ -271,6 +271,7 @@ class Checkpoints:
         return sorted(found, key=step_of)
 
     def read(self, path: Path, model, optimizer) -> Checkpoint:
+        """`path` read and verified against this run (`read_checkpoint`)."""
         return read_checkpoint(path, model, optimizer, self.run_id, self.steps_per_epoch)
 
     def newest_good(self, model, optimizer) -> Checkpoint | None:
@@ -322,8 +323,9 @@ class Checkpoints:
         then the good ones beyond the newest KEEP_CHECKPOINTS; `newest` always stays."""
         self.failed.pop(newest, None)  # replaced by the one just written
         for path, why in self.failed.items():
-            log.info("removed checkpoint %s (%s): %s is saved", path, why, newest)
-            shutil.rmtree(path, ignore_errors=True)
+            if path.exists():
+                log.info("removed checkpoint %s (%s): %s is saved", path, why, newest)
+                shutil.rmtree(path, ignore_errors=True)
         self.failed.clear()
         for old in self.folders()[:-KEEP_CHECKPOINTS]:
             if old != newest:
