@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from train_helpers import build_world, train_settings
 
 from eyrie.train.recipe import TrainPaths, train
@@ -106,7 +106,20 @@ def cut_position(ckpt):
     return r"position\.json does not parse: .+"
 
 
-@pytest.mark.parametrize("corrupt", [cut_weights, garble_state, cut_position])
+def other_draft(ckpt):
+    """model.safetensors of another draft: complete, but one tensor of another shape."""
+    f = ckpt / "model.safetensors"
+    weights = load_file(str(f))
+    name = sorted(weights)[0]
+    weights[name] = torch.zeros(3, 5)
+    save_file(weights, str(f))
+    return (
+        r"model\.safetensors does not fit the draft: 1 tensor\(s\) differ in name or shape, "
+        rf"first {re.escape(name)} with shape \(3, 5\) here, \([\d, ]+\) in the draft"
+    )
+
+
+@pytest.mark.parametrize("corrupt", [cut_weights, other_draft, garble_state, cut_position])
 def test_a_bad_newest_checkpoint_is_skipped_for_the_older_one(
     world, full, stopped, tmp_path, caplog, corrupt
 ):

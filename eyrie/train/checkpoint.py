@@ -175,8 +175,8 @@ def _read_weights(path: Path, model) -> dict[str, torch.Tensor]:
     if have != want:
         diff = sorted(set(have) ^ set(want)) or [k for k in want if have[k] != want[k]]
         raise CheckpointProblem(
-            f"{path.name} does not fit the draft ({len(diff)} keys or shapes differ, first "
-            f"{diff[0]}: {have.get(diff[0])} here, {want.get(diff[0])} in the draft)"
+            f"{path.name} does not fit the draft: {len(diff)} tensor(s) differ in name or shape, "
+            f"first {diff[0]} with shape {have.get(diff[0])} here, {want.get(diff[0])} in the draft"
         )
     return weights
 
