@@ -28,7 +28,7 @@ from eyrie.formats.codecs import (
     stored_arrays,
 )
 from eyrie.formats.pagecache import _LIBC, map_private
-from eyrie.io import remove_stale_temporaries
+from eyrie.io import remove_stale_temporaries, sync_path
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,9 @@ class ShardWriter:
                 # every stored value was checked before it was written; a re-scan would re-read
                 # the whole file
                 validate_shard(self.tmp, expected_ids=self.expected_ids, check_values=False)
+                sync_path(self.tmp)  # on disk before its name says it is complete
                 os.replace(self.tmp, self.path)
+                sync_path(self.path.parent)
         finally:
             if self.tmp.exists():
                 self.tmp.unlink()

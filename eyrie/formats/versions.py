@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from eyrie.io import atomic_path
+from eyrie.io import atomic_path, sync_path
 
 KEEP = 3
 HASHED = ("config.json", "model.safetensors")  # a version's id and the manifest's digests
@@ -59,18 +59,15 @@ class DraftVersions:
             shutil.rmtree(self.staging)
             os.utime(final)
         else:
-            os.rename(self.staging, final)
+            os.rename(self.staging, final)  # its files were fsynced by atomic_path
+            sync_path(self.root)
         self._adopt_folder()
         tmp = self.link.with_name(f".{self.link.name}.link-{os.getpid()}")
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         os.symlink(os.path.join(self.root.name, final.name), tmp)
         os.replace(tmp, self.link)
-        fd = os.open(self.link.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        sync_path(self.link.parent)
         self.prune()
         return final
 

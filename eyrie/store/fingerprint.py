@@ -193,8 +193,13 @@ def track_target(target: str | Path, out_dir: str | Path) -> dict[str, str]:
             "files": files,
         }
         if record != old:
-            same = old.get("digest") == record["digest"] and path.is_file()
-            _write(path, record, path.stat().st_mtime_ns if same else None)
+            if old.get("digest") == record["digest"] and path.is_file():
+                keep = path.stat().st_mtime_ns  # same content: not changed for the rules
+            elif not old and files:  # first written: as old as what it describes, so that
+                keep = max(os.stat(target / n).st_mtime_ns for n in files)  # outputs made
+            else:  # since stay current (an upgrade from an eyrie without these files)
+                keep = None
+            _write(path, record, keep)
         paths[group] = str(path)
     return paths
 
