@@ -175,6 +175,8 @@ def test_one_shard_asked_for_rebuilds_alone_in_one_job(built, tmp_path):
         symlinks=True,
         ignore=shutil.ignore_patterns("*.sock", "locks", "incomplete"),
     )
+    # without the output store, which would restore the shard (tests/test_reliability_outputs.py)
+    write_config(work, train__packs_per_step=2, store__path=None)
     target = "results/tiny/hidden/shard_001.h5"
     (work / target).unlink()
     proc = snakemake(work, target)
@@ -197,6 +199,9 @@ def test_shards_killed_mid_write_leave_nothing_that_looks_complete(built, tmp_pa
     shutil.copytree(built["work"], work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
     lines = (work / "convs.jsonl").read_text().splitlines()
     (work / "convs.jsonl").write_text("".join(f"{ln}\n" for ln in lines * 40))
+    # the copies are duplicates, dropped by tokenization: without the output store the shards
+    # are extracted again (with it they would be restored: tests/test_reliability_outputs.py)
+    write_config(work, train__packs_per_step=2, store__path=None)
     hidden = work / "results/tiny/hidden"
     engine_log = work / "logs/tiny/extract_engine/engine_000.log"
     shards = [f"results/tiny/hidden/shard_{i:03d}.h5" for i in range(4)]
