@@ -16,6 +16,8 @@ from pathlib import Path
 
 SUFFIX = ".rehearsal"  # results/<name>.rehearsal/, logs/<name>.rehearsal/
 LOAD_FORMAT = "dummy"  # vLLM: build every layer, fill its weights with random values
+# the speculative run's draft keeps its own weights (vLLM's SpeculativeConfig.draft_load_config)
+DRAFT_LOAD_CONFIG = {"load_format": "auto"}
 KEY = "rehearsal"  # the mark in a JSON file, the attribute of a shard
 DOC = "docs/rehearsal.md"
 

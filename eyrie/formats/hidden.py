@@ -278,8 +278,8 @@ def _read_meta(f: h5py.File, path) -> ShardMeta:
         raise ShardError(f"{path}: attr {missing[0]!r} missing; rebuild this shard")
     if "rehearsal" in a and np.asarray(a["rehearsal"]).tolist() != 1:
         raise ShardError(
-            f"{path}: attr 'rehearsal' is {a['rehearsal']!r}, not 1 (a rehearsal's shard) nor "
-            "absent (a real one); rebuild this shard"
+            f"{path}: attr 'rehearsal' is {np.asarray(a['rehearsal']).tolist()!r}, not 1 (a "
+            "rehearsal's shard) nor absent (a real one); rebuild this shard"
         )
     try:
         return ShardMeta(

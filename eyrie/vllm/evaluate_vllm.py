@@ -27,7 +27,13 @@ from eyrie.evaluate.specdec import SpecStats
 from eyrie.formats.draft import DRAFT_ARCHS, UNSERVABLE_FLAGS
 from eyrie.formats.tokenized import read_prompts
 from eyrie.io import provenance, write_json
-from eyrie.rehearsal import draft_is_rehearsal, engine_kwargs, mark, refusal
+from eyrie.rehearsal import (
+    DRAFT_LOAD_CONFIG,
+    draft_is_rehearsal,
+    engine_kwargs,
+    mark,
+    refusal,
+)
 from eyrie.settings import flag_problems, load_settings
 from eyrie.vllm.adapters import engine_environment, text_only
 
@@ -499,7 +505,7 @@ def engine_requests(plan: VllmPlan) -> tuple[dict, dict]:
         "num_speculative_tokens": cfg.K,
     }
     if cfg.rehearsal:  # the draft's own weights all the same: its loading is rehearsed too
-        speculative["draft_load_config"] = {"load_format": "auto"}
+        speculative["draft_load_config"] = dict(DRAFT_LOAD_CONFIG)
     common = {
         "engine": engine,
         "prompts": [ids for _, ids in plan.prompts],
