@@ -24,7 +24,8 @@ DOC = "docs/rehearsal.md"
 
 def is_rehearsal(settings: dict) -> bool:
     """Whether a stage's --settings (or the config) ask for a rehearsal (vllm.rehearsal)."""
-    return (settings.get("vllm") or {}).get(KEY) is True
+    vllm = settings.get("vllm")
+    return isinstance(vllm, dict) and vllm.get(KEY) is True  # a bad section: the schema says so
 
 
 def run_name(name: str, rehearsal: bool) -> str:

@@ -32,8 +32,15 @@ rule evaluate_draft:
         " --plot {output.plot} --settings {params.settings:q} > {log} 2>&1"
 
 
-# A rehearsal serves its draft without the Hugging Face evaluation (which reads the real weights).
-EVAL_VLLM_HF = "" if REHEARSAL else " --hf-eval {input.hf_eval}"
+# A rehearsal serves its draft without the Hugging Face evaluation (which reads the real weights);
+# a real run's command text stays what it was (Snakemake's code trigger compares it).
+EVALUATE_VLLM_SHELL = (
+    "{params.python} -m eyrie.cli evaluate-vllm --target {params.target} --draft {params.draft_dir}"
+    " --eval-set {input.eval_set}"
+    + ("" if REHEARSAL else " --hf-eval {input.hf_eval}")
+    + " --out {output.json} --gpu-memory-utilization {config[vllm][gpu_memory_utilization]}"
+    " --settings {params.settings:q} > {log} 2>&1"
+)
 
 
 # The same draft served by vLLM itself (eval.vllm: true; needs a GPU and the vLLM environment):
@@ -60,7 +67,4 @@ rule evaluate_vllm:
         target=target_dir,
         draft_dir=draft_dir,
     shell:
-        "{params.python} -m eyrie.cli evaluate-vllm --target {params.target} --draft {params.draft_dir}"
-        " --eval-set {input.eval_set}" + EVAL_VLLM_HF + " --out {output.json}"
-        " --gpu-memory-utilization {config[vllm][gpu_memory_utilization]}"
-        " --settings {params.settings:q} > {log} 2>&1"
+        EVALUATE_VLLM_SHELL
