@@ -396,9 +396,9 @@ def test_preflight_checks_a_rehearsal_as_a_real_run_and_marks_it(tmp_path, monke
     target = save_chat_target(
         tmp_path / "target", texts, num_attention_heads=4, num_key_value_heads=2
     )
+    rehearsal = vllm_settings(rehearsal=True)  # eval.vllm false: a rehearsal evaluates anyway
     real = vllm_settings()
-    real["eval"]["vllm"] = True  # a rehearsal always ends with the vLLM evaluation
-    rehearsal = {**real, "vllm": {**real["vllm"], "rehearsal": True}}
+    real["eval"]["vllm"] = True
     got = {False: pf.preflight(target, None, tmp_path, real)}
     got[True] = pf.preflight(target, None, tmp_path, rehearsal)
     assert got[True]["rehearsal"] is True and "rehearsal" not in got[False]
