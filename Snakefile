@@ -15,10 +15,10 @@ rule all:
     default_target: True
     input:
         f"{RESULTS}/draft.json",
-        f"{RESULTS}/eval/eval.json",
-        f"{RESULTS}/eval/eval.png",
+        # the Hugging Face evaluation reads the real weights: not part of a rehearsal
+        [] if REHEARSAL else [f"{RESULTS}/eval/eval.json", f"{RESULTS}/eval/eval.png"],
         # evaluation through vLLM itself: needs a GPU and .venv-vllm (docs/vllm.md)
-        [f"{RESULTS}/eval/eval_vllm.json"] if config["eval"]["vllm"] else [],
+        [f"{RESULTS}/eval/eval_vllm.json"] if VLLM_EVAL else [],
 
 
 # A failed run ends with one line per failed job: its rule, eyrie's error line and the log.

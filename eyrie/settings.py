@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from eyrie import rehearsal
 from eyrie.errors import ConfigError, EyrieError
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
@@ -98,6 +99,38 @@ def cross_field_problems(config: dict) -> list[str]:
         problems.append(
             f"train.max_tokens_per_batch: {both[0]} is too small for train.ttt_steps={both[1]}; "
             f"set it to at least {8 * both[1]} (8 per TTT step) or lower train.ttt_steps"
+        )
+    return problems + rehearsal_problems(config)
+
+
+def _section(config: dict, name: str) -> dict:
+    value = config.get(name)
+    return value if isinstance(value, dict) else {}
+
+
+def rehearsal_problems(config: dict) -> list[str]:
+    """What a rehearsal cannot rehearse (docs/rehearsal.md), and the name it keeps for itself."""
+    name = _section(config, "target").get("name")
+    if not rehearsal.is_rehearsal(config):
+        if isinstance(name, str) and name.endswith(rehearsal.SUFFIX):
+            return [
+                f"target.name: {name!r} ends in {rehearsal.SUFFIX!r}, which names a rehearsal's "
+                f"folders; choose a name without it ({rehearsal.DOC})"
+            ]
+        return []
+    problems = []
+    backend = _section(config, "extract").get("backend")
+    if backend != "vllm":
+        problems.append(
+            f"vllm.rehearsal: true but extract.backend is {backend!r}: "
+            "a rehearsal runs the vLLM engines on random weights, and the hf backend would load "
+            f"the real ones; set extract.backend: vllm ({rehearsal.DOC})"
+        )
+    if _section(config, "data").get("regenerate") is True:
+        problems.append(
+            "vllm.rehearsal: true with data.regenerate: true: a random-weight target's responses "
+            "run to regenerate.max_new_tokens, so every record would be dropped as cut; set "
+            f"data.regenerate: false for the rehearsal ({rehearsal.DOC})"
         )
     return problems
 
@@ -317,11 +350,12 @@ def settings_json(section: dict) -> str:
 
 
 def vllm_uses(settings: dict) -> list[str]:
-    """What vLLM is used for in this run: "extract" (extract.backend: vllm), "eval" (eval.vllm)."""
+    """What vLLM is used for in this run: "extract" (extract.backend: vllm), "eval" (eval.vllm,
+    or a rehearsal, which always ends with the vLLM evaluation)."""
     out = []
     if (settings.get("extract") or {}).get("backend") == "vllm":
         out.append("extract")
-    if (settings.get("eval") or {}).get("vllm") is True:
+    if (settings.get("eval") or {}).get("vllm") is True or rehearsal.is_rehearsal(settings):
         out.append("eval")
     return out
 

@@ -183,6 +183,13 @@ TABLE = (
     Row("vllm.dtype", ("evaluate_vllm", *VLLM_REGENERATE)),
     Row("vllm.max_model_len", (*VLLM_EXTRACT, "evaluate_vllm", *VLLM_REGENERATE)),
     Row(
+        "vllm.rehearsal",
+        (*EXTRACT, "preflight", *TRAIN, "evaluate_vllm"),
+        new=True,
+        other="true: the paths results/<name>.rehearsal/..., logs/<name>.rehearsal/...; `all` "
+        "asks for draft.json and eval_vllm.json, from shard 000 alone (docs/rehearsal.md)",
+    ),
+    Row(
         "store.path",
         other="EYRIE_STORE of every job (eyrie.workflow.prepare): where extraction and "
         "regeneration keep and find their outputs; changes no output",

@@ -6,6 +6,7 @@ import shlex
 import sys
 
 from eyrie.errors import TargetError
+from eyrie.rehearsal import run_name
 from eyrie.settings import config_file, settings_json, workflow_config
 from eyrie.store.fingerprint import track_target
 from eyrie.workflow import engine_sockets, prepare, runtime_settings, settings_param
@@ -17,7 +18,10 @@ configfile: config_file(os.path.join(workflow.basedir, "config", "config.yaml"))
 # every problem one line on the terminal, naming its file and key, then exit; warnings one line
 config = workflow_config(config, workflow.configfiles, workflow.overwrite_configfiles)
 
-NAME = config["target"]["name"]
+# A rehearsal (vllm.rehearsal: true: the vLLM engines on random weights) runs under its own name,
+# <target.name>.rehearsal: its outputs, logs and store keys apart from the real run's.
+REHEARSAL = config["vllm"]["rehearsal"]
+NAME = run_name(config["target"]["name"], REHEARSAL)
 RESULTS = f"results/{NAME}"
 LOGS = f"logs/{NAME}"
 BENCH = f"{RESULTS}/benchmarks"
@@ -47,9 +51,13 @@ if not CONVERSATIONS:
         "data.conversations: empty; list your conversation files (.jsonl/.json/.parquet)"
     )
 SHARDS = [f"{i:03d}" for i in range(config["data"]["num_shards"])]
+# The shards training reads: a rehearsal extracts and trains on shard 000 alone (one engine).
+TRAIN_SHARDS = SHARDS[:1] if REHEARSAL else SHARDS
 TRUST = config["target"]["trust_remote_code"]
 GROUP_SIZE = config["extract"]["group_size"]
 VLLM_EXTRACT = config["extract"]["backend"] == "vllm"
+# The evaluation through vLLM: asked for, or the last stage of a rehearsal.
+VLLM_EVAL = config["eval"]["vllm"] or REHEARSAL
 # GPUs of one vLLM engine (extraction with the vllm backend, evaluation through vLLM).
 VLLM_GPUS = config["vllm"]["tensor_parallel_size"]
 VLLM_PYTHON = os.path.join(workflow.basedir, config["vllm"]["python"])

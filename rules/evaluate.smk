@@ -32,6 +32,17 @@ rule evaluate_draft:
         " --plot {output.plot} --settings {params.settings:q} > {log} 2>&1"
 
 
+# A rehearsal serves its draft without the Hugging Face evaluation (which reads the real weights);
+# a real run's command text stays what it was (Snakemake's code trigger compares it).
+EVALUATE_VLLM_SHELL = (
+    "{params.python} -m eyrie.cli evaluate-vllm --target {params.target} --draft {params.draft_dir}"
+    " --eval-set {input.eval_set}"
+    + ("" if REHEARSAL else " --hf-eval {input.hf_eval}")
+    + " --out {output.json} --gpu-memory-utilization {config[vllm][gpu_memory_utilization]}"
+    " --settings {params.settings:q} > {log} 2>&1"
+)
+
+
 # The same draft served by vLLM itself (eval.vllm: true; needs a GPU and the vLLM environment):
 # acceptance from vLLM's own counters, beside the Hugging Face evaluation's (docs/vllm.md).
 # gpu_memory_utilization changes no result: command text, not compared.
@@ -39,7 +50,7 @@ rule evaluate_vllm:
     input:
         draft="results/{name}/draft.json",
         eval_set="results/{name}/tokenized/eval.parquet",
-        hf_eval="results/{name}/eval/eval.json",
+        hf_eval=[] if REHEARSAL else "results/{name}/eval/eval.json",
         target=TARGET_FILES,
     output:
         json="results/{name}/eval/eval_vllm.json",
@@ -56,7 +67,4 @@ rule evaluate_vllm:
         target=target_dir,
         draft_dir=draft_dir,
     shell:
-        "{params.python} -m eyrie.cli evaluate-vllm --target {params.target} --draft {params.draft_dir}"
-        " --eval-set {input.eval_set} --hf-eval {input.hf_eval} --out {output.json}"
-        " --gpu-memory-utilization {config[vllm][gpu_memory_utilization]}"
-        " --settings {params.settings:q} > {log} 2>&1"
+        EVALUATE_VLLM_SHELL

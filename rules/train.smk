@@ -3,7 +3,7 @@
 
 rule train_draft:
     input:
-        shards=expand("results/{{name}}/hidden/shard_{shard}.h5", shard=SHARDS),
+        shards=expand("results/{{name}}/hidden/shard_{shard}.h5", shard=TRAIN_SHARDS),
         vocab="results/{name}/vocab/vocab.safetensors",
         preflight="results/{name}/preflight.json",
         target=TARGET_WEIGHTS,

@@ -12,6 +12,13 @@ native is refused where it cannot return id N.
     python tests/vllm_gpu_check.py hf DIR KIND          # reference states
     python tests/vllm_gpu_check.py vllm DIR KIND PATH   # one engine (one process per engine)
     python tests/vllm_gpu_check.py compare DIR          # the table (JSON on stdout)
+
+The rehearsal (vllm.rehearsal: true, docs/rehearsal.md) on real widths, without any weights on
+disk: a Llama-3.1-8B-shaped Llama and a Kimi-K2.5-shaped `kimi_k25` wrapper (full width, 4 layers,
+64 experts) built by vLLM with random weights (load_format dummy), one shard extracted through
+eyrie's extractor and written by the real ShardWriter, marked as a rehearsal's:
+
+    python tests/vllm_gpu_check.py rehearsal DIR KIND [PATH]   # KIND: llama | kimi_k25
 """
 
 from __future__ import annotations
@@ -251,6 +258,152 @@ def compare(root: Path) -> dict:
     return table
 
 
+# ----------------------------------------------------------------------------- rehearsal
+
+REHEARSAL_KINDS = ("llama", "kimi_k25")
+
+
+def rehearsal_config(kind: str) -> dict:
+    """config.json of a rehearsal target: real widths, no weights (vLLM makes them up)."""
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    if kind == "llama":  # Llama-3.1-8B's shape
+        config = LlamaConfig(
+            vocab_size=128256,
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            max_position_embeddings=8192,
+            torch_dtype="bfloat16",
+        ).to_dict()
+        config["architectures"] = ["LlamaForCausalLM"]
+        return config
+    # Kimi-K2.5's text model at full width (tests/vllm_helpers.py KIMI_K25), 4 layers and 64 of
+    # its 384 experts so that one GPU holds it
+    text = DeepseekV3Config(
+        vocab_size=163840,
+        hidden_size=7168,
+        num_hidden_layers=4,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        n_routed_experts=64,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        n_group=1,
+        topk_group=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+    ).to_dict()
+    text["model_type"] = "kimi_k2"
+    return {
+        "model_type": "kimi_k25",
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "text_config": text,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def rehearsal(root: Path, kind: str, path: str = "auto") -> dict:
+    """Extract one shard of `kind` (no weights on disk: a rehearsal) with eyrie's extractor and
+    read it back (validate_shard: complete and finite); its mark, layer ids, the spread of its
+    final states and the timings go to DIR/KIND.rehearsal.json (tests/test_rehearsal.py checks
+    them)."""
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eyrie.arch.target import fingerprint, read_config
+    from eyrie.extract.extractor import Extractor
+    from eyrie.formats.hidden import ShardReader, validate_shard
+
+    target = root / f"rehearsal-{kind}"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(rehearsal_config(kind), indent=1))
+    (target / "tokenizer_config.json").write_text("{}")  # what the shard's tokenizer_hash reads
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 1000, n).tolist() for n in LENGTHS]
+    shard = root / f"{kind}.rehearsal.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "sample_id": [f"rehearsal:{i + 1}" for i in range(len(prompts))],
+                "input_ids": pa.array(prompts, type=pa.list_(pa.int32())),
+                "loss_mask": pa.array(
+                    [[0] * (n // 2) + [1] * (n - n // 2) for n in LENGTHS],
+                    type=pa.list_(pa.uint8()),
+                ),
+            }
+        ),
+        shard,
+    )
+    # the two fields the extractor reads of a preflight report (the whole report: preflight)
+    preflight = root / f"{kind}.preflight.json"
+    preflight.write_text(
+        json.dumps({"ok": True, "target": {"fingerprint": fingerprint(read_config(target))}})
+    )
+    settings = {
+        "extract": {
+            "backend": "vllm",
+            "device": "cuda",
+            "dtype": "bfloat16",
+            "storage_dtype": "bfloat16",
+            "max_tokens_per_batch": 600,
+        },
+        "layers": {"aux_ids": None if kind == "llama" else [1, 2, 3]},
+        "trust_remote_code": False,
+        "vllm": {
+            "extraction_path": path,
+            "tensor_parallel_size": 1,
+            "gpu_memory_utilization": 0.6,
+            "enforce_eager": True,
+            "max_model_len": 1024,
+            "rehearsal": True,
+        },
+    }
+    out = root / f"{kind}.rehearsal.h5"
+    t0 = time.monotonic()
+    with Extractor(target, preflight, settings) as extractor:
+        start = time.monotonic() - t0
+        chosen = extractor.backend.path
+        t1 = time.monotonic()
+        extractor.extract(shard, out)
+        extract_s = time.monotonic() - t1
+    meta = validate_shard(out)  # every value finite
+    with ShardReader(out) as reader:
+        final = torch.cat([reader.read(i)["final_hidden"].float() for i in range(len(reader))])
+        rehearsal_attr = int(reader.f.attrs["rehearsal"]) if "rehearsal" in reader.f.attrs else None
+    import vllm
+
+    result = {
+        "kind": kind,
+        "vllm_version": vllm.__version__,
+        "path": chosen,
+        "engine_start_s": round(start, 1),  # import of vLLM's model classes, build, random init
+        "extract_s": round(extract_s, 1),
+        "tokens": int(sum(LENGTHS)),
+        "shard": str(out),
+        "layer_ids": [*meta.aux_layer_ids, meta.final_layer_id],
+        "rehearsal": meta.rehearsal,
+        "rehearsal_attr": rehearsal_attr,
+        "final_hidden_std": float(final.std()),
+    }
+    (root / f"{kind}.rehearsal.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 if __name__ == "__main__":
     cmd, root = sys.argv[1], Path(sys.argv[2])
     root.mkdir(parents=True, exist_ok=True)
@@ -262,3 +415,7 @@ if __name__ == "__main__":
         run_vllm(root, sys.argv[3], sys.argv[4])
     elif cmd == "compare":
         print(json.dumps(compare(root), indent=1))
+    elif cmd == "rehearsal":
+        print(json.dumps(rehearsal(root, sys.argv[3], *sys.argv[4:5]), indent=1))
+    else:
+        sys.exit(f"unknown step {cmd!r}: use build, hf, vllm, compare or rehearsal")

@@ -26,6 +26,7 @@ from eyrie.formats.report import read_report
 from eyrie.formats.tokenized import read_prompts
 from eyrie.formats.vocab import read_vocab
 from eyrie.io import atomic_path, provenance, write_json
+from eyrie.rehearsal import draft_is_rehearsal, refusal
 from eyrie.runtime import auto_device
 from eyrie.settings import load_settings
 
@@ -205,6 +206,15 @@ def check_inputs(paths: EvalPaths, cfg: EvalSettings) -> EvalInputs:
     aux_ids = read_preflight(paths.preflight, info.fingerprint, info.num_hidden_layers)
     d2t, t2d = read_vocab(paths.vocab, info.vocab_size)
     prompts = read_prompts(paths.eval_set, cfg.num_prompts, info.vocab_size)
+    if draft_is_rehearsal(paths.draft):
+        raise EvaluateError(
+            refusal(
+                Path(paths.draft) / "provenance.json",
+                "a draft",
+                "evaluate the draft of the run without vllm.rehearsal (results/<name>/draft); a "
+                "rehearsal has no Hugging Face evaluation",
+            )
+        )
     draft = load_draft(paths.draft)
     check_draft(draft, paths.draft, aux_ids, info.hidden_size, (d2t, t2d))
     verifier = draft.config.speculators_config.verifier.name_or_path

@@ -26,6 +26,7 @@ from eyrie.arch.target import inspect_target, resolve_layer_ids, tokenizer_hash
 from eyrie.errors import ExtractError
 from eyrie.formats.tokenized import Tokenized, read_tokenized
 from eyrie.io import provenance
+from eyrie.rehearsal import is_rehearsal
 from eyrie.runtime import auto_device
 from eyrie.settings import load_settings
 
@@ -225,6 +226,11 @@ def parse_settings(settings: dict) -> ExtractSettings:
             "extract.backend=vllm but --settings has no vllm section; pass the config's "
             "vllm section"
         )
+    if is_rehearsal(settings) and isinstance(ext, dict) and ext.get("backend") != "vllm":
+        problems.append(
+            f"vllm.rehearsal: true but extract.backend is {ext.get('backend')!r}: only the vllm "
+            "backend builds the target with random weights; set extract.backend: vllm"
+        )
     loaded = load_settings(settings, ["extract", "layers"], ExtractError, problems)
     ext, vllm = loaded["extract"], loaded.get("vllm") or {}
     device = auto_device("extract.device", ext["device"], ExtractError)
@@ -364,6 +370,7 @@ class Extractor:
             hidden_size=self.info.hidden_size,
             storage_dtype=self.cfg.storage_dtype,
             producer={"settings": self.settings, "provenance": provenance(self.settings)},
+            rehearsal=is_rehearsal(self.settings),
         )
 
     def _check(self, item: StoredBatch, lengths: list[int]) -> None:

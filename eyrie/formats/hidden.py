@@ -63,6 +63,9 @@ class ShardMeta:
     hidden_size: int
     storage_dtype: str = "bfloat16"
     producer: dict = field(default_factory=dict)  # settings + provenance that made the shard
+    # made by a rehearsal (random target weights, eyrie.rehearsal): the attribute `rehearsal` = 1,
+    # absent on a real shard
+    rehearsal: bool = False
 
     def __post_init__(self):
         if self.storage_dtype not in STORAGE:
@@ -153,6 +156,8 @@ class ShardWriter:
                 )
         attrs = asdict(meta)
         attrs["producer"] = json.dumps(meta.producer, sort_keys=True, default=str)
+        if attrs.pop("rehearsal"):
+            attrs["rehearsal"] = 1
         attrs.update(
             format=FORMAT,
             schema_version=SCHEMA_VERSION,
@@ -271,6 +276,11 @@ def _read_meta(f: h5py.File, path) -> ShardMeta:
     missing = [k for k in fields if k not in a]
     if missing:
         raise ShardError(f"{path}: attr {missing[0]!r} missing; rebuild this shard")
+    if "rehearsal" in a and np.asarray(a["rehearsal"]).tolist() != 1:
+        raise ShardError(
+            f"{path}: attr 'rehearsal' is {np.asarray(a['rehearsal']).tolist()!r}, not 1 (a "
+            "rehearsal's shard) nor absent (a real one); rebuild this shard"
+        )
     try:
         return ShardMeta(
             target_fingerprint=str(a["target_fingerprint"]),
@@ -280,6 +290,7 @@ def _read_meta(f: h5py.File, path) -> ShardMeta:
             hidden_size=int(a["hidden_size"]),
             storage_dtype=str(a["storage_dtype"]),
             producer=json.loads(a["producer"]),
+            rehearsal="rehearsal" in a,
         )
     except (TypeError, ValueError) as exc:  # ShardError (bad storage_dtype) passes through
         raise ShardError(f"{path}: malformed attrs ({exc}); rebuild this shard") from exc
@@ -539,6 +550,12 @@ class ShardReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def read_meta(path) -> ShardMeta:
+    """A shard's attributes alone (format and fields checked), without its datasets."""
+    with _open(path) as f:
+        return _read_meta(f, path)
 
 
 def validate_shard(

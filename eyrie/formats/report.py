@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from eyrie.errors import PreflightError
+from eyrie.rehearsal import marked
 
 
 def read_report(path: str | Path, fingerprint: str | None = None) -> dict:
@@ -44,8 +45,9 @@ def read_report(path: str | Path, fingerprint: str | None = None) -> dict:
 
 def identity(report: dict) -> str:
     """sha256 of what in a report determines the outputs made under it: the target as content
-    (not where it lies), the layer ids, the chat template, the vLLM version and extraction path;
-    not its time, host, free disk or warnings (a rerun of preflight changes those alone)."""
+    (not where it lies), the layer ids, the chat template, the vLLM version and extraction path,
+    a rehearsal's mark; not its time, host, free disk or warnings (a rerun of preflight changes
+    those alone)."""
     target = {k: v for k, v in (report.get("target") or {}).items() if k != "path"}
     vllm = report.get("vllm") or {}
     kept = {
@@ -59,4 +61,6 @@ def identity(report: dict) -> str:
             "path": (vllm.get("extraction_path") or {}).get("chosen"),
         },
     }
+    if marked(report):  # a rehearsal's (random weights): never a real run's identity
+        kept["rehearsal"] = True
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()

@@ -22,6 +22,7 @@ from eyrie.preflight.checks import (
     check_tokenizer,
     check_weights,
 )
+from eyrie.rehearsal import is_rehearsal, mark
 from eyrie.settings import load_settings, merge_settings, schema_default, vllm_uses
 from eyrie.store.fingerprint import content_digest
 from eyrie.vllm import preflight_checks as vllm_preflight
@@ -124,6 +125,7 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
         "vllm": vllm_report,
         "warnings": check.warnings,
         "provenance": provenance(settings),
+        **mark(is_rehearsal(loaded)),  # the GPU stages after it run on random weights
     }
 
 
@@ -175,4 +177,9 @@ def run(args) -> int:
         log.warning("%s", warning)
     if report["vllm"] is not None:
         log.info("preflight ok: %s", vllm_preflight.verdict(report["vllm"]))
+    if report.get("rehearsal"):
+        log.info(
+            "rehearsal: the vLLM engines will run %s with random weights (docs/rehearsal.md)",
+            t["path"],
+        )
     return 0

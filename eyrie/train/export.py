@@ -27,6 +27,7 @@ from eyrie.formats.draft import (
 )
 from eyrie.formats.versions import DraftVersions
 from eyrie.io import provenance, write_json
+from eyrie.rehearsal import is_rehearsal, mark, marked, refusal
 from eyrie.train.config import TrainSettings
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,21 @@ def read_trained(train_dir: Path) -> TrainedDraft:
         )
     summary = json.loads(summary_path.read_text())
     return TrainedDraft(train_dir, draft_dir, arch, summary)
+
+
+def check_rehearsal(trained: TrainedDraft, rehearsal: bool) -> bool:
+    """Whether the draft is a rehearsal's; a real export (`rehearsal` false) refuses a
+    rehearsal's training."""
+    if marked(trained.summary) and not rehearsal:
+        raise ExportError(
+            refusal(
+                trained.train_dir / "train.json",
+                "a training",
+                "export the training of the run without vllm.rehearsal (results/<name>/train), "
+                "or set vllm.rehearsal: true to rehearse the export",
+            )
+        )
+    return rehearsal or marked(trained.summary)
 
 
 def check_target(trained: TrainedDraft, target: Path) -> str:
@@ -131,6 +147,7 @@ def export(
         raise ExportError(f"--num-speculative-tokens {K}: must be >= 1")
     target, train_dir, out_dir = Path(target).resolve(), Path(train_dir), Path(out_dir)
     trained = read_trained(train_dir)
+    rehearsal = check_rehearsal(trained, is_rehearsal(settings))
     have_fp = check_target(trained, target)
     reference = load_draft(trained.draft_dir, verifier=target)
     architectures = configure(reference, target, K)
@@ -148,6 +165,7 @@ def export(
                 "num_speculative_tokens": K,
                 "tensors": expected_tensors(reference),
                 **provenance(settings),
+                **mark(rehearsal),  # what the evaluations read to refuse it as real
             },
         )
     version = versions.publish()
@@ -166,6 +184,7 @@ def export(
         "files": versions.digests(version),
         "num_speculative_tokens": K,
         "train_run_id": trained.summary.get("run_id"),
+        **mark(rehearsal),
     }
     if manifest is not None:
         write_json(manifest, done)

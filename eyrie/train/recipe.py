@@ -26,10 +26,11 @@ import torch
 
 from eyrie.arch.target import fingerprint, read_config, tokenizer_hash
 from eyrie.errors import EyrieError, ShardError
-from eyrie.formats.hidden import ShardReader, validate_shard
+from eyrie.formats.hidden import ShardReader, read_meta, validate_shard
 from eyrie.formats.report import read_report
 from eyrie.formats.vocab import read_vocab
 from eyrie.io import provenance, write_json
+from eyrie.rehearsal import is_rehearsal, mark, refusal
 from eyrie.runtime import auto_device
 from eyrie.train.checkpoint import (
     Checkpoint,
@@ -116,6 +117,7 @@ class TrainRecipe:
     def __init__(self, paths: TrainPaths, settings: dict):
         self.paths, self.settings = paths, settings
         self.cfg = cfg = TrainSettings.from_settings(settings)
+        self.rehearsal = is_rehearsal(settings)  # vllm.rehearsal: may train on rehearsal shards
         self.dist = Dist.from_env()
         check_world(cfg.packs_per_step, self.dist.world)
         paths.check_apart()
@@ -154,6 +156,7 @@ class TrainRecipe:
         if not self.dist.main:  # one copy of the progress lines; warnings and errors from all
             log.setLevel(logging.WARNING)
         self.expect = self._check_target()
+        check_rehearsal(self.paths.shards, self.rehearsal)
         self._open_run()
         self.data = PackedShards(
             self.paths.shards,
@@ -555,6 +558,7 @@ class TrainRecipe:
                 "shards": [str(s) for s in p.shards],
             },
             "provenance": provenance(self.settings),
+            **mark(self.rehearsal),
         }
 
 
@@ -583,6 +587,31 @@ def _expectation(preflight_path: Path) -> dict:
                 f"{preflight_path}: key {names.get(key, key)} missing; rerun eyrie preflight"
             )
     return expect
+
+
+def check_rehearsal(paths: list[Path], rehearsal: bool) -> None:
+    """A real run refuses a rehearsal's shards (hidden states of random weights), naming the
+    first; a rehearsal (`rehearsal`) trains on any."""
+    if rehearsal:
+        return
+    found = [p for p in paths if _rehearsal_shard(p)]
+    if found:
+        more = f" (and {len(found) - 1} more of the {len(paths)} shards)" if len(found) > 1 else ""
+        raise ShardError(
+            refusal(
+                f"{found[0]}{more}",
+                "a hidden-state shard",
+                "train on the shards of the run without vllm.rehearsal (results/<name>/hidden/), "
+                "or set vllm.rehearsal: true to rehearse the training",
+            )
+        )
+
+
+def _rehearsal_shard(path: Path) -> bool:
+    try:
+        return read_meta(path).rehearsal
+    except ShardError:
+        return False  # unreadable: verify_shards reports it, with every other bad shard
 
 
 def verify_shards(paths: list[Path], expect: dict, scan_values: bool, dist: Dist) -> None:

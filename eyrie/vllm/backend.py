@@ -26,6 +26,7 @@ import torch
 from eyrie.arch.registry import adapter_for
 from eyrie.errors import ExtractError
 from eyrie.extract.extractor import HostBatch, StoredBatch
+from eyrie.rehearsal import engine_kwargs
 from eyrie.vllm.adapters import engine_environment, request_key, text_only
 from eyrie.vllm.checks import ExtractLayers, choose_path, config_problems, version_problems
 from eyrie.vllm.facts import gather_facts
@@ -58,12 +59,14 @@ class VllmBackend:
         self.scratch = Path(tempfile.mkdtemp(prefix="eyrie-vllm-"))
         kwargs = self._engine_kwargs(target, cfg)
         log.info(
-            "vLLM %s, %s path (adapter %s), layer ids %s, tensor parallel %d, scratch %s",
+            "vLLM %s, %s path (adapter %s), layer ids %s, tensor parallel %d, weights %s, "
+            "scratch %s",
             facts.version,
             self.path,
             adapter.family,
             self.layer_ids,
             kwargs["tensor_parallel_size"],
+            "random (rehearsal: load_format dummy)" if "load_format" in kwargs else "loaded",
             self.scratch,
         )
         self.llm = LLM(**kwargs)
@@ -87,7 +90,7 @@ class VllmBackend:
         return path
 
     def _engine_kwargs(self, target: Path, cfg) -> dict:
-        """The arguments of vllm.LLM for this path."""
+        """The arguments of vllm.LLM for this path (in a rehearsal, random weights)."""
         kwargs = dict(
             model=str(target),
             tensor_parallel_size=int(self.v.get("tensor_parallel_size", 1)),
@@ -101,6 +104,7 @@ class VllmBackend:
             seed=0,
             skip_tokenizer_init=True,  # prompts go as token ids; no tokenizer code runs
             **text_only(target),
+            **engine_kwargs(self.v.get("rehearsal") is True),  # random weights: docs/rehearsal.md
         )
         if self.path == "native":
             kwargs.update(

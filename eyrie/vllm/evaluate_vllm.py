@@ -27,6 +27,13 @@ from eyrie.evaluate.specdec import SpecStats
 from eyrie.formats.draft import DRAFT_ARCHS, UNSERVABLE_FLAGS
 from eyrie.formats.tokenized import read_prompts
 from eyrie.io import provenance, write_json
+from eyrie.rehearsal import (
+    DRAFT_LOAD_CONFIG,
+    draft_is_rehearsal,
+    engine_kwargs,
+    mark,
+    refusal,
+)
 from eyrie.settings import flag_problems, load_settings
 from eyrie.vllm.adapters import engine_environment, text_only
 
@@ -55,6 +62,7 @@ class VllmEvalSettings:
     enforce_eager: bool
     max_model_len: int | None  # None: longest prompt + max_new_tokens + K
     dtype: str = "auto"  # vLLM's dtype; auto: vLLM's choice (bfloat16 for a float32 checkpoint)
+    rehearsal: bool = False  # vllm.rehearsal: the target with random weights (docs/rehearsal.md)
 
 
 def _posint(value) -> bool:
@@ -83,6 +91,7 @@ def parse_settings(settings: dict, gpu_memory_utilization: float | None = None) 
         vl["enforce_eager"],
         vl["max_model_len"],
         vl["dtype"],
+        vl["rehearsal"],
     )
 
 
@@ -375,7 +384,7 @@ class VllmEvalPaths:
     target: str | Path
     draft: str | Path  # exported draft folder
     eval_set: str | Path  # eval.parquet with prompt_ids
-    hf_eval: str | Path  # eval.json of `eyrie evaluate`
+    hf_eval: str | Path | None  # eval.json of `eyrie evaluate`; None only in a rehearsal
     out: str | Path  # eval_vllm.json to write
 
 
@@ -387,9 +396,15 @@ class VllmPlan:
     cfg: VllmEvalSettings
     settings: dict
     draft_config: dict
-    hf: dict  # read_hf_eval's dict
+    hf: dict | None  # read_hf_eval's dict; None in a rehearsal without --hf-eval
     prompts: list  # (sample_id, prompt ids)
     max_model_len: int
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The stop token: the HF evaluation's; none in a rehearsal without it (every prompt
+        decodes eval.max_new_tokens)."""
+        return self.hf["eos_token_id"] if self.hf else None
 
 
 def check_hf_prompts(paths: VllmEvalPaths, hf: dict, prompts: list) -> None:
@@ -424,6 +439,26 @@ def resolve_max_model_len(cfg: VllmEvalSettings, info, prompts: list, eval_set) 
     return max_model_len
 
 
+def check_rehearsal(paths: VllmEvalPaths, rehearsal: bool) -> None:
+    """A real evaluation needs the HF evaluation and refuses a rehearsal's draft."""
+    if rehearsal:
+        return
+    if paths.hf_eval is None:
+        raise EvaluateError(
+            "--hf-eval: missing; pass the eval.json of `eyrie evaluate` (only a rehearsal, "
+            "vllm.rehearsal: true, runs without it)"
+        )
+    if draft_is_rehearsal(paths.draft):
+        raise EvaluateError(
+            refusal(
+                Path(paths.draft) / "provenance.json",
+                "a draft",
+                "evaluate the draft of the run without vllm.rehearsal (results/<name>/draft), "
+                "or set vllm.rehearsal: true to rehearse the evaluation",
+            )
+        )
+
+
 def plan_evaluation(
     paths: VllmEvalPaths, settings: dict, gpu_memory_utilization: float | None
 ) -> VllmPlan:
@@ -434,10 +469,12 @@ def plan_evaluation(
     except TargetError as exc:
         raise EvaluateError(str(exc)) from exc
     draft_config = check_draft_config(paths.draft, info)
+    check_rehearsal(paths, cfg.rehearsal)
     check_installed_vllm(paths.target)
-    hf = read_hf_eval(paths.hf_eval, cfg.K, cfg.max_new_tokens)
+    hf = None if paths.hf_eval is None else read_hf_eval(paths.hf_eval, cfg.K, cfg.max_new_tokens)
     prompts = read_prompts(paths.eval_set, cfg.num_prompts, info.vocab_size)
-    check_hf_prompts(paths, hf, prompts)
+    if hf is not None:
+        check_hf_prompts(paths, hf, prompts)
     max_model_len = resolve_max_model_len(cfg, info, prompts, paths.eval_set)
     return VllmPlan(paths, cfg, settings, draft_config, hf, prompts, max_model_len)
 
@@ -459,6 +496,7 @@ def engine_requests(plan: VllmPlan) -> tuple[dict, dict]:
         "skip_tokenizer_init": True,
         "seed": 0,
         **text_only(plan.paths.target),
+        **engine_kwargs(cfg.rehearsal),  # a rehearsal: the target with random weights
     }
     # The target path is always passed: the draft's verifier.name_or_path may not resolve here.
     speculative = {
@@ -466,11 +504,13 @@ def engine_requests(plan: VllmPlan) -> tuple[dict, dict]:
         "method": "eagle3",
         "num_speculative_tokens": cfg.K,
     }
+    if cfg.rehearsal:  # the draft's own weights all the same: its loading is rehearsed too
+        speculative["draft_load_config"] = dict(DRAFT_LOAD_CONFIG)
     common = {
         "engine": engine,
         "prompts": [ids for _, ids in plan.prompts],
         "max_new_tokens": cfg.max_new_tokens,
-        "eos_token_id": plan.hf["eos_token_id"],
+        "eos_token_id": plan.eos_token_id,
     }
     return {**common, "speculative_config": None}, {**common, "speculative_config": speculative}
 
@@ -481,15 +521,16 @@ def run_engines(plan: VllmPlan) -> tuple[dict, dict]:
     cfg = plan.cfg
     log.info(
         "evaluating %s through vLLM on %d prompts: K=%d, max_new_tokens=%d, eos %s, "
-        "enforce_eager=%s, tensor_parallel_size=%d, max_model_len=%d",
+        "enforce_eager=%s, tensor_parallel_size=%d, max_model_len=%d%s",
         plan.paths.draft,
         len(plan.prompts),
         cfg.K,
         cfg.max_new_tokens,
-        plan.hf["eos_token_id"],
+        plan.eos_token_id,
         cfg.enforce_eager,
         cfg.tensor_parallel_size,
         plan.max_model_len,
+        "; rehearsal: the target with random weights" if cfg.rehearsal else "",
     )
     with tempfile.TemporaryDirectory(prefix="eyrie-eval-vllm-") as tmp:
         base = run_engine("baseline", baseline, Path(tmp))
@@ -497,9 +538,11 @@ def run_engines(plan: VllmPlan) -> tuple[dict, dict]:
     return base, spec
 
 
-def check_outputs_equal(plan: VllmPlan, base: dict, spec: dict) -> None:
+def check_outputs_equal(plan: VllmPlan, base: dict, spec: dict) -> int:
     """Every speculative output must equal the baseline's; otherwise write the diagnostic
-    (diagnostic_path) and fail. A stale diagnostic of an earlier failed run is removed."""
+    (diagnostic_path) and fail. A stale diagnostic of an earlier failed run is removed. In a
+    rehearsal differences are counted (returned) and warned of, not a failure: random weights
+    make near-ties of most greedy choices, where batched verification may pick another token."""
     diagnostic = diagnostic_path(plan.paths.out)
     differ = []
     for (sample_id, _), b, s in zip(plan.prompts, base["outputs"], spec["outputs"]):
@@ -510,7 +553,7 @@ def check_outputs_equal(plan: VllmPlan, base: dict, spec: dict) -> None:
             )
     if not differ:
         diagnostic.unlink(missing_ok=True)
-        return
+        return 0
     write_json(
         diagnostic,
         {
@@ -523,11 +566,16 @@ def check_outputs_equal(plan: VllmPlan, base: dict, spec: dict) -> None:
         },
     )
     first = differ[0]
-    raise EvaluateError(
+    what = (
         f"{plan.paths.eval_set}: {len(differ)} of {len(plan.prompts)} speculative outputs differ "
         f"from vLLM's greedy outputs without speculation (first: prompt {first['sample_id']} at "
-        f"new token {first['first_difference']}); speculative decoding must not change greedy "
-        f"outputs; details in {diagnostic}"
+        f"new token {first['first_difference']})"
+    )
+    if plan.cfg.rehearsal:
+        log.warning("%s; expected of random weights, not a failure of a rehearsal", what)
+        return len(differ)
+    raise EvaluateError(
+        f"{what}; speculative decoding must not change greedy outputs; details in {diagnostic}"
     )
 
 
@@ -545,8 +593,9 @@ def difference(counters: dict, hf: dict) -> dict:
     }
 
 
-def build_report(plan: VllmPlan, spec: dict) -> dict:
-    """eval_vllm.json (docs/vllm.md, Evaluation through vLLM)."""
+def build_report(plan: VllmPlan, spec: dict, differ: int = 0) -> dict:
+    """eval_vllm.json (docs/vllm.md, Evaluation through vLLM); `differ` outputs differed from the
+    baseline's (a rehearsal's only). Without an HF evaluation `hf` and `difference` are null."""
     cfg, hf, m, n = plan.cfg, plan.hf, spec["counters"], len(plan.prompts)
     counter_keys = ("num_drafts", "num_draft_tokens", "accepted_tokens", "accepted_at_position")
     config_keys = (
@@ -560,14 +609,16 @@ def build_report(plan: VllmPlan, spec: dict) -> dict:
         "K": cfg.K,
         "num_prompts": n,
         "max_new_tokens": cfg.max_new_tokens,
-        "outputs_equal": n,
+        "outputs_equal": n - differ,
         "output_tokens": sum(len(o) for o in spec["outputs"]),
         "acceptance_length": m["acceptance_length"],
         "per_position_acceptance": m["per_position_acceptance"],
         "counters": {k: m[k] for k in counter_keys},
-        "hf": {k: hf[k] for k in ("acceptance_length", "per_position_acceptance", "path")},
-        "difference": difference(m, hf),
-        "eos_token_id": hf["eos_token_id"],
+        "hf": None
+        if hf is None
+        else {k: hf[k] for k in ("acceptance_length", "per_position_acceptance", "path")},
+        "difference": None if hf is None else difference(m, hf),
+        "eos_token_id": plan.eos_token_id,
         "engine": {
             "dtype": spec["dtype"],
             "enforce_eager": cfg.enforce_eager,
@@ -579,6 +630,7 @@ def build_report(plan: VllmPlan, spec: dict) -> dict:
         "draft_config": {k: plan.draft_config.get(k) for k in config_keys},
         "target": str(plan.paths.target),
         "provenance": provenance(plan.settings),
+        **mark(cfg.rehearsal),  # random weights: its acceptance and outputs mean nothing
     }
 
 
@@ -588,17 +640,20 @@ def evaluate_vllm(
     """Run the evaluation through vLLM and write the report JSON `paths.out`; returns the report."""
     plan = plan_evaluation(paths, settings, gpu_memory_utilization)
     base, spec = run_engines(plan)
-    check_outputs_equal(plan, base, spec)
-    report = build_report(plan, spec)
+    differ = check_outputs_equal(plan, base, spec)
+    report = build_report(plan, spec, differ)
     write_json(paths.out, report)
-    n = len(plan.prompts)
     log.info(
-        "acceptance length: vLLM %s, Hugging Face %s; %d/%d outputs equal -> %s",
+        "acceptance length: vLLM %s, Hugging Face %s; %d/%d outputs equal -> %s%s",
         report["acceptance_length"],
-        plan.hf["acceptance_length"],
-        n,
-        n,
+        plan.hf["acceptance_length"] if plan.hf else "(none)",
+        report["outputs_equal"],
+        len(plan.prompts),
         paths.out,
+        " (rehearsal: both engines ran, the draft loaded and was served; the figures of random "
+        "weights mean nothing)"
+        if plan.cfg.rehearsal
+        else "",
     )
     return report
 
@@ -611,9 +666,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval-set", required=True, help="eval.parquet with prompt_ids")
     parser.add_argument(
         "--hf-eval",
-        required=True,
-        help="eval.json of `eyrie evaluate` (its AL "
-        "goes beside vLLM's; its eos_token_id is the stop token)",
+        default=None,
+        help="eval.json of `eyrie evaluate` (its AL goes beside vLLM's; its eos_token_id is the "
+        "stop token); required but in a rehearsal (vllm.rehearsal: true)",
     )
     parser.add_argument("--out", required=True, help="eval_vllm.json to write")
     parser.add_argument(
