@@ -321,7 +321,11 @@ def main() -> None:
         row["disk"] = {str(n): raw_writes(root / "raw.bin", n) for n in sorted(set(sizes))}
         results["shapes"][shape] = row
         print(json.dumps({shape: row}, indent=1), flush=True)
+        save(results, gpu)  # after each shape: a run cut short keeps what it measured
     table(results)
+
+
+def save(results: dict, gpu: str) -> None:
     out = REPO / "benchmarks" / "results" / f"extraction-vllm-{gpu.replace(' ', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
