@@ -105,6 +105,7 @@ def test_forward_output_unchanged_and_states_match_reference(tmp_path):
         rec, _ = install(stack, ids, tmp_path)
         rec.expected = {request_key(p) for p in prompts}
         out = stack(flat, positions)
+    rec.flush()
     assert torch.equal(out, expected_out)  # the replaced forward computes what vLLM's does
     assert rec.expected == set() and rec.written == 3
     start = 0
@@ -127,6 +128,7 @@ def test_only_expected_prompts_are_written_and_padding_is_ignored(tmp_path):
     rec.expected = {request_key(prompts[1])}
     with torch.no_grad():
         stack(flat, positions)
+    rec.flush()
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{request_key(prompts[1])}.safetensors"]
     assert rec.expected == set()
 
@@ -136,6 +138,7 @@ def test_nothing_is_recorded_without_expected_requests(tmp_path):
     rec, _ = install(stack, [1, 2], tmp_path)
     with torch.no_grad():
         stack(torch.tensor([1, 2, 3]), torch.arange(3))  # e.g. vLLM's warm-up forward
+    rec.flush()
     assert list(tmp_path.iterdir()) == []
 
 

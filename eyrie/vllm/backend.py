@@ -35,6 +35,21 @@ log = logging.getLogger(__name__)
 
 
 FILE_WAIT_S = 60.0  # how long a request's file may lag behind generate() returning
+SHM = Path("/dev/shm")
+SCRATCH_CALLS = 3  # generate() calls whose request files the scratch folder may hold at once
+
+
+def scratch_folder(need_bytes: int) -> Path:
+    """Where the engine leaves each request's states for this process to read: in memory
+    (/dev/shm) when it has room for SCRATCH_CALLS calls' states, else the temporary folder."""
+    try:
+        room = SHM.is_dir() and os.access(SHM, os.W_OK) and shutil.disk_usage(SHM).free
+    except OSError:
+        room = 0
+    where = SHM if room and room >= need_bytes else None
+    if where is None:
+        log.info("scratch: /dev/shm lacks %.1f GiB; request files go to disk", need_bytes / 2**30)
+    return Path(tempfile.mkdtemp(prefix="eyrie-vllm-", dir=where))
 
 
 class VllmBackend:
@@ -56,7 +71,9 @@ class VllmBackend:
         adapter = adapter_for(info.model_type)
         facts = gather_facts(config)
         self.path = self._choose_path(target, info, adapter, facts, config)
-        self.scratch = Path(tempfile.mkdtemp(prefix="eyrie-vllm-"))
+        self.scratch = scratch_folder(
+            self.tokens_per_call * len(self.layer_ids) * self.H * 2 * SCRATCH_CALLS
+        )
         kwargs = self._engine_kwargs(target, cfg)
         log.info(
             "vLLM %s, %s path (adapter %s), layer ids %s, tensor parallel %d, weights %s, "

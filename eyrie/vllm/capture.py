@@ -5,8 +5,9 @@ driven by `llm.collective_rpc(...)`: `eyrie_install_capture` replaces the langua
 with a loop over its layers driven by the registry's adapter (eyrie.arch.registry) that records
 hidden + residual ENTERING layer k for each id k (id N: after the last layer, before the final
 norm). Tensor-parallel rank 0 writes `<request_key>.safetensors` ({"hidden_states": [T, n_ids, H],
-"token_ids": [T]}) atomically per expected prompt. Needs eager mode, chunked prefill and prefix
-caching off (the backend sets them). See docs/vllm.md.
+"token_ids": [T]}) atomically per expected prompt, off the forward's critical path (a copy stream
+into pinned memory, a writer thread), into the backend's scratch folder (in memory: /dev/shm).
+Needs eager mode, chunked prefill and prefix caching off (the backend sets them). docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import threading
 import traceback
 import types
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
 
 import torch
@@ -40,7 +43,12 @@ class _Recorder:
     """Splits each forward's token stream into prompts and writes the expected ones.
 
     vLLM batches many prompts into one flat stream per forward; with chunked prefill and prefix
-    caching off each prompt is one run of positions 0..T-1, matched by its `request_key`."""
+    caching off each prompt is one run of positions 0..T-1, matched by its `request_key`. The
+    forward does not wait for the states to reach the host: on a GPU they are copied on a
+    stream of their own into a pinned slot (SLOTS of them, reused in turn) and a writer thread
+    writes each prompt's file once the copy is done, while the next forwards run."""
+
+    SLOTS = 3
 
     def __init__(self, layer_ids: list[int], out_dir: str):
         self.layer_ids = layer_ids
@@ -49,6 +57,12 @@ class _Recorder:
         # set by the wrapper's embed when ids go down as embeddings
         self.last_ids: torch.Tensor | None = None
         self.written = 0
+        self._count = threading.Lock()
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="eyrie-capture")
+        self._slots: list[torch.Tensor | None] = [None] * self.SLOTS
+        self._pending: list[Future | None] = [None] * self.SLOTS
+        self._turn = 0
+        self._stream = None
 
     def record(
         self, input_ids: torch.Tensor | None, positions: torch.Tensor, states: torch.Tensor
@@ -64,30 +78,80 @@ class _Recorder:
         pos = positions.reshape(-1).to("cpu").numpy()
         ids = input_ids.to("cpu").numpy()
         starts = [int(i) for i in (pos == 0).nonzero()[0]] + [len(pos)]
+        segments = []  # (key, a, b) of the expected prompts, in stream order
         for a, b in zip(starts[:-1], starts[1:]):
             seg = pos[a:b]
             if (seg != range(b - a)).any():
                 continue  # not a whole prompt (never the case with chunked prefill off)
             key = request_key(ids[a:b])
             if key in self.expected:
-                self._write(key, states[a:b], ids[a:b])
+                self.expected.discard(key)
+                segments.append((key, a, b))
+        if segments:
+            self._submit(states, segments, ids)
+
+    def _submit(self, states: torch.Tensor, segments: list, ids) -> None:
+        end = segments[-1][2]
+        rows = states[:end]  # [rows, n_ids, H]: every expected prompt lies in it
+        if rows.device.type != "cuda":
+            host, done = rows.to("cpu"), None
+        else:
+            host, done = self._copy_to_host(rows)
+        job = self._pool.submit(self._write_all, host, done, segments, ids)
+        self._pending[self._turn] = job
+        self._turn = (self._turn + 1) % self.SLOTS
+
+    def _copy_to_host(self, rows: torch.Tensor):
+        """rows into this turn's pinned slot on the copy stream (no wait on the host)."""
+        pending = self._pending[self._turn]
+        if pending is not None:
+            pending.result()  # the slot's last writer is done with it
+        slot = self._slots[self._turn]
+        if slot is None or slot.numel() < rows.numel() or slot.dtype != rows.dtype:
+            slot = torch.empty(rows.numel(), dtype=rows.dtype, pin_memory=True)
+            self._slots[self._turn] = slot
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        ready = torch.cuda.Event()
+        ready.record()
+        host = slot[: rows.numel()].view(rows.shape)
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            host.copy_(rows, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        rows.record_stream(self._stream)  # its memory is not reused before the copy ends
+        return host, done
+
+    def _write_all(self, host: torch.Tensor, done, segments: list, ids) -> None:
+        if done is not None:
+            done.synchronize()
+        for key, a, b in segments:
+            self._write(key, host[a:b], ids[a:b])
 
     def _write(self, key: str, states: torch.Tensor, ids) -> None:
-        """states: [T, n_ids, H]; ids: [T] -> `<key>.safetensors`, atomically."""
+        """states: [T, n_ids, H] on the host; ids: [T] -> `<key>.safetensors`, atomically."""
         from safetensors.torch import save_file
 
         path = os.path.join(self.out_dir, f"{key}.safetensors")
         tmp = path + f".tmp{os.getpid()}"
         save_file(
             {
-                "hidden_states": states.to("cpu").contiguous(),
+                "hidden_states": states.contiguous(),
                 "token_ids": torch.from_numpy(ids.astype("int64")),
             },
             tmp,
         )
         os.replace(tmp, path)
-        self.expected.discard(key)
-        self.written += 1
+        with self._count:
+            self.written += 1
+
+    def flush(self) -> None:
+        """Wait until every recorded prompt's file is written (raising a writer's error)."""
+        for i, job in enumerate(self._pending):
+            if job is not None:
+                job.result()
+                self._pending[i] = None
 
 
 def make_forward(adapter, inner, module, recorder: _Recorder, write: bool):
@@ -189,4 +253,6 @@ class CaptureExtension:
         return len(keys)
 
     def eyrie_missing(self) -> list[str]:
+        """The expected requests not recorded yet, once every recorded one is written."""
+        self._eyrie_recorder.flush()
         return sorted(self._eyrie_recorder.expected)

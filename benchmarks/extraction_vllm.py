@@ -1,0 +1,357 @@
+"""vLLM extraction throughput on one GPU, side by side in one run, on a random-weight target
+built from a config (`load_format="dummy"`: no download, any width), the same engine settings and
+the same prompts for every row:
+
+  (a) bare prefill: `LLM.generate(max_tokens=1)` in the same chunks, no capture, no copies;
+  (b) eyrie's native path and (c) eyrie's capture path: `Extractor.extract`, end to end into an
+      HDF5 shard on local disk (the engine's load not timed), and what `VllmBackend.states()`
+      alone delivers (no HDF5);
+  (d) the disk's raw write rate for the shard's bytes (pwrite threads into one file, the
+      writers' call);
+
+each once per storage dtype, the best of `--passes`. A row's ratio is its tokens/s over
+min(a, d-as-tokens/s): the goal is >= 0.85. Each engine runs in its own process (its GPU memory
+goes with it).
+
+    python benchmarks/extraction_vllm.py --shapes llama8b kimi4 [--prompts 160] [--passes 2]
+        [--paths native capture] [--storage bfloat16 float8_e4m3]
+
+Runs in the vLLM environment (the GPU machine's image plus the vLLM pack). Prints a table and
+writes benchmarks/results/extraction-vllm-<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+LLAMA8B = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    num_hidden_layers=32,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    torch_dtype="bfloat16",
+)
+# Kimi-K2.5's language model at full width (MLA, 7168 hidden, routed + shared experts) with 4
+# layers (1 dense + 3 MoE) and 64 bfloat16 experts, inside the kimi_k25 wrapper.
+KIMI_TEXT = dict(
+    model_type="kimi_k2",
+    architectures=["DeepseekV3ForCausalLM"],
+    num_hidden_layers=4,
+    first_k_dense_replace=1,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    n_routed_experts=64,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    norm_topk_prob=True,
+    routed_scaling_factor=2.827,
+    vocab_size=163840,
+    max_position_embeddings=8192,
+    rope_theta=50000.0,
+    rms_norm_eps=1e-5,
+    torch_dtype="bfloat16",
+)
+SHAPES = {
+    "llama8b": (LLAMA8B, [2, 16, 29]),
+    "kimi4": (
+        {
+            "model_type": "kimi_k25",
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "text_config": KIMI_TEXT,
+            "torch_dtype": "bfloat16",
+        },
+        [1, 2, 3],
+    ),
+}
+MAX_TOKENS_PER_CALL = 32768  # extract.max_tokens_per_batch of every row
+
+
+def write_target(root: Path, shape: str, n_prompts: int, seed: int = 0) -> dict:
+    """config.json, a tokenizer_config.json (hashed only: vLLM gets token ids), a passed preflight
+    report and one tokenized shard of random prompts of 1,024-2,048 tokens."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eyrie.arch.target import fingerprint
+    from eyrie.formats.tokenized import SHARD_SCHEMA
+
+    config, aux = SHAPES[shape]
+    target = root / shape
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(config, indent=1))
+    (target / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    text = config.get("text_config", config)
+    rng = np.random.default_rng(seed)
+    ids = [
+        rng.integers(0, text["vocab_size"], int(rng.integers(1024, 2049))).astype(np.int32)
+        for _ in range(n_prompts)
+    ]
+    table = pa.table(
+        {
+            "sample_id": [f"bench:{i}" for i in range(n_prompts)],
+            "input_ids": [x.tolist() for x in ids],
+            "loss_mask": [np.ones(len(x), np.uint8).tolist() for x in ids],
+        },
+        schema=SHARD_SCHEMA,
+    )
+    pq.write_table(table, root / f"{shape}.parquet")
+    (root / f"{shape}-preflight.json").write_text(
+        json.dumps({"ok": True, "target": {"fingerprint": fingerprint(config)}})
+    )
+    return {"tokens": int(sum(len(x) for x in ids)), "aux": aux}
+
+
+def settings(path: str, aux: list[int], storage: str) -> dict:
+    return {
+        "extract": {
+            "backend": "vllm",
+            "device": "auto",
+            "dtype": "bfloat16",
+            "storage_dtype": storage,
+            "max_tokens_per_batch": MAX_TOKENS_PER_CALL,
+        },
+        "layers": {"aux_ids": aux},
+        "trust_remote_code": False,
+        "vllm": {"extraction_path": path, "gpu_memory_utilization": 0.85},
+    }
+
+
+def dummy_weights() -> None:
+    """Every engine this process starts builds random weights (no checkpoint is read)."""
+    from eyrie.vllm import backend
+
+    kwargs = backend.VllmBackend._engine_kwargs
+    backend.VllmBackend._engine_kwargs = lambda self, t, c: {
+        **kwargs(self, t, c),
+        "load_format": "dummy",
+    }
+
+
+def child_bare(root: Path, shape: str, passes: int) -> dict:
+    """(a) in this process: the same engine settings as the native path's, nothing captured."""
+    from vllm import LLM, SamplingParams
+
+    from eyrie.formats.tokenized import read_tokenized
+    from eyrie.vllm.adapters import engine_environment, text_only
+
+    engine_environment()
+    target = root / shape
+    config = json.loads((target / "config.json").read_text())
+    text = config.get("text_config", config)
+    _, ids, _ = read_tokenized(root / f"{shape}.parquet", text["vocab_size"])
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=str(target),
+        load_format="dummy",
+        enforce_eager=True,
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.85,
+        seed=0,
+        **text_only(target),
+    )
+    ready = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    chunks, chunk, n = [], [], 0
+    for x in ids:
+        if chunk and n + len(x) > MAX_TOKENS_PER_CALL:
+            chunks.append(chunk)
+            chunk, n = [], 0
+        chunk.append({"prompt_token_ids": x.astype(np.int64).tolist()})
+        n += len(x)
+    chunks.append(chunk)
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for c in chunks:
+            llm.generate(c, params, use_tqdm=False)
+        best = min(best, time.perf_counter() - t0)
+    return {"seconds": best, "ready_s": ready}
+
+
+def child_eyrie(root: Path, shape: str, path: str, storages: list[str], passes: int) -> dict:
+    """(b)/(c) in this process: one engine, every storage dtype; delivered and end to end."""
+    import torch
+
+    from eyrie.extract.extractor import Extractor, parse_settings
+    from eyrie.formats.codecs import transfer_dtype
+    from eyrie.formats.tokenized import read_tokenized
+
+    dummy_weights()
+    _, aux = SHAPES[shape]
+    t0 = time.perf_counter()
+    ex = Extractor(root / shape, root / f"{shape}-preflight.json", settings(path, aux, storages[0]))
+    ready = time.perf_counter() - t0
+    tokenized = read_tokenized(root / f"{shape}.parquet", ex.info.vocab_size)
+    out = {"ready_s": ready, "path": ex.backend.path, "storage": {}}
+    for storage in storages:
+        ex.cfg = parse_settings(settings(path, aux, storage))
+        dtype = transfer_dtype(storage, ex.cfg.dtype)
+        delivered = end_to_end = float("inf")
+        shard = root / f"{shape}-{path}.h5"
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for item in ex.backend.states(tokenized[1], dtype):
+                    item.release()
+            delivered = min(delivered, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ex.extract(root / f"{shape}.parquet", shard, tokenized=tokenized)
+            end_to_end = min(end_to_end, time.perf_counter() - t0)
+        out["storage"][storage] = {
+            "delivered_s": delivered,
+            "end_to_end_s": end_to_end,
+            "shard_bytes": shard.stat().st_size,
+        }
+        shard.unlink()
+    ex.close()
+    return out
+
+
+def raw_writes(path: Path, nbytes: int, threads: int = 4) -> float:
+    """(d): `nbytes` into one preallocated file by `threads` pwrite threads, 64 MiB pieces."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    piece = 64 << 20
+    buf = np.random.default_rng(0).integers(0, 255, piece, dtype=np.uint8)
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, nbytes)
+
+        def write(at: int) -> None:
+            view = memoryview(buf)[: min(piece, nbytes - at)]
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], at + done)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(write, range(0, nbytes, piece)))
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def spawn(*args: str, timeout: int) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        return {"error": f"exit {proc.returncode}", "tail": tail}
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", nargs="+", default=["llama8b", "kimi4"], choices=list(SHAPES))
+    p.add_argument("--paths", nargs="+", default=["native", "capture"])
+    p.add_argument("--storage", nargs="+", default=["bfloat16", "float8_e4m3"])
+    p.add_argument("--prompts", type=int, default=160)
+    p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--work", type=Path, default=None, help="scratch on local disk")
+    p.add_argument("--timeout", type=int, default=420, help="per engine process (s)")
+    p.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        kind, root, shape, *rest = args.child
+        if kind == "bare":
+            got = child_bare(Path(root), shape, args.passes)
+        else:
+            got = child_eyrie(Path(root), shape, kind, args.storage, args.passes)
+        print("RESULT " + json.dumps(got), flush=True)
+        return
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    root = Path(tempfile.mkdtemp(prefix="eyrie-xv-", dir=args.work))
+    results = {"date": str(date.today()), "gpu": gpu, "prompts": args.prompts, "shapes": {}}
+    for shape in args.shapes:
+        made = write_target(root, shape, args.prompts)
+        row = {"tokens": made["tokens"], "aux_ids": made["aux"]}
+        common = ["--passes", str(args.passes), "--storage", *args.storage]
+        row["bare"] = spawn("bare", str(root), shape, *common, timeout=args.timeout)
+        for path in args.paths:
+            row[path] = spawn(path, str(root), shape, *common, timeout=args.timeout)
+        sizes = [
+            s["shard_bytes"]
+            for path in args.paths
+            if "storage" in row[path]
+            for s in row[path]["storage"].values()
+        ]
+        row["disk"] = {str(n): raw_writes(root / "raw.bin", n) for n in sorted(set(sizes))}
+        results["shapes"][shape] = row
+        print(json.dumps({shape: row}, indent=1), flush=True)
+        save(results, gpu)  # after each shape: a run cut short keeps what it measured
+    table(results)
+
+
+def save(results: dict, gpu: str) -> None:
+    out = REPO / "benchmarks" / "results" / f"extraction-vllm-{gpu.replace(' ', '_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], out.name).write_text(json.dumps(results, indent=1))
+
+
+def table(results: dict) -> None:
+    print("| shape | storage | bare prefill | disk limit | row | delivered | end to end | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for shape, row in results["shapes"].items():
+        T = row["tokens"]
+        bare = T / row["bare"]["seconds"] if "seconds" in row["bare"] else float("nan")
+        for path in ("native", "capture"):
+            got = row.get(path) or {}
+            if "storage" not in got:
+                print(f"| {shape} | | {bare:,.0f} | | {path} | {got.get('error', 'not run')} | | |")
+                continue
+            for storage, s in got["storage"].items():
+                disk = T / row["disk"][str(s["shard_bytes"])]
+                e2e = T / s["end_to_end_s"]
+                print(
+                    f"| {shape} | {storage} | {bare:,.0f} | {disk:,.0f} | {path} | "
+                    f"{T / s['delivered_s']:,.0f} | {e2e:,.0f} | {e2e / min(bare, disk):.2f} |"
+                )
+
+
+if __name__ == "__main__":
+    main()
