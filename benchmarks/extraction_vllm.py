@@ -144,18 +144,8 @@ def settings(path: str, aux: list[int], storage: str) -> dict:
         },
         "layers": {"aux_ids": aux},
         "trust_remote_code": False,
-        "vllm": {"extraction_path": path, "gpu_memory_utilization": 0.85},
-    }
-
-
-def dummy_weights() -> None:
-    """Every engine this process starts builds random weights (no checkpoint is read)."""
-    from eyrie.vllm import backend
-
-    kwargs = backend.VllmBackend._engine_kwargs
-    backend.VllmBackend._engine_kwargs = lambda self, t, c: {
-        **kwargs(self, t, c),
-        "load_format": "dummy",
+        # a rehearsal: the engine builds random weights (load_format dummy; docs/rehearsal.md)
+        "vllm": {"extraction_path": path, "gpu_memory_utilization": 0.85, "rehearsal": True},
     }
 
 
@@ -211,7 +201,6 @@ def child_eyrie(root: Path, shape: str, path: str, storages: list[str], passes: 
     from eyrie.formats.codecs import transfer_dtype
     from eyrie.formats.tokenized import read_tokenized
 
-    dummy_weights()
     _, aux = SHAPES[shape]
     t0 = time.perf_counter()
     ex = Extractor(root / shape, root / f"{shape}-preflight.json", settings(path, aux, storages[0]))
