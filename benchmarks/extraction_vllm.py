@@ -208,7 +208,7 @@ def child_eyrie(root: Path, shape: str, path: str, storages: list[str], passes: 
     tokenized = read_tokenized(root / f"{shape}.parquet", ex.info.vocab_size)
     out = {"ready_s": ready, "path": ex.backend.path, "storage": {}}
     for storage in storages:
-        ex.cfg = parse_settings(settings(path, aux, storage))
+        ex.cfg = ex.backend.cfg = parse_settings(settings(path, aux, storage))
         dtype = transfer_dtype(storage, ex.cfg.dtype)
         delivered = end_to_end = float("inf")
         shard = root / f"{shape}-{path}.h5"

@@ -25,7 +25,7 @@ import torch
 
 from eyrie.arch.registry import adapter_for
 from eyrie.errors import ExtractError
-from eyrie.extract.extractor import HostBatch, StoredBatch
+from eyrie.extract.extractor import HostBatch, PinnedStaging, StoredBatch
 from eyrie.rehearsal import engine_kwargs
 from eyrie.vllm.adapters import engine_environment, request_key, text_only
 from eyrie.vllm.checks import ExtractLayers, choose_path, config_problems, version_problems
@@ -62,7 +62,11 @@ class VllmBackend:
         engine_environment()
         from vllm import LLM
 
+        self.cfg = cfg
         self.v = dict(cfg.vllm or {})
+        # on a GPU the stored representation is made there (stored_tensors) and staged into
+        # pinned buffers, as the hf backend does: the host only writes (docs/shard-format.md)
+        self.staging = PinnedStaging() if cfg.device == "cuda" else None
         self.layer_ids = list(aux_ids) + [final_id]
         self.n_aux = len(aux_ids)
         self.H = info.hidden_size
@@ -154,15 +158,40 @@ class VllmBackend:
             if self.path == "capture":
                 self.llm.collective_rpc("eyrie_expect", args=(sorted(set(keys)),))
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
-            aux_list, final_list = [], []
-            for i, key, out in zip(chunk, keys, outputs):
-                hs = self._states_of(out, key, input_ids[i]).to(storage)  # [T, n_ids, H]
-                aux_list.append(hs[:, : self.n_aux].reshape(len(hs), self.n_aux * self.H))
-                final_list.append(hs[:, self.n_aux])
+            # [T, n_ids, H] per request, read from its file
+            got = [
+                self._states_of(out, key, input_ids[i]) for i, key, out in zip(chunk, keys, outputs)
+            ]
             for key in set(keys):
                 for p in self.scratch.glob(f"{key}*"):
                     p.unlink(missing_ok=True)
+            if self.staging is not None:
+                yield self._staged(chunk, got)
+                continue
+            aux_list, final_list = [], []
+            for hs in got:
+                hs = hs.to(storage)
+                aux_list.append(hs[:, : self.n_aux].reshape(len(hs), self.n_aux * self.H))
+                final_list.append(hs[:, self.n_aux])
             yield HostBatch(chunk, aux_list, final_list)
+
+    def _staged(self, chunk: list[int], got: list[torch.Tensor]) -> StoredBatch:
+        """The chunk's states copied to this process's GPU, put in their stored representation
+        there (conversion and finite checks) and staged for the writers without blocking."""
+        from eyrie.formats.codecs import stored_tensors
+
+        lens = [len(hs) for hs in got]
+        rows = torch.empty(
+            (sum(lens), len(self.layer_ids), self.H), dtype=got[0].dtype, device="cuda"
+        )
+        at = 0
+        for hs in got:  # one copy each: no concatenation on the host
+            rows[at : at + len(hs)].copy_(hs)
+            at += len(hs)
+        aux = rows[:, : self.n_aux].reshape(len(rows), self.n_aux * self.H)
+        stored, bad = stored_tensors(aux, rows[:, self.n_aux], self.cfg.storage_dtype)
+        del rows, aux
+        return self.staging.stage(chunk, lens, stored, bad)
 
     def _states_of(self, out, key: str, ids: np.ndarray) -> torch.Tensor:
         """One request's hidden states [T, n_ids, H], checked against its prompt `ids` [T]."""
