@@ -211,3 +211,33 @@ def test_train_step_benchmark_tiny(tmp_path):
         [*cmd, "attn=flex,T=256"], capture_output=True, text=True, timeout=60, env=env
     )
     assert refused.returncode != 0 and "attn=sdpa only" in refused.stderr
+
+
+@pytest.mark.parametrize("shape", ["llama8b", "kimi4"])
+def test_vllm_extraction_benchmark_inputs_are_what_the_extractor_reads(tmp_path, shape):
+    """benchmarks/extraction_vllm.py runs only on a GPU; what it hands eyrie's Extractor (the
+    target folder, the preflight report, the shard, the settings of a rehearsal) is checked here
+    by the readers the Extractor uses."""
+    import importlib.util
+
+    from eyrie.arch.target import inspect_target
+    from eyrie.extract.extractor import parse_settings
+    from eyrie.formats.report import read_report
+    from eyrie.formats.tokenized import read_tokenized
+    from eyrie.rehearsal import is_rehearsal
+
+    spec = importlib.util.spec_from_file_location(
+        "extraction_vllm", REPO / "benchmarks" / "extraction_vllm.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    made = bench.write_target(tmp_path, shape, 8)
+    info = inspect_target(tmp_path / shape)
+    read_report(tmp_path / f"{shape}-preflight.json", info.fingerprint)
+    _, ids, masks = read_tokenized(tmp_path / f"{shape}.parquet", info.vocab_size)
+    assert len(ids) == 8 and all(1024 <= len(x) <= 2048 for x in ids)
+    assert made["tokens"] == sum(len(x) for x in ids)
+    for path in ("native", "capture"):
+        settings = bench.settings(path, made["aux"], "float8_e4m3")
+        assert is_rehearsal(settings)
+        assert parse_settings(settings).storage_dtype == "float8_e4m3"
