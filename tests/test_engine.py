@@ -416,7 +416,10 @@ def test_sigterm_during_load_exits_promptly_and_the_client_hears_it(tmp_path):
 
     waiter = threading.Thread(target=ask)
     waiter.start()
-    time.sleep(0.3)  # connected, queued behind the load
+    deadline = time.monotonic() + 30  # the first request starts the load
+    while "engine: loading target" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # into the load
     t0 = time.monotonic()
     engine.send_signal(signal.SIGTERM)
     rc = engine.wait(timeout=30)

@@ -305,6 +305,7 @@ class _Lazy:
         return self.handle(request)
 
     def _load(self) -> Callable[[dict], dict]:
+        log.info("engine: loading target %s for the first request", self.load.target)
         t0 = time.monotonic()
         try:
             self.extractor = self.load.extractor()
