@@ -228,6 +228,9 @@ def in_mount_namespace(options: str, script: str) -> subprocess.CompletedProcess
     real kernel error, and nothing of it outside the namespace."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("needs root and unshare to mount a tmpfs in a private namespace")
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:  # a container without CAP_SYS_ADMIN
+        pytest.skip(f"cannot make a private mount namespace here: {probe.stderr.strip()}")
     folder = Path("/tmp") / f"eyrie-mnt-{os.getpid()}"
     folder.mkdir(exist_ok=True)
     try:
@@ -275,6 +278,14 @@ def test_full_disk_is_one_line_and_keeps_the_previous_output():
 def test_permission_denied_is_one_line(tmp_path):
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         pytest.skip("needs root and setpriv (root without CAP_DAC_OVERRIDE obeys the mode)")
+    probe = subprocess.run(
+        ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "true"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if probe.returncode != 0:  # a container that may not change its capability bounding set
+        pytest.skip(f"setpriv cannot drop CAP_DAC_OVERRIDE here: {probe.stderr.strip()}")
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
     proc = subprocess.run(
