@@ -6,6 +6,9 @@ batched token stream into prompts, on CPU."""
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 import types
 
 import numpy as np
@@ -187,3 +190,59 @@ def test_every_registered_target_family_has_an_adapter():
         isinstance(a.vllm, VllmAdapter) and a.vllm.call in ("keyword", "positional")
         for a in REGISTRY.values()
     )
+
+
+class _FakeEngine:
+    """A stand-in for vllm.LLM on the capture path: generate() writes each prompt's request file
+    (states that are a function of the token ids) as the capture worker does, slowly enough
+    that the next call overlaps the reading of the last one; it records its calls' threads."""
+
+    def __init__(self, scratch, n_ids: int, H: int):
+        self.scratch, self.n_ids, self.H = scratch, n_ids, H
+        self.threads: set[str] = set()
+
+    def collective_rpc(self, name, args=()):
+        self.threads.add(threading.current_thread().name)
+        return [[]]
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from safetensors.torch import save_file
+
+        self.threads.add(threading.current_thread().name)
+        time.sleep(0.05)
+        outs = []
+        for n, p in enumerate(prompts):
+            ids = torch.tensor(p["prompt_token_ids"], dtype=torch.int64)
+            states = ids[:, None, None].float() + torch.arange(self.n_ids)[None, :, None] / 10
+            states = states.expand(len(ids), self.n_ids, self.H).to(torch.bfloat16).contiguous()
+            save_file(
+                {"hidden_states": states, "token_ids": ids},
+                str(self.scratch / f"{request_key(ids.numpy())}.safetensors"),
+            )
+            outs.append(types.SimpleNamespace(request_id=str(n)))
+        return outs
+
+
+def test_vllm_backend_reads_each_call_while_the_next_runs(tmp_path, monkeypatch):
+    """VllmBackend.states on the capture path with a stand-in engine: every sample's states in
+    order, the engine driven from one thread only, and a prompt that recurs in the next call
+    (its request file shared by both calls) read in both."""
+    from eyrie.vllm import backend as vb
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
+    b = object.__new__(vb.VllmBackend)
+    b.path, b.layer_ids, b.n_aux, b.H = "capture", [1, 2, 3, 4], 3, 8
+    b.tokens_per_call, b.scratch, b.staging = 8, tmp_path, None
+    b.llm = _FakeEngine(tmp_path, 4, 8)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8], [12, 13, 14, 15, 16], [17, 18]]
+    ids = [np.array(p, dtype=np.int32) for p in prompts]
+    batches = list(b.states(ids, torch.bfloat16))
+    # calls of at most 8 tokens; prompt 2 is prompt 0 again, in the next call
+    assert [x.batch for x in batches] == [[0, 1], [2], [3, 4]]
+    for x in batches:
+        for i, aux, final in zip(x.batch, x.aux, x.final):
+            want = torch.tensor(prompts[i]).float()[:, None]
+            assert aux.shape == (len(prompts[i]), 3 * 8) and final.shape == (len(prompts[i]), 8)
+            torch.testing.assert_close(final.float(), (want + 0.3).expand(-1, 8), rtol=1e-2, atol=0)
+    assert len(b.llm.threads) == 1 and next(iter(b.llm.threads)).startswith("eyrie-generate")
+    assert list(tmp_path.iterdir()) == []  # every request file removed once read

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -149,31 +150,51 @@ class VllmBackend:
     # ------------------------------------------------------------------ states
 
     def states(self, input_ids: list[np.ndarray], storage: torch.dtype) -> Iterator[StoredBatch]:
+        """The states of every sample, one generate() call's samples per batch. One call runs
+        ahead in a thread of its own: the engine computes the next call while this one's
+        request files are read and staged (the engine is only ever driven from that thread)."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        for chunk in self._chunks([len(x) for x in input_ids]):
-            prompts = [{"prompt_token_ids": input_ids[i].astype(np.int64).tolist()} for i in chunk]
-            keys = [request_key(input_ids[i]) for i in chunk]
-            if self.path == "capture":
-                self.llm.collective_rpc("eyrie_expect", args=(sorted(set(keys)),))
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
-            # [T, n_ids, H] per request, read from its file
-            got = [
-                self._states_of(out, key, input_ids[i]) for i, key, out in zip(chunk, keys, outputs)
-            ]
-            for key in set(keys):
-                for p in self.scratch.glob(f"{key}*"):
-                    p.unlink(missing_ok=True)
-            if self.staging is not None:
-                yield self._staged(chunk, got)
-                continue
-            aux_list, final_list = [], []
-            for hs in got:
-                hs = hs.to(storage)
-                aux_list.append(hs[:, : self.n_aux].reshape(len(hs), self.n_aux * self.H))
-                final_list.append(hs[:, self.n_aux])
-            yield HostBatch(chunk, aux_list, final_list)
+        chunks = list(self._chunks([len(x) for x in input_ids]))
+        with ThreadPoolExecutor(1, thread_name_prefix="eyrie-generate") as ahead:
+            self._ahead = (
+                ahead.submit(self._generate, input_ids, chunks[0], params) if chunks else None
+            )
+            for n, chunk in enumerate(chunks):
+                keys, outputs = self._ahead.result()
+                nxt = chunks[n + 1] if n + 1 < len(chunks) else None
+                self._ahead = ahead.submit(self._generate, input_ids, nxt, params) if nxt else None
+                # a prompt also in the next call: its file may be that call's already
+                keep = {request_key(input_ids[i]) for i in nxt or ()}
+                yield self._batch(input_ids, chunk, keys, outputs, storage, keep)
+
+    def _generate(self, input_ids: list[np.ndarray], chunk: list[int], params) -> tuple:
+        """One generate() call (max_tokens 1) for `chunk`; (request keys, outputs)."""
+        prompts = [{"prompt_token_ids": input_ids[i].astype(np.int64).tolist()} for i in chunk]
+        keys = [request_key(input_ids[i]) for i in chunk]
+        if self.path == "capture":  # the previous call's prompts are all recorded by now
+            self.llm.collective_rpc("eyrie_expect", args=(sorted(set(keys)),))
+        return keys, self.llm.generate(prompts, params, use_tqdm=False)
+
+    def _batch(
+        self, input_ids, chunk, keys, outputs, storage: torch.dtype, keep: set[str]
+    ) -> StoredBatch:
+        """One call's states read from their request files (removed after, but those of `keep`),
+        as a batch for the writers."""
+        # [T, n_ids, H] per request, read from its file
+        got = [self._states_of(out, key, input_ids[i]) for i, key, out in zip(chunk, keys, outputs)]
+        for key in set(keys) - keep:
+            for p in self.scratch.glob(f"{key}*"):
+                p.unlink(missing_ok=True)
+        if self.staging is not None:
+            return self._staged(chunk, got)
+        aux_list, final_list = [], []
+        for hs in got:
+            hs = hs.to(storage)
+            aux_list.append(hs[:, : self.n_aux].reshape(len(hs), self.n_aux * self.H))
+            final_list.append(hs[:, self.n_aux])
+        return HostBatch(chunk, aux_list, final_list)
 
     def _staged(self, chunk: list[int], got: list[torch.Tensor]) -> StoredBatch:
         """The chunk's states copied to this process's GPU, put in their stored representation
@@ -233,6 +254,8 @@ class VllmBackend:
         deadline = time.monotonic() + FILE_WAIT_S
         while not path.exists():
             if time.monotonic() > deadline:
+                if getattr(self, "_ahead", None) is not None:
+                    self._ahead.result()  # one thread drives the engine at a time
                 missing = self.llm.collective_rpc("eyrie_missing")[0]
                 raise ExtractError(
                     f"capture: no states written for request {out.request_id} "
