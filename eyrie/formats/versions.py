@@ -17,17 +17,10 @@ from pathlib import Path
 from typing import Iterator
 
 from eyrie.io import atomic_path, sync_path
+from eyrie.store.store import file_sha256
 
 KEEP = 3
 HASHED = ("config.json", "model.safetensors")  # a version's id and the manifest's digests
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class DraftVersions:
@@ -47,7 +40,7 @@ class DraftVersions:
             yield tmp
 
     def digests(self, version: Path) -> dict[str, str]:
-        return {name: _sha256(version / name) for name in HASHED}
+        return {name: file_sha256(version / name) for name in HASHED}
 
     def publish(self) -> Path:
         """Name the staged version by its content, point the link at it, prune old versions."""

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyrie.io import sync_path
+
 log = logging.getLogger(__name__)
 
 ENV = "EYRIE_STORE"
@@ -54,14 +56,6 @@ def _link_or_copy(src: Path, dest: Path) -> None:
         if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
             raise
         shutil.copy2(src, dest)
-
-
-def _fsync(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -127,9 +121,9 @@ class Store:
             record["files"] = {n: os.stat(tmp / n).st_size for n in outputs}
             (tmp / ENTRY).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
             for name in (*outputs, ENTRY):
-                _fsync(tmp / name)
+                sync_path(tmp / name)
             os.rename(tmp, entry)
-            _fsync(entry.parent, directory=True)
+            sync_path(entry.parent)
         except OSError as exc:
             if not (entry / ENTRY).is_file():  # else another writer stored the same key first
                 log.warning(
