@@ -3,7 +3,8 @@
 # each part's time); where one command may run only so long, run the parts one by one.
 #
 #   bash benchmarks/gpu-wheels.sh                 # where pip reaches an index: fills .whl/
-#   bash benchmarks/gpu.sh [extraction] [read_path] [training]  # on the GPU machine; default: all
+#   bash benchmarks/gpu.sh [extraction] [extraction_vllm] [read_path] [training]
+#                                                 # on the GPU machine; default: all
 #
 # Installs .whl/*.whl (speculators 0.9.0 and what the image lacks) into a private folder when
 # present, then runs each benchmark; each prints its table and writes
@@ -21,7 +22,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   # after the image's own packages: only what it lacks comes from here
   export PYTHONPATH=$PYTHONPATH:$site
 fi
-parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(extraction read_path training)
+parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(extraction extraction_vllm read_path training)
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 [ "$gpus" -le 2 ] || gpus=2   # the scaling cell compares 2 GPUs with 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -30,9 +31,12 @@ for part in "${parts[@]}"; do
   t0=$SECONDS; echo "== $part $(date +%T)"
   case $part in
     extraction) "$PY" benchmarks/extraction_gpu.py --models llama8b deepseek ;;
+    # needs vLLM importable by $PY (the vLLM pack on PYTHONPATH: docs/rehearsal.md)
+    extraction_vllm) "$PY" benchmarks/extraction_vllm.py --shapes llama8b kimi4 kimi4int4 ;;
     read_path)  "$PY" benchmarks/read_path.py --gb 5 --repeats 3 ;;
     training)   "$PY" benchmarks/training_gpu.py --gpus "$gpus" ;;
-    *) echo "gpu.sh: unknown part '$part' (use extraction, read_path or training)" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown part '$part' (use extraction, extraction_vllm, read_path or training)" >&2
+       exit 2 ;;
   esac 2>&1 | tee "$logs/$part.log"
   echo "== $part took $((SECONDS - t0)) s"
 done

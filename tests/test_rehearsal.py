@@ -557,7 +557,7 @@ def vllm_cuda() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llama", "kimi_k25"])
+@pytest.mark.parametrize("kind", ["llama", "kimi_k25", "kimi_k25_int4"])
 def test_rehearsal_extraction_on_real_widths(tmp_path, kind):
     """tests/vllm_gpu_check.py rehearsal: vLLM builds the target from its config.json alone, the
     extractor writes a complete, finite shard of non-zero states marked as a rehearsal's, and a

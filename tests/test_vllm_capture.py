@@ -14,12 +14,15 @@ import types
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.numpy import load_file
 
 from eyrie.arch.registry import REGISTRY, VllmAdapter
 from eyrie.errors import VllmAdapterError
+from eyrie.formats.codecs import stored_tensors
+from eyrie.formats.hidden import ShardMeta, ShardReader, ShardWriter
 from eyrie.vllm.adapters import call_layer, request_key
 from eyrie.vllm.capture import _Recorder, make_forward
+from eyrie.vllm.requestfile import map_request, request_path, write_request
 
 H = 8
 
@@ -89,8 +92,8 @@ def reference_states(
 LLAMA = REGISTRY["llama"].vllm
 
 
-def install(stack, ids, tmp_path):
-    rec = _Recorder(ids, str(tmp_path))
+def install(stack, ids, tmp_path, storage_dtype="float32"):
+    rec = _Recorder(ids, str(tmp_path), storage_dtype)
     original = Stack.forward
     stack.forward = types.MethodType(make_forward(LLAMA, stack, None, rec, write=True), stack)
     return rec, original
@@ -111,14 +114,20 @@ def test_forward_output_unchanged_and_states_match_reference(tmp_path):
     rec.flush()
     assert torch.equal(out, expected_out)  # the replaced forward computes what vLLM's does
     assert rec.expected == set() and rec.written == 3
-    start = 0
     for p in prompts:
-        saved = load_file(str(tmp_path / f"{request_key(p)}.safetensors"))
-        assert saved["token_ids"].tolist() == p
+        # a safetensors file any reader opens: the shard's datasets, flags and the prompt
+        saved = load_file(str(request_path(tmp_path, 0, request_key(p))))
+        assert sorted(saved) == ["aux_hidden", "bad", "final_hidden", "token_ids"]
+        assert saved["token_ids"].tolist() == p and not saved["bad"].any()
         ref = reference_states(stack, torch.tensor(p), torch.arange(len(p)))
-        for j, k in enumerate(ids):  # [T, n_ids, H]; id 0 = embeddings, id 4 = N, before the norm
-            torch.testing.assert_close(saved["hidden_states"][:, j], ref[k], rtol=1e-6, atol=1e-6)
-        start += len(p)
+        # aux [T, 3*H] = ids 0, 1, 2 side by side (0 = embeddings); final [T, H] = id 4 = N,
+        # after the last layer, before the norm
+        aux = torch.from_numpy(saved["aux_hidden"]).view(len(p), 3, H)
+        for j, k in enumerate(ids[:-1]):
+            torch.testing.assert_close(aux[:, j], ref[k], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            torch.from_numpy(saved["final_hidden"]), ref[4], rtol=1e-6, atol=1e-6
+        )
 
 
 def test_only_expected_prompts_are_written_and_padding_is_ignored(tmp_path):
@@ -132,8 +141,42 @@ def test_only_expected_prompts_are_written_and_padding_is_ignored(tmp_path):
     with torch.no_grad():
         stack(flat, positions)
     rec.flush()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{request_key(prompts[1])}.safetensors"]
+    assert list(tmp_path.iterdir()) == [request_path(tmp_path, 0, request_key(prompts[1]))]
     assert rec.expected == set()
+
+
+def test_request_files_hold_the_stored_representation_the_shard_gets(tmp_path):
+    """float8 storage: the worker's codes and scales are stored_tensors' of the same states, and
+    a shard written from the mapped files reads back as a shard written from the states."""
+    stack = Stack(3)
+    prompts = [[3, 9, 4, 1, 7], [5, 2, 6]]
+    flat = torch.tensor(sum(prompts, []))
+    positions = torch.cat([torch.arange(len(p)) for p in prompts])
+    rec, _ = install(stack, [1, 2, 3], tmp_path / "scratch", "float8_e4m3")
+    (tmp_path / "scratch").mkdir()
+    rec.expected = {request_key(p) for p in prompts}
+    with torch.no_grad():
+        stack(flat, positions)
+    rec.flush()
+    meta = ShardMeta("fp", "tok", [1, 2], 3, H, "float8_e4m3")
+    masks = [[1] * len(p) for p in prompts]
+    refs = [reference_states(stack, torch.tensor(p), torch.arange(len(p))) for p in prompts]
+    with (
+        ShardWriter(tmp_path / "mapped.h5", meta, ["a", "b"], prompts, masks) as mapped,
+        ShardWriter(tmp_path / "direct.h5", meta, ["a", "b"], prompts, masks) as direct,
+    ):
+        for i, (p, ref) in enumerate(zip(prompts, refs)):
+            got = map_request(request_path(tmp_path / "scratch", 0, request_key(p)))
+            want, _ = stored_tensors(torch.cat([ref[1], ref[2]], dim=1), ref[3], "float8_e4m3")
+            assert sorted(want) == sorted(set(got) - {"bad", "token_ids"})
+            for name, x in want.items():
+                assert np.array_equal(got[name], x.numpy()), name
+            mapped.put_stored(i, {k: v for k, v in got.items() if k in want})
+            direct.put(i, torch.cat([ref[1], ref[2]], dim=1), ref[3])
+    with ShardReader(tmp_path / "mapped.h5") as a, ShardReader(tmp_path / "direct.h5") as b:
+        for i in range(2):
+            x, y = a.read(i), b.read(i)
+            assert all(torch.equal(x[k], y[k]) for k in y)
 
 
 def test_nothing_is_recorded_without_expected_requests(tmp_path):
@@ -194,55 +237,94 @@ def test_every_registered_target_family_has_an_adapter():
 
 class _FakeEngine:
     """A stand-in for vllm.LLM on the capture path: generate() writes each prompt's request file
-    (states that are a function of the token ids) as the capture worker does, slowly enough
-    that the next call overlaps the reading of the last one; it records its calls' threads."""
+    (bfloat16 states that are a function of the token ids, in their stored representation) as
+    the capture worker does, slowly enough that the next call overlaps the reading of the last
+    one; it records its calls' threads."""
 
-    def __init__(self, scratch, n_ids: int, H: int):
-        self.scratch, self.n_ids, self.H = scratch, n_ids, H
+    def __init__(self, scratch, n_aux: int, H: int):
+        self.scratch, self.n_aux, self.H = scratch, n_aux, H
         self.threads: set[str] = set()
+        self.call = None
 
     def collective_rpc(self, name, args=()):
         self.threads.add(threading.current_thread().name)
+        if name == "eyrie_expect":
+            self.call = args[1]
         return [[]]
 
     def generate(self, prompts, params, use_tqdm=False):
-        from safetensors.torch import save_file
-
         self.threads.add(threading.current_thread().name)
         time.sleep(0.05)
         outs = []
         for n, p in enumerate(prompts):
             ids = torch.tensor(p["prompt_token_ids"], dtype=torch.int64)
-            states = ids[:, None, None].float() + torch.arange(self.n_ids)[None, :, None] / 10
-            states = states.expand(len(ids), self.n_ids, self.H).to(torch.bfloat16).contiguous()
-            save_file(
-                {"hidden_states": states, "token_ids": ids},
-                str(self.scratch / f"{request_key(ids.numpy())}.safetensors"),
+            aux = (ids[:, None].float() + torch.arange(self.n_aux) / 10).repeat_interleave(
+                self.H, dim=1
             )
+            final = (ids[:, None].float() + self.n_aux / 10).expand(-1, self.H)
+            stored, bad = stored_tensors(aux, final, "bfloat16")
+            arrays = {k: v.numpy() for k, v in stored.items()}
+            arrays.update(bad=bad.numpy(), token_ids=ids.numpy())
+            write_request(request_path(self.scratch, self.call, request_key(ids.numpy())), arrays)
             outs.append(types.SimpleNamespace(request_id=str(n)))
         return outs
 
 
 def test_vllm_backend_reads_each_call_while_the_next_runs(tmp_path, monkeypatch):
-    """VllmBackend.states on the capture path with a stand-in engine: every sample's states in
-    order, the engine driven from one thread only, and a prompt that recurs in the next call
-    (its request file shared by both calls) read in both."""
+    """VllmBackend.states on the capture path with a stand-in engine: every sample's stored
+    rows in order, the engine driven from one thread only, a prompt that recurs in the next
+    call read in both, and every request file removed once mapped."""
     from eyrie.vllm import backend as vb
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
     b = object.__new__(vb.VllmBackend)
     b.path, b.layer_ids, b.n_aux, b.H = "capture", [1, 2, 3, 4], 3, 8
     b.tokens_per_call, b.scratch, b.staging = 8, tmp_path, None
-    b.llm = _FakeEngine(tmp_path, 4, 8)
+    b.waits = {"engine_s": 0.0, "read_s": 0.0}
+    b.llm = _FakeEngine(tmp_path, 3, 8)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8], [12, 13, 14, 15, 16], [17, 18]]
     ids = [np.array(p, dtype=np.int32) for p in prompts]
     batches = list(b.states(ids, torch.bfloat16))
     # calls of at most 8 tokens; prompt 2 is prompt 0 again, in the next call
     assert [x.batch for x in batches] == [[0, 1], [2], [3, 4]]
     for x in batches:
-        for i, aux, final in zip(x.batch, x.aux, x.final):
+        assert not x.bad.any() and len(x.bad) == sum(len(prompts[i]) for i in x.batch)
+        for i, rows in zip(x.batch, x.rows):
             want = torch.tensor(prompts[i]).float()[:, None]
+            aux = torch.from_numpy(rows["aux_hidden"].copy()).view(torch.bfloat16).float()
+            final = torch.from_numpy(rows["final_hidden"].copy()).view(torch.bfloat16).float()
             assert aux.shape == (len(prompts[i]), 3 * 8) and final.shape == (len(prompts[i]), 8)
-            torch.testing.assert_close(final.float(), (want + 0.3).expand(-1, 8), rtol=1e-2, atol=0)
+            torch.testing.assert_close(final, (want + 0.3).expand(-1, 8), rtol=1e-2, atol=0)
+            torch.testing.assert_close(aux[:, 8:16], (want + 0.1).expand(-1, 8), rtol=1e-2, atol=0)
+        x.release()
     assert len(b.llm.threads) == 1 and next(iter(b.llm.threads)).startswith("eyrie-generate")
-    assert list(tmp_path.iterdir()) == []  # every request file removed once read
+    assert list(tmp_path.iterdir()) == []  # every request file removed once mapped
+    assert b.waits["engine_s"] > 0 and b.waits["read_s"] > 0
+
+
+def test_a_request_file_for_other_tokens_is_one_clear_line(tmp_path, monkeypatch):
+    from eyrie.errors import ExtractError
+    from eyrie.vllm import backend as vb
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
+    b = object.__new__(vb.VllmBackend)
+    b.path, b.layer_ids, b.n_aux, b.H = "capture", [1, 2], 1, 4
+    b.tokens_per_call, b.scratch, b.staging = 8, tmp_path, None
+    b.waits = {"engine_s": 0.0, "read_s": 0.0}
+    b.llm = _FakeEngine(tmp_path, 1, 4)
+    real = b.llm.generate
+
+    def wrong_tokens(prompts, params, use_tqdm=False):
+        outs = real(prompts, params)
+        path = next(tmp_path.iterdir())
+        arrays = {k: v.copy() for k, v in map_request(path).items()}
+        arrays["token_ids"][0] += 1
+        write_request(path, arrays)
+        return outs
+
+    b.llm.generate = wrong_tokens
+    with pytest.raises(ExtractError, match="other token ids than the 3-token prompt"):
+        list(b.states([np.array([1, 2, 3], dtype=np.int32)], torch.bfloat16))
+    (tmp_path / "junk.safetensors").write_bytes(b"\x01")
+    with pytest.raises(ExtractError, match="junk.safetensors: not a readable request file"):
+        map_request(tmp_path / "junk.safetensors")

@@ -30,39 +30,9 @@ from eyrie.arch.target import inspect_target
 from eyrie.vllm.preflight_checks import VllmTarget, vllm_checks
 
 # Kimi-K2.5's quantization_config (config.json's text_config): compressed-tensors, int4 experts
-KIMI_INT4 = {
-    "quant_method": "compressed-tensors",
-    "format": "pack-quantized",
-    "quantization_status": "compressed",
-    "kv_cache_scheme": None,
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "input_activations": None,
-            "output_activations": None,
-            "weights": {
-                "num_bits": 4,
-                "type": "int",
-                "symmetric": True,
-                "group_size": 32,
-                "strategy": "group",
-                "dynamic": False,
-                "actorder": None,
-                "block_structure": None,
-                "observer": "minmax",
-                "observer_kwargs": {},
-            },
-        }
-    },
-    "ignore": [
-        "lm_head",
-        "re:.*self_attn.*",
-        "re:.*shared_experts.*",
-        "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
-        "re:vision_tower.*",
-        "re:mm_projector.*",
-    ],
-}
+KIMI_INT4 = json.loads(
+    (Path(__file__).parent / "configs" / "kimi-k2.5-quantization.json").read_text()
+)
 KIMI_K25_INT4 = {
     **KIMI_K25,
     "text_config": {**KIMI_K25["text_config"], "quantization_config": KIMI_INT4},

@@ -18,7 +18,10 @@ disk: a Llama-3.1-8B-shaped Llama and a Kimi-K2.5-shaped `kimi_k25` wrapper (ful
 64 experts) built by vLLM with random weights (load_format dummy), one shard extracted through
 eyrie's extractor and written by the real ShardWriter, marked as a rehearsal's:
 
-    python tests/vllm_gpu_check.py rehearsal DIR KIND [PATH]   # KIND: llama | kimi_k25
+    python tests/vllm_gpu_check.py rehearsal DIR KIND [PATH]   # KIND: one of REHEARSAL_KINDS
+
+(kimi_k25_int4: all 384 experts in int4 compressed-tensors, as Kimi-K2.5 ships them; vLLM 0.22
+needs humming-kernels for it.)
 """
 
 from __future__ import annotations
@@ -260,7 +263,9 @@ def compare(root: Path) -> dict:
 
 # ----------------------------------------------------------------------------- rehearsal
 
-REHEARSAL_KINDS = ("llama", "kimi_k25")
+REHEARSAL_KINDS = ("llama", "kimi_k25", "kimi_k25_int4")
+# Kimi-K2.5's own quantization_config: compressed-tensors, int4 routed experts (group 32)
+KIMI_INT4 = Path(__file__).parent / "configs" / "kimi-k2.5-quantization.json"
 
 
 def rehearsal_config(kind: str) -> dict:
@@ -281,7 +286,8 @@ def rehearsal_config(kind: str) -> dict:
         config["architectures"] = ["LlamaForCausalLM"]
         return config
     # Kimi-K2.5's text model at full width (tests/vllm_helpers.py KIMI_K25), 4 layers and 64 of
-    # its 384 experts so that one GPU holds it
+    # its 384 experts in bfloat16 so that one GPU holds it, or all 384 in int4 as Kimi-K2.5 has
+    int4 = kind == "kimi_k25_int4"
     text = DeepseekV3Config(
         vocab_size=163840,
         hidden_size=7168,
@@ -290,7 +296,7 @@ def rehearsal_config(kind: str) -> dict:
         num_key_value_heads=64,
         intermediate_size=18432,
         moe_intermediate_size=2048,
-        n_routed_experts=64,
+        n_routed_experts=384 if int4 else 64,
         num_experts_per_tok=8,
         n_shared_experts=1,
         first_k_dense_replace=1,
@@ -307,6 +313,8 @@ def rehearsal_config(kind: str) -> dict:
         torch_dtype="bfloat16",
     ).to_dict()
     text["model_type"] = "kimi_k2"
+    if int4:
+        text["quantization_config"] = json.loads(KIMI_INT4.read_text())
     return {
         "model_type": "kimi_k25",
         "architectures": ["KimiK25ForConditionalGeneration"],

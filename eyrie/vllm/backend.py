@@ -26,18 +26,22 @@ import torch
 
 from eyrie.arch.registry import adapter_for
 from eyrie.errors import ExtractError
-from eyrie.extract.extractor import HostBatch, PinnedStaging, StoredBatch
+from eyrie.extract.extractor import HostBatch, PinnedStaging, StagedBatch, StoredBatch
+from eyrie.formats.codecs import bytes_per_token
 from eyrie.rehearsal import engine_kwargs
 from eyrie.vllm.adapters import engine_environment, request_key, text_only
 from eyrie.vllm.checks import ExtractLayers, choose_path, config_problems, version_problems
 from eyrie.vllm.facts import gather_facts
+from eyrie.vllm.requestfile import BAD, TOKEN_IDS, map_request, request_path
 
 log = logging.getLogger(__name__)
 
 
 FILE_WAIT_S = 60.0  # how long a request's file may lag behind generate() returning
 SHM = Path("/dev/shm")
-SCRATCH_CALLS = 3  # generate() calls whose request files the scratch folder may hold at once
+# generate() calls whose request files (or their mapped memory) may be held at once: the call
+# ahead, the one being read, and up to three waiting for or in the writers (extractor._Writers)
+SCRATCH_CALLS = 5
 
 
 def scratch_folder(need_bytes: int) -> Path:
@@ -65,9 +69,8 @@ class VllmBackend:
 
         self.cfg = cfg
         self.v = dict(cfg.vllm or {})
-        # on a GPU the stored representation is made there (stored_tensors) and staged into
-        # pinned buffers, as the hf backend does: the host only writes (docs/shard-format.md)
-        self.staging = PinnedStaging() if cfg.device == "cuda" else None
+        # seconds states() waited for the engine's next call and spent reading its files
+        self.waits = {"engine_s": 0.0, "read_s": 0.0}
         self.layer_ids = list(aux_ids) + [final_id]
         self.n_aux = len(aux_ids)
         self.H = info.hidden_size
@@ -76,9 +79,15 @@ class VllmBackend:
         adapter = adapter_for(info.model_type)
         facts = gather_facts(config)
         self.path = self._choose_path(target, info, adapter, facts, config)
-        self.scratch = scratch_folder(
-            self.tokens_per_call * len(self.layer_ids) * self.H * 2 * SCRATCH_CALLS
+        # the stored representation is made on a GPU (stored_tensors): by the capture worker on
+        # its own, by this process for the native path's files, staged into pinned buffers as
+        # the hf backend does; the host only writes (docs/shard-format.md)
+        self.staging = PinnedStaging() if cfg.device == "cuda" and self.path == "native" else None
+        per_token = max(  # the capture worker's stored rows, or the native path's bf16 states
+            bytes_per_token(cfg.storage_dtype, len(self.layer_ids), self.H),
+            2 * len(self.layer_ids) * self.H,
         )
+        self.scratch = scratch_folder(self.tokens_per_call * per_token * SCRATCH_CALLS)
         kwargs = self._engine_kwargs(target, cfg)
         log.info(
             "vLLM %s, %s path (adapter %s), layer ids %s, tensor parallel %d, weights %s, "
@@ -94,7 +103,8 @@ class VllmBackend:
         self.llm = LLM(**kwargs)
         if self.path == "capture":
             info_ranks = self.llm.collective_rpc(
-                "eyrie_install_capture", args=(info.model_type, self.layer_ids, str(self.scratch))
+                "eyrie_install_capture",
+                args=(info.model_type, self.layer_ids, str(self.scratch), cfg.storage_dtype),
             )
             log.info("capture installed: %s", info_ranks)
 
@@ -152,41 +162,74 @@ class VllmBackend:
     def states(self, input_ids: list[np.ndarray], storage: torch.dtype) -> Iterator[StoredBatch]:
         """The states of every sample, one generate() call's samples per batch. One call runs
         ahead in a thread of its own: the engine computes the next call while this one's
-        request files are read and staged (the engine is only ever driven from that thread)."""
+        request files are read (the engine is only ever driven from that thread)."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0)
         chunks = list(self._chunks([len(x) for x in input_ids]))
         with ThreadPoolExecutor(1, thread_name_prefix="eyrie-generate") as ahead:
             self._ahead = (
-                ahead.submit(self._generate, input_ids, chunks[0], params) if chunks else None
+                ahead.submit(self._generate, input_ids, chunks[0], 0, params) if chunks else None
             )
             for n, chunk in enumerate(chunks):
+                t0 = time.monotonic()
                 keys, outputs = self._ahead.result()
-                nxt = chunks[n + 1] if n + 1 < len(chunks) else None
-                self._ahead = ahead.submit(self._generate, input_ids, nxt, params) if nxt else None
-                # a prompt also in the next call: its file may be that call's already
-                keep = {request_key(input_ids[i]) for i in nxt or ()}
-                yield self._batch(input_ids, chunk, keys, outputs, storage, keep)
+                self._ahead = (
+                    ahead.submit(self._generate, input_ids, chunks[n + 1], n + 1, params)
+                    if n + 1 < len(chunks)
+                    else None
+                )
+                t1 = time.monotonic()
+                if self.path == "capture":
+                    batch = self._mapped(input_ids, chunk, keys, outputs, n)
+                else:
+                    batch = self._batch(input_ids, chunk, keys, outputs, storage)
+                self.waits["engine_s"] += t1 - t0
+                self.waits["read_s"] += time.monotonic() - t1
+                yield batch
 
-    def _generate(self, input_ids: list[np.ndarray], chunk: list[int], params) -> tuple:
-        """One generate() call (max_tokens 1) for `chunk`; (request keys, outputs)."""
+    def _generate(self, input_ids: list[np.ndarray], chunk: list[int], call: int, params):
+        """generate() call number `call` (max_tokens 1) for `chunk`: (request keys, outputs)."""
         prompts = [{"prompt_token_ids": input_ids[i].astype(np.int64).tolist()} for i in chunk]
         keys = [request_key(input_ids[i]) for i in chunk]
         if self.path == "capture":  # the previous call's prompts are all recorded by now
-            self.llm.collective_rpc("eyrie_expect", args=(sorted(set(keys)),))
+            self.llm.collective_rpc("eyrie_expect", args=(sorted(set(keys)), call))
         return keys, self.llm.generate(prompts, params, use_tqdm=False)
 
-    def _batch(
-        self, input_ids, chunk, keys, outputs, storage: torch.dtype, keep: set[str]
-    ) -> StoredBatch:
-        """One call's states read from their request files (removed after, but those of `keep`),
-        as a batch for the writers."""
+    def _mapped(self, input_ids, chunk, keys, outputs, call: int) -> StagedBatch:
+        """One capture call's request files, mapped: the worker made the stored representation
+        and its finite flags, so the writers copy the mapped rows into the shard as they are.
+        Each file is removed once mapped (its memory goes with the batch)."""
+        files: dict[str, dict[str, np.ndarray]] = {}
+        for i, key, out in zip(chunk, keys, outputs):
+            if key in files:
+                continue  # the same prompt twice in one call: recorded once
+            path = self._wait_for(request_path(self.scratch, call, key), out)
+            arrays = map_request(path)
+            path.unlink()
+            got = arrays.pop(TOKEN_IDS, None)
+            if got is None or BAD not in arrays or not np.array_equal(got, input_ids[i]):
+                raise ExtractError(
+                    f"{path}: the capture worker wrote states for other token ids than the "
+                    f"{len(input_ids[i])}-token prompt it was sent (or no {TOKEN_IDS!r}/{BAD!r}); "
+                    "this vLLM's capture is broken for this target: report it with the log"
+                )
+            files[key] = arrays
+        rows = [{k: v for k, v in files[key].items() if k != BAD} for key in keys]
+        return StagedBatch(
+            list(chunk),
+            [len(input_ids[i]) for i in chunk],
+            rows,
+            np.concatenate([files[key][BAD] for key in keys]),
+            done=None,
+            free=files.clear,
+        )
+
+    def _batch(self, input_ids, chunk, keys, outputs, storage: torch.dtype) -> StoredBatch:
+        """One native call's states read from vLLM's request files (removed after), as a batch
+        for the writers."""
         # [T, n_ids, H] per request, read from its file
         got = [self._states_of(out, key, input_ids[i]) for i, key, out in zip(chunk, keys, outputs)]
-        for key in set(keys) - keep:
-            for p in self.scratch.glob(f"{key}*"):
-                p.unlink(missing_ok=True)
         if self.staging is not None:
             return self._staged(chunk, got)
         aux_list, final_list = [], []
@@ -215,8 +258,9 @@ class VllmBackend:
         return self.staging.stage(chunk, lens, stored, bad)
 
     def _states_of(self, out, key: str, ids: np.ndarray) -> torch.Tensor:
-        """One request's hidden states [T, n_ids, H], checked against its prompt `ids` [T]."""
-        hs, got = self._read(self._file_of(out, key))
+        """One native request's hidden states [T, n_ids, H], checked against its prompt `ids`
+        [T]; its file (and the connector's lock file) removed once read."""
+        hs, got = self._read(self._file_of(out))
         T = len(ids)
         if hs.shape != (T, len(self.layer_ids), self.H) or not np.array_equal(
             got, ids.astype(np.int64)
@@ -241,16 +285,19 @@ class VllmBackend:
         if chunk:
             yield chunk
 
-    def _file_of(self, out, key: str) -> Path:
-        if self.path == "native":
-            params = out.kv_transfer_params or {}
-            if "hidden_states_path" not in params:
-                raise ExtractError(
-                    f"vLLM request {out.request_id}: no hidden_states_path in "
-                    f"kv_transfer_params ({sorted(params)}); the connector did not run"
-                )
-            return Path(params["hidden_states_path"])
-        path = self.scratch / f"{key}.safetensors"
+    def _file_of(self, out) -> Path:
+        """The native connector's file of request `out`."""
+        params = out.kv_transfer_params or {}
+        if "hidden_states_path" not in params:
+            raise ExtractError(
+                f"vLLM request {out.request_id}: no hidden_states_path in "
+                f"kv_transfer_params ({sorted(params)}); the connector did not run"
+            )
+        return Path(params["hidden_states_path"])
+
+    def _wait_for(self, path: Path, out) -> Path:
+        """The capture worker's request file `path`, once written (it may lag behind generate()
+        returning by up to FILE_WAIT_S)."""
         deadline = time.monotonic() + FILE_WAIT_S
         while not path.exists():
             if time.monotonic() > deadline:
@@ -262,21 +309,19 @@ class VllmBackend:
                     f"({len(missing)} expected requests still missing); the capture "
                     "forward was bypassed (is enforce_eager on?)"
                 )
-            time.sleep(0.01)
+            time.sleep(0.002)
         return path
 
     def _read(self, path: Path) -> tuple[torch.Tensor, np.ndarray]:
-        """A request file: (hidden_states [T, n_ids, H], token_ids int64 [T])."""
-        if self.path == "native":
-            from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (  # noqa: E501
-                load_hidden_states,
-            )
+        """A native request file: (hidden_states [T, n_ids, H], token_ids int64 [T]), then
+        removed with its lock file (the connector leaves both)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (  # noqa: E501
+            load_hidden_states,
+        )
 
-            data = load_hidden_states(str(path))  # waits on the writer's lock
-        else:
-            from safetensors.torch import load_file
-
-            data = load_file(str(path))
+        data = load_hidden_states(str(path))  # waits on the writer's lock
+        for done in (path, Path(f"{path}.lock")):
+            done.unlink(missing_ok=True)
         try:
             return data["hidden_states"], data["token_ids"].numpy().astype(np.int64)
         except KeyError as exc:

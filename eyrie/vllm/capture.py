@@ -4,17 +4,17 @@ Loaded into every worker by `LLM(worker_extension_cls="eyrie.vllm.capture.Captur
 driven by `llm.collective_rpc(...)`: `eyrie_install_capture` replaces the language model's forward
 with a loop over its layers driven by the registry's adapter (eyrie.arch.registry) that records
 hidden + residual ENTERING layer k for each id k (id N: after the last layer, before the final
-norm). Tensor-parallel rank 0 writes `<request_key>.safetensors` ({"hidden_states": [T, n_ids, H],
-"token_ids": [T]}) atomically per expected prompt, off the forward's critical path (a copy stream
-into pinned memory, a writer thread), into the backend's scratch folder (in memory: /dev/shm).
-Needs eager mode, chunked prefill and prefix caching off (the backend sets them). docs/vllm.md.
+norm). Tensor-parallel rank 0 puts them in the shard's stored representation on its GPU and
+writes one request file per expected prompt (eyrie.vllm.requestfile), off the forward's critical
+path (a copy stream into pinned memory, writer threads), into the backend's scratch folder (in
+memory: /dev/shm). Needs eager mode, chunked prefill and prefix caching off (the backend sets
+them). docs/vllm.md.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 import traceback
 import types
@@ -25,7 +25,9 @@ import torch
 
 from eyrie.arch.registry import VllmAdapter, adapter_for
 from eyrie.errors import VllmAdapterError
+from eyrie.formats.codecs import stored_tensors
 from eyrie.vllm.adapters import EMBED_METHODS, EXTRA_ARGS, call_layer, request_key
+from eyrie.vllm.requestfile import BAD, TOKEN_IDS, request_path, write_request
 
 log = logging.getLogger("eyrie.vllm.capture")
 
@@ -44,32 +46,38 @@ class _Recorder:
 
     vLLM batches many prompts into one flat stream per forward; with chunked prefill and prefix
     caching off each prompt is one run of positions 0..T-1, matched by its `request_key`. The
-    forward does not wait for the states to reach the host: on a GPU they are copied on a
-    stream of their own into a pinned slot (SLOTS of them, reused in turn) and a writer thread
-    writes each prompt's file once the copy is done, while the next forwards run."""
+    states are put in their stored representation on the worker's own device (stored_tensors:
+    what the shard holds, half the bytes for float8), and the forward does not wait for them to
+    reach the host: on a GPU they are copied on a stream of their own into a pinned slot (SLOTS
+    of them, reused in turn) and writer threads write each prompt's request file
+    (eyrie.vllm.requestfile) once the copy is done, while the next forwards run."""
 
     SLOTS = 3
+    WRITERS = 4
+    ALIGN = 256
 
-    def __init__(self, layer_ids: list[int], out_dir: str):
+    def __init__(self, layer_ids: list[int], out_dir: str, storage_dtype: str):
         self.layer_ids = layer_ids
         self.out_dir = out_dir
+        self.storage_dtype = storage_dtype
         self.expected: set[str] = set()
+        self.call = 0  # the generate() call the expected requests belong to
         # set by the wrapper's embed when ids go down as embeddings
         self.last_ids: torch.Tensor | None = None
         self.written = 0
         self._count = threading.Lock()
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="eyrie-capture")
+        self._pool = ThreadPoolExecutor(self.WRITERS, thread_name_prefix="eyrie-capture")
         self._slots: list[torch.Tensor | None] = [None] * self.SLOTS
-        self._pending: list[Future | None] = [None] * self.SLOTS
+        self._pending: list[list[Future]] = [[] for _ in range(self.SLOTS)]
         self._turn = 0
         self._stream = None
 
-    def record(
-        self, input_ids: torch.Tensor | None, positions: torch.Tensor, states: torch.Tensor
-    ) -> None:
-        """input_ids, positions: [num_tokens]; states: [num_tokens, n_ids, H]."""
+    def segments(self, input_ids: torch.Tensor | None, positions: torch.Tensor) -> list:
+        """(key, a, b, ids) of the expected prompts in this forward's stream, in stream order
+        (read before the layers run: the inputs are ready, the forward's work is not queued
+        behind a wait on the host)."""
         if not self.expected:
-            return
+            return []
         if input_ids is None:
             input_ids = self.last_ids
         if input_ids is None:
@@ -78,7 +86,7 @@ class _Recorder:
         pos = positions.reshape(-1).to("cpu").numpy()
         ids = input_ids.to("cpu").numpy()
         starts = [int(i) for i in (pos == 0).nonzero()[0]] + [len(pos)]
-        segments = []  # (key, a, b) of the expected prompts, in stream order
+        found = []
         for a, b in zip(starts[:-1], starts[1:]):
             seg = pos[a:b]
             if (seg != range(b - a)).any():
@@ -86,72 +94,72 @@ class _Recorder:
             key = request_key(ids[a:b])
             if key in self.expected:
                 self.expected.discard(key)
-                segments.append((key, a, b))
-        if segments:
-            self._submit(states, segments, ids)
+                found.append((key, a, b, ids[a:b].astype("int64")))
+        return found
 
-    def _submit(self, states: torch.Tensor, segments: list, ids) -> None:
-        end = segments[-1][2]
-        rows = states[:end]  # [rows, n_ids, H]: every expected prompt lies in it
-        if rows.device.type != "cuda":
-            host, done = rows.to("cpu"), None
+    def record(self, states: list[torch.Tensor], segments: list) -> None:
+        """states: [num_tokens, H] per layer id, in layer_ids order (the last is the final id)."""
+        end = segments[-1][2]  # every expected prompt lies in the first `end` rows
+        rows = [x[:end] for x in states]
+        aux = torch.stack(rows[:-1], dim=1).reshape(end, -1)
+        stored, bad = stored_tensors(aux, rows[-1], self.storage_dtype)
+        parts = {**stored, BAD: bad}
+        del aux, rows
+        if bad.device.type != "cuda":
+            host, done = {k: v.numpy() for k, v in parts.items()}, None
         else:
-            host, done = self._copy_to_host(rows)
-        job = self._pool.submit(self._write_all, host, done, segments, ids)
-        self._pending[self._turn] = job
+            host, done = self._copy_to_host(parts)
+        self._pending[self._turn] = [
+            self._pool.submit(self._write, host, done, seg, self.call) for seg in segments
+        ]
         self._turn = (self._turn + 1) % self.SLOTS
 
-    def _copy_to_host(self, rows: torch.Tensor):
-        """rows into this turn's pinned slot on the copy stream (no wait on the host)."""
-        pending = self._pending[self._turn]
-        if pending is not None:
-            pending.result()  # the slot's last writer is done with it
+    def _copy_to_host(self, parts: dict[str, torch.Tensor]):
+        """parts into this turn's pinned slot on the copy stream (no wait on the host):
+        ({name: numpy view of the slot}, the copy's event)."""
+        for job in self._pending[self._turn]:
+            job.result()  # the slot's last writers are done with it
+        sizes = [
+            -(-x.numel() * x.element_size() // self.ALIGN) * self.ALIGN for x in parts.values()
+        ]
         slot = self._slots[self._turn]
-        if slot is None or slot.numel() < rows.numel() or slot.dtype != rows.dtype:
-            slot = torch.empty(rows.numel(), dtype=rows.dtype, pin_memory=True)
+        if slot is None or slot.numel() < sum(sizes):
+            slot = torch.empty(int(sum(sizes) * 1.25), dtype=torch.uint8, pin_memory=True)
             self._slots[self._turn] = slot
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         ready = torch.cuda.Event()
         ready.record()
-        host = slot[: rows.numel()].view(rows.shape)
+        host, at = {}, 0
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            host.copy_(rows, non_blocking=True)
+            for (name, x), size in zip(parts.items(), sizes):
+                view = slot[at : at + x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+                view.copy_(x, non_blocking=True)
+                x.record_stream(self._stream)  # its memory is not reused before the copy ends
+                host[name] = view.numpy()
+                at += size
             done = torch.cuda.Event()
             done.record(self._stream)
-        rows.record_stream(self._stream)  # its memory is not reused before the copy ends
         return host, done
 
-    def _write_all(self, host: torch.Tensor, done, segments: list, ids) -> None:
+    def _write(self, host: dict, done, segment: tuple, call: int) -> None:
+        """One prompt's rows of `host` -> its request file, atomically."""
         if done is not None:
             done.synchronize()
-        for key, a, b in segments:
-            self._write(key, host[a:b], ids[a:b])
-
-    def _write(self, key: str, states: torch.Tensor, ids) -> None:
-        """states: [T, n_ids, H] on the host; ids: [T] -> `<key>.safetensors`, atomically."""
-        from safetensors.torch import save_file
-
-        path = os.path.join(self.out_dir, f"{key}.safetensors")
-        tmp = path + f".tmp{os.getpid()}"
-        save_file(
-            {
-                "hidden_states": states.contiguous(),
-                "token_ids": torch.from_numpy(ids.astype("int64")),
-            },
-            tmp,
-        )
-        os.replace(tmp, path)
+        key, a, b, ids = segment
+        arrays = {name: x[a:b] for name, x in host.items()}
+        arrays[TOKEN_IDS] = ids
+        write_request(request_path(self.out_dir, call, key), arrays)
         with self._count:
             self.written += 1
 
     def flush(self) -> None:
         """Wait until every recorded prompt's file is written (raising a writer's error)."""
-        for i, job in enumerate(self._pending):
-            if job is not None:
+        for jobs in self._pending:
+            for job in jobs:
                 job.result()
-                self._pending[i] = None
+            jobs.clear()
 
 
 def make_forward(adapter, inner, module, recorder: _Recorder, write: bool):
@@ -171,19 +179,20 @@ def make_forward(adapter, inner, module, recorder: _Recorder, write: bool):
         self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs
     ):
         hidden = inputs_embeds if inputs_embeds is not None else embed(input_ids)
+        segments = recorder.segments(input_ids, positions) if write else []
         residual = None
         extras = {name: EXTRA_ARGS[name](config, positions, module) for name in adapter.extras}
         states: dict[int, torch.Tensor] = {}
         for k, layer in enumerate(layers):
-            if k in ids:
+            if segments and k in ids:
                 # a new tensor: vLLM's fused add-norm updates hidden/residual in place
                 states[k] = hidden.clone() if residual is None else hidden + residual
             hidden, residual = call_layer(adapter, layer, positions, hidden, residual, extras)
-        if N in ids:
+        if segments and N in ids:
             states[N] = hidden + residual
         hidden, _ = norm(hidden, residual)
-        if write and recorder.expected:
-            recorder.record(input_ids, positions, torch.stack([states[k] for k in ids], dim=1))
+        if segments:
+            recorder.record([states[k] for k in ids], segments)
         return hidden
 
     return forward
@@ -216,7 +225,9 @@ def _keep_input_ids(model, recorder: _Recorder) -> None:
 class CaptureExtension:
     """Methods mixed into vLLM's GPU worker (called through LLM.collective_rpc)."""
 
-    def eyrie_install_capture(self, model_type: str, layer_ids: list[int], out_dir: str) -> dict:
+    def eyrie_install_capture(
+        self, model_type: str, layer_ids: list[int], out_dir: str, storage_dtype: str
+    ) -> dict:
         try:
             adapter = adapter_for(model_type)
             model = (
@@ -230,7 +241,7 @@ class CaptureExtension:
             from vllm.distributed import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
-            recorder = _Recorder(list(layer_ids), out_dir)
+            recorder = _Recorder(list(layer_ids), out_dir, storage_dtype)
             inner.forward = types.MethodType(
                 make_forward(adapter, inner, module, recorder, rank == 0), inner
             )
@@ -247,8 +258,9 @@ class CaptureExtension:
             log.error("eyrie capture install failed:\n%s", traceback.format_exc())
             raise
 
-    def eyrie_expect(self, keys: list[str]) -> int:
-        """The request keys whose states the next forwards must write."""
+    def eyrie_expect(self, keys: list[str], call: int) -> int:
+        """The request keys whose states the next forwards (generate() call `call`) must write."""
+        self._eyrie_recorder.call = call
         self._eyrie_recorder.expected = set(keys)
         return len(keys)
 
