@@ -249,7 +249,7 @@ class _FakeEngine:
     def collective_rpc(self, name, args=()):
         self.threads.add(threading.current_thread().name)
         if name == "eyrie_expect":
-            self.call = args[1]
+            self.call, self.storage = args[1], args[2]
         return [[]]
 
     def generate(self, prompts, params, use_tqdm=False):
@@ -262,7 +262,7 @@ class _FakeEngine:
                 self.H, dim=1
             )
             final = (ids[:, None].float() + self.n_aux / 10).expand(-1, self.H)
-            stored, bad = stored_tensors(aux, final, "bfloat16")
+            stored, bad = stored_tensors(aux, final, self.storage)
             arrays = {k: v.numpy() for k, v in stored.items()}
             arrays.update(bad=bad.numpy(), token_ids=ids.numpy())
             write_request(request_path(self.scratch, self.call, request_key(ids.numpy())), arrays)
@@ -281,6 +281,7 @@ def test_vllm_backend_reads_each_call_while_the_next_runs(tmp_path, monkeypatch)
     b.path, b.layer_ids, b.n_aux, b.H = "capture", [1, 2, 3, 4], 3, 8
     b.tokens_per_call, b.scratch, b.staging = 8, tmp_path, None
     b.waits = {"engine_s": 0.0, "read_s": 0.0}
+    b.cfg = types.SimpleNamespace(storage_dtype="bfloat16")
     b.llm = _FakeEngine(tmp_path, 3, 8)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8], [12, 13, 14, 15, 16], [17, 18]]
     ids = [np.array(p, dtype=np.int32) for p in prompts]
@@ -300,6 +301,10 @@ def test_vllm_backend_reads_each_call_while_the_next_runs(tmp_path, monkeypatch)
     assert len(b.llm.threads) == 1 and next(iter(b.llm.threads)).startswith("eyrie-generate")
     assert list(tmp_path.iterdir()) == []  # every request file removed once mapped
     assert b.waits["engine_s"] > 0 and b.waits["read_s"] > 0
+    # the next shard of the same engine stores float8: the worker is told with each call
+    b.cfg.storage_dtype = "float8_e4m3"
+    x = next(b.states(ids[:1], torch.bfloat16))
+    assert sorted(x.rows[0]) == ["aux_hidden", "aux_scale", "final_hidden", "final_scale"]
 
 
 def test_a_request_file_for_other_tokens_is_one_clear_line(tmp_path, monkeypatch):
@@ -311,6 +316,7 @@ def test_a_request_file_for_other_tokens_is_one_clear_line(tmp_path, monkeypatch
     b.path, b.layer_ids, b.n_aux, b.H = "capture", [1, 2], 1, 4
     b.tokens_per_call, b.scratch, b.staging = 8, tmp_path, None
     b.waits = {"engine_s": 0.0, "read_s": 0.0}
+    b.cfg = types.SimpleNamespace(storage_dtype="bfloat16")
     b.llm = _FakeEngine(tmp_path, 1, 4)
     real = b.llm.generate
 

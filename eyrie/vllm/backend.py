@@ -104,7 +104,7 @@ class VllmBackend:
         if self.path == "capture":
             info_ranks = self.llm.collective_rpc(
                 "eyrie_install_capture",
-                args=(info.model_type, self.layer_ids, str(self.scratch), cfg.storage_dtype),
+                args=(info.model_type, self.layer_ids, str(self.scratch)),
             )
             log.info("capture installed: %s", info_ranks)
 
@@ -193,7 +193,8 @@ class VllmBackend:
         prompts = [{"prompt_token_ids": input_ids[i].astype(np.int64).tolist()} for i in chunk]
         keys = [request_key(input_ids[i]) for i in chunk]
         if self.path == "capture":  # the previous call's prompts are all recorded by now
-            self.llm.collective_rpc("eyrie_expect", args=(sorted(set(keys)), call))
+            expect = (sorted(set(keys)), call, self.cfg.storage_dtype)
+            self.llm.collective_rpc("eyrie_expect", args=expect)
         return keys, self.llm.generate(prompts, params, use_tqdm=False)
 
     def _mapped(self, input_ids, chunk, keys, outputs, call: int) -> StagedBatch:

@@ -56,12 +56,13 @@ class _Recorder:
     WRITERS = 4
     ALIGN = 256
 
-    def __init__(self, layer_ids: list[int], out_dir: str, storage_dtype: str):
+    def __init__(self, layer_ids: list[int], out_dir: str, storage_dtype: str = "bfloat16"):
         self.layer_ids = layer_ids
         self.out_dir = out_dir
+        # of the shard the expected requests go to, and the generate() call they belong to
         self.storage_dtype = storage_dtype
         self.expected: set[str] = set()
-        self.call = 0  # the generate() call the expected requests belong to
+        self.call = 0
         # set by the wrapper's embed when ids go down as embeddings
         self.last_ids: torch.Tensor | None = None
         self.written = 0
@@ -225,9 +226,7 @@ def _keep_input_ids(model, recorder: _Recorder) -> None:
 class CaptureExtension:
     """Methods mixed into vLLM's GPU worker (called through LLM.collective_rpc)."""
 
-    def eyrie_install_capture(
-        self, model_type: str, layer_ids: list[int], out_dir: str, storage_dtype: str
-    ) -> dict:
+    def eyrie_install_capture(self, model_type: str, layer_ids: list[int], out_dir: str) -> dict:
         try:
             adapter = adapter_for(model_type)
             model = (
@@ -241,7 +240,7 @@ class CaptureExtension:
             from vllm.distributed import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
-            recorder = _Recorder(list(layer_ids), out_dir, storage_dtype)
+            recorder = _Recorder(list(layer_ids), out_dir)
             inner.forward = types.MethodType(
                 make_forward(adapter, inner, module, recorder, rank == 0), inner
             )
@@ -258,9 +257,12 @@ class CaptureExtension:
             log.error("eyrie capture install failed:\n%s", traceback.format_exc())
             raise
 
-    def eyrie_expect(self, keys: list[str], call: int) -> int:
-        """The request keys whose states the next forwards (generate() call `call`) must write."""
+    def eyrie_expect(self, keys: list[str], call: int, storage_dtype: str) -> int:
+        """The request keys whose states the next forwards (generate() call `call`) must write,
+        in the stored representation of `storage_dtype` (the shard's, which may change between
+        shards of one engine)."""
         self._eyrie_recorder.call = call
+        self._eyrie_recorder.storage_dtype = storage_dtype
         self._eyrie_recorder.expected = set(keys)
         return len(keys)
 
