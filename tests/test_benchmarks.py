@@ -132,6 +132,20 @@ def test_extraction_benchmark_tiny(tmp_path):
         assert len(r["bare_passes_tok_s"]) == len(r["eyrie_passes_tok_s"]) == 2
 
 
+def test_capture_writes_benchmark_tiny(tmp_path):
+    """benchmarks/capture_writes.py on a few prompts: request files in /dev/shm into a real
+    shard both ways, a table with the disk row, every scratch and shard file removed."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this machine (the capture path's scratch folder)")
+    cmd = [sys.executable, str(REPO / "benchmarks" / "capture_writes.py"), "--gib", "0.01"]
+    cmd += ["--repeats", "1", "--shape", "llama8b", "--work", str(tmp_path / "work")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [ln.split("|")[1].strip() for ln in run.stdout.splitlines() if ln.startswith("| ")]
+    assert rows == ["row", "disk (raw pwrite)", "mapped", "sendfile"], run.stdout
+    assert list((tmp_path / "work").iterdir()) == []
+
+
 def test_training_benchmark_tiny(tmp_path):
     """benchmarks/training_gpu.py --tiny on CPU: the data in both formats (speculators' own
     ArrowDataset reads the converted set back), a real `eyrie train` run, the steady-state table."""

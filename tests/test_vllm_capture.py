@@ -22,7 +22,7 @@ from eyrie.formats.codecs import stored_tensors
 from eyrie.formats.hidden import ShardMeta, ShardReader, ShardWriter
 from eyrie.vllm.adapters import call_layer, request_key
 from eyrie.vllm.capture import _Recorder, make_forward
-from eyrie.vllm.requestfile import map_request, request_path, write_request
+from eyrie.vllm.requestfile import read_request, request_path, write_request
 
 H = 8
 
@@ -166,7 +166,7 @@ def test_request_files_hold_the_stored_representation_the_shard_gets(tmp_path):
         ShardWriter(tmp_path / "direct.h5", meta, ["a", "b"], prompts, masks) as direct,
     ):
         for i, (p, ref) in enumerate(zip(prompts, refs)):
-            got = map_request(request_path(tmp_path / "scratch", 0, request_key(p)))
+            got = read_request(request_path(tmp_path / "scratch", 0, request_key(p)))
             want, _ = stored_tensors(torch.cat([ref[1], ref[2]], dim=1), ref[3], "float8_e4m3")
             assert sorted(want) == sorted(set(got) - {"bad", "token_ids"})
             for name, x in want.items():
@@ -270,60 +270,67 @@ class _FakeEngine:
         return outs
 
 
-def test_vllm_backend_reads_each_call_while_the_next_runs(tmp_path, monkeypatch):
-    """VllmBackend.states on the capture path with a stand-in engine: every sample's stored
-    rows in order, the engine driven from one thread only, a prompt that recurs in the next
-    call read in both, and every request file removed once mapped."""
+def _capture_backend(scratch, layer_ids, H, storage_dtype="bfloat16"):
+    """A VllmBackend on the capture path around a stand-in engine (no vLLM)."""
     from eyrie.vllm import backend as vb
 
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
     b = object.__new__(vb.VllmBackend)
-    b.path, b.layer_ids, b.n_aux, b.H = "capture", [1, 2, 3, 4], 3, 8
-    b.tokens_per_call, b.scratch, b.staging = 8, tmp_path, None
+    b.path, b.layer_ids, b.n_aux, b.H = "capture", layer_ids, len(layer_ids) - 1, H
+    b.tokens_per_call, b.scratch, b.staging = 8, scratch, None
     b.waits = {"engine_s": 0.0, "read_s": 0.0}
-    b.cfg = types.SimpleNamespace(storage_dtype="bfloat16")
-    b.llm = _FakeEngine(tmp_path, 3, 8)
-    prompts = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8], [12, 13, 14, 15, 16], [17, 18]]
+    b.cfg = types.SimpleNamespace(storage_dtype=storage_dtype)
+    b.llm = _FakeEngine(scratch, len(layer_ids) - 1, H)
+    return b
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3"])
+def test_vllm_backend_reads_each_call_while_the_next_runs(tmp_path, monkeypatch, storage):
+    """VllmBackend.states on the capture path with a stand-in engine, written by the real
+    writer threads into a real shard: every sample's states where they belong, the engine
+    driven from one thread only, a prompt that recurs in the next call and one sent twice in
+    a call read each time, and every request file removed."""
+    from eyrie.extract.extractor import _Writers
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
+    (tmp_path / "scratch").mkdir()
+    b = _capture_backend(tmp_path / "scratch", [1, 2, 3, 4], 8, storage)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8], [12, 13, 14], [12, 13, 14], [17, 18]]
     ids = [np.array(p, dtype=np.int32) for p in prompts]
-    batches = list(b.states(ids, torch.bfloat16))
-    # calls of at most 8 tokens; prompt 2 is prompt 0 again, in the next call
-    assert [x.batch for x in batches] == [[0, 1], [2], [3, 4]]
-    for x in batches:
-        assert not x.bad.any() and len(x.bad) == sum(len(prompts[i]) for i in x.batch)
-        for i, rows in zip(x.batch, x.rows):
-            want = torch.tensor(prompts[i]).float()[:, None]
-            aux = torch.from_numpy(rows["aux_hidden"].copy()).view(torch.bfloat16).float()
-            final = torch.from_numpy(rows["final_hidden"].copy()).view(torch.bfloat16).float()
-            assert aux.shape == (len(prompts[i]), 3 * 8) and final.shape == (len(prompts[i]), 8)
-            torch.testing.assert_close(final, (want + 0.3).expand(-1, 8), rtol=1e-2, atol=0)
-            torch.testing.assert_close(aux[:, 8:16], (want + 0.1).expand(-1, 8), rtol=1e-2, atol=0)
-        x.release()
+    meta = ShardMeta("fp", "tok", [1, 2, 3], 4, 8, storage)
+    names = [str(i) for i in range(len(prompts))]
+    with ShardWriter(tmp_path / "s.h5", meta, names, prompts, [[1] * len(p) for p in prompts]) as w:
+        with _Writers(w) as writers:
+            batches = []
+            for x in b.states(ids, torch.bfloat16):
+                assert not x.bad.any() and len(x.bad) == sum(len(prompts[i]) for i in x.batch)
+                batches.append(x.batch)
+                writers.submit(x)
+            writers.join()
+    # calls of at most 8 tokens, each cut into parts for the writer threads, in order
+    assert sum(batches, []) == list(range(len(prompts)))
     assert len(b.llm.threads) == 1 and next(iter(b.llm.threads)).startswith("eyrie-generate")
-    assert list(tmp_path.iterdir()) == []  # every request file removed once mapped
+    assert list((tmp_path / "scratch").iterdir()) == []  # every request file removed
     assert b.waits["engine_s"] > 0 and b.waits["read_s"] > 0
-    # the next shard of the same engine stores float8: the worker is told with each call
-    b.cfg.storage_dtype = "float8_e4m3"
-    x = next(b.states(ids[:1], torch.bfloat16))
-    assert sorted(x.rows[0]) == ["aux_hidden", "aux_scale", "final_hidden", "final_scale"]
+    tol = dict(rtol=1e-2, atol=0) if storage == "bfloat16" else dict(rtol=0.07, atol=0)
+    with ShardReader(tmp_path / "s.h5") as r:
+        for i, p in enumerate(prompts):
+            got, want = r.read(i), torch.tensor(p).float()[:, None]
+            final, aux = got["final_hidden"].float(), got["aux_hidden"].float()
+            torch.testing.assert_close(final, (want + 0.3).expand(-1, 8), **tol)
+            torch.testing.assert_close(aux[:, 8:16], (want + 0.1).expand(-1, 8), **tol)
 
 
 def test_a_request_file_for_other_tokens_is_one_clear_line(tmp_path, monkeypatch):
     from eyrie.errors import ExtractError
-    from eyrie.vllm import backend as vb
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
-    b = object.__new__(vb.VllmBackend)
-    b.path, b.layer_ids, b.n_aux, b.H = "capture", [1, 2], 1, 4
-    b.tokens_per_call, b.scratch, b.staging = 8, tmp_path, None
-    b.waits = {"engine_s": 0.0, "read_s": 0.0}
-    b.cfg = types.SimpleNamespace(storage_dtype="bfloat16")
-    b.llm = _FakeEngine(tmp_path, 1, 4)
+    b = _capture_backend(tmp_path, [1, 2], 4)
     real = b.llm.generate
 
     def wrong_tokens(prompts, params, use_tqdm=False):
         outs = real(prompts, params)
         path = next(tmp_path.iterdir())
-        arrays = {k: v.copy() for k, v in map_request(path).items()}
+        arrays = {k: v.copy() for k, v in read_request(path).items()}
         arrays["token_ids"][0] += 1
         write_request(path, arrays)
         return outs
@@ -333,4 +340,4 @@ def test_a_request_file_for_other_tokens_is_one_clear_line(tmp_path, monkeypatch
         list(b.states([np.array([1, 2, 3], dtype=np.int32)], torch.bfloat16))
     (tmp_path / "junk.safetensors").write_bytes(b"\x01")
     with pytest.raises(ExtractError, match="junk.safetensors: not a readable request file"):
-        map_request(tmp_path / "junk.safetensors")
+        read_request(tmp_path / "junk.safetensors")

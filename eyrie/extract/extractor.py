@@ -95,11 +95,10 @@ class HostBatch(StoredBatch):
 
 @dataclass
 class StagedBatch(StoredBatch):
-    """Rows already in the stored representation (stored_tensors, on a GPU), copied or still
-    being copied into host memory (a pinned buffer, or a capture worker's mapped request files).
-    `rows[j]`: {dataset name: numpy [T_i, ...]} of sample batch[j] (views into that memory);
-    `bad`: [N] flags of stored_tensors. Both hold their values once the `done` event (if any)
-    has passed; `free` hands the memory back."""
+    """Rows already in the stored representation (stored_tensors on the GPU), copied or still
+    being copied into a pinned host buffer. `rows[j]`: {dataset name: numpy [T_i, ...]} of
+    sample batch[j] (views into the buffer); `bad`: [N] flags of stored_tensors. Both hold
+    their values once the `done` event (if any) has passed; `free` hands the buffer back."""
 
     batch: list[int]
     lengths: list[int]
@@ -112,23 +111,53 @@ class StagedBatch(StoredBatch):
         self.shapes = [(r["aux_hidden"].shape, r["final_hidden"].shape) for r in self.rows]
 
     def write(self, writer: ShardWriter) -> None:
-        from eyrie.formats.codecs import HIDDEN
-        from eyrie.formats.hidden import non_finite_sample
-
         if self.done is not None:
             self.done.synchronize()
-        if self.bad.any():
-            bounds = np.cumsum(self.lengths)
-            j = int(np.searchsorted(bounds, int(np.argmax(self.bad != 0)), side="right"))
-            flags = np.bitwise_or.reduce(self.bad[bounds[j] - self.lengths[j] : bounds[j]])
-            name = HIDDEN[0] if flags & 1 else HIDDEN[1]  # aux first, as ShardWriter.put checks
-            storage_dtype = writer.meta.storage_dtype
-            raise ExtractError(non_finite_sample(writer.path, self.batch[j], name, storage_dtype))
+        refuse_bad_rows(writer, self.batch, self.lengths, self.bad)
         for i, rows in zip(self.batch, self.rows):
             writer.put_stored(i, rows)
 
     def release(self) -> None:
         self.free()
+
+
+@dataclass
+class FileBatch(StoredBatch):
+    """Rows already in the stored representation, lying in other files (a capture worker's
+    request files): `sources[j]` {dataset name: (descriptor, offset, bytes)} of sample batch[j],
+    copied into the shard by the kernel (ShardWriter.put_from_file); `shapes[j]` as the files
+    say; `bad`: [N] flags of stored_tensors; `free` closes the files."""
+
+    batch: list[int]
+    lengths: list[int]
+    sources: list[dict[str, tuple[int, int, int]]]
+    shapes: list[Shapes]
+    bad: np.ndarray
+    free: Callable[[], None]
+
+    def write(self, writer: ShardWriter) -> None:
+        refuse_bad_rows(writer, self.batch, self.lengths, self.bad)
+        for i, sources in zip(self.batch, self.sources):
+            writer.put_from_file(i, sources)
+
+    def release(self) -> None:
+        self.free()
+
+
+def refuse_bad_rows(writer: ShardWriter, batch: list[int], lengths: list[int], bad) -> None:
+    """Raise, naming the first sample and dataset, where stored_tensors' flags `bad` [N] (of
+    the batch's rows, in batch order) mark a non-finite row."""
+    from eyrie.formats.codecs import HIDDEN
+    from eyrie.formats.hidden import non_finite_sample
+
+    if not bad.any():
+        return
+    bounds = np.cumsum(lengths)
+    j = int(np.searchsorted(bounds, int(np.argmax(bad != 0)), side="right"))
+    flags = np.bitwise_or.reduce(bad[bounds[j] - lengths[j] : bounds[j]])
+    name = HIDDEN[0] if flags & 1 else HIDDEN[1]  # aux first, as ShardWriter.put checks
+    storage_dtype = writer.meta.storage_dtype
+    raise ExtractError(non_finite_sample(writer.path, batch[j], name, storage_dtype))
 
 
 class PinnedStaging:
@@ -395,8 +424,8 @@ class Extractor:
 
 class _Writers:
     """Writer threads for one shard: each writes a submitted batch (StoredBatch.write), then
-    releases it. A failed write surfaces at the next `submit`; at most
-    two batches wait for a writer (the time the backend waits for them: `wait_s`)."""
+    releases it. A failed write surfaces at the next `submit`; besides the WRITERS being
+    written, at most two batches wait for a writer (the time the backend waits: `wait_s`)."""
 
     def __init__(self, writer: ShardWriter):
         self.writer = writer
@@ -412,7 +441,7 @@ class _Writers:
 
     def submit(self, item: StoredBatch) -> None:
         self.pending.append(self.pool.submit(self._write, item))
-        while self.pending and (self.pending[0].done() or len(self.pending) > 2):
+        while self.pending and (self.pending[0].done() or len(self.pending) > WRITERS + 2):
             self._result(self.pending.pop(0))
 
     def join(self) -> None:

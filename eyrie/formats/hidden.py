@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -171,6 +172,7 @@ class ShardWriter:
         f.flush()
         self.raw = {name: ds.id.get_offset() for name, ds in self.data.items()}
         self.fd = os.open(self.tmp, os.O_WRONLY)
+        self._local, self._fds, self._fds_lock = threading.local(), [], threading.Lock()
 
     def put(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
         """aux: [T_i, n_aux * H]; final: [T_i, H] for sample i (any float dtype, any device)."""
@@ -217,11 +219,52 @@ class ShardWriter:
                     done += os.pwrite(self.fd, buf[done:], at + a * row + done)
         self.written[i] = True
 
+    def put_from_file(self, i: int, sources: dict[str, tuple[int, int, int]]) -> None:
+        """Write sample i from bytes already in their stored representation and already checked
+        finite, lying in other files: {dataset name: (descriptor, offset, bytes)}. The kernel
+        copies them (sendfile, through a descriptor of this thread's own), so they never pass
+        through this process's memory."""
+        T = int(self.lengths[i])
+        a = int(self.offsets[i])
+        if set(sources) != set(self.data):
+            raise ShardError(
+                f"{self.path}: sample {i}: got datasets {sorted(sources)}, expected "
+                f"{sorted(self.data)}"
+            )
+        out = self._thread_fd()
+        for name, (fd, at, nbytes) in sources.items():
+            ds = self.data[name]
+            row = ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))
+            if nbytes != T * row:
+                raise ShardError(
+                    f"{self.path}: sample {i}: {name} has {nbytes} bytes, expected {T * row} "
+                    f"({T} rows of {row})"
+                )
+            os.lseek(out, self.raw[name] + a * row, os.SEEK_SET)
+            done = 0
+            while done < nbytes:
+                sent = os.sendfile(out, fd, at + done, nbytes - done)
+                if sent == 0:
+                    raise ShardError(f"{self.path}: sample {i}: {name}: its source ended early")
+                done += sent
+        self.written[i] = True
+
+    def _thread_fd(self) -> int:
+        """This thread's own descriptor of the file (sendfile writes at a descriptor's position)."""
+        fd = getattr(self._local, "fd", None)
+        if fd is None:
+            fd = self._local.fd = os.open(self.tmp, os.O_WRONLY)
+            with self._fds_lock:
+                self._fds.append(fd)
+        return fd
+
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
         try:
+            for fd in self._fds:
+                os.close(fd)
             os.close(self.fd)
             self.f.close()
             if exc_type is None:

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,13 +27,13 @@ import torch
 
 from eyrie.arch.registry import adapter_for
 from eyrie.errors import ExtractError
-from eyrie.extract.extractor import HostBatch, PinnedStaging, StagedBatch, StoredBatch
-from eyrie.formats.codecs import bytes_per_token
+from eyrie.extract.extractor import WRITERS, FileBatch, HostBatch, PinnedStaging, StoredBatch
+from eyrie.formats.codecs import HIDDEN, bytes_per_token
 from eyrie.rehearsal import engine_kwargs
 from eyrie.vllm.adapters import engine_environment, request_key, text_only
 from eyrie.vllm.checks import ExtractLayers, choose_path, config_problems, version_problems
 from eyrie.vllm.facts import gather_facts
-from eyrie.vllm.requestfile import BAD, TOKEN_IDS, map_request, request_path
+from eyrie.vllm.requestfile import BAD, TOKEN_IDS, RequestFile, request_path
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,36 @@ def scratch_folder(need_bytes: int) -> Path:
     if where is None:
         log.info("scratch: /dev/shm lacks %.1f GiB; request files go to disk", need_bytes / 2**30)
     return Path(tempfile.mkdtemp(prefix="eyrie-vllm-", dir=where))
+
+
+AUX, FINAL = HIDDEN
+
+
+def _parts(lengths: list[int], n: int) -> list[list[int]]:
+    """Indices 0..len-1 in order, cut into at most n runs of about equal total length."""
+    total, parts, run, acc = sum(lengths), [], [], 0
+    for j, t in enumerate(lengths):
+        run.append(j)
+        acc += t
+        if acc >= total * (len(parts) + 1) / n and len(parts) < n - 1:
+            parts.append(run)
+            run = []
+    return parts + [run] if run else parts
+
+
+class _CloseWithLast:
+    """Closes a call's request files when the last of its `parts` batches is released (a
+    prompt sent twice in one call may lie in two parts, written by two threads)."""
+
+    def __init__(self, files: list[RequestFile], parts: int):
+        self.files, self.left, self.lock = files, parts, threading.Lock()
+
+    def __call__(self) -> None:
+        with self.lock:
+            self.left -= 1
+            if self.left == 0:
+                for f in self.files:
+                    f.close()
 
 
 class VllmBackend:
@@ -181,12 +212,12 @@ class VllmBackend:
                 )
                 t1 = time.monotonic()
                 if self.path == "capture":
-                    batch = self._mapped(input_ids, chunk, keys, outputs, n)
+                    batches = list(self._files(input_ids, chunk, keys, outputs, n))
                 else:
-                    batch = self._batch(input_ids, chunk, keys, outputs, storage)
+                    batches = [self._batch(input_ids, chunk, keys, outputs, storage)]
                 self.waits["engine_s"] += t1 - t0
                 self.waits["read_s"] += time.monotonic() - t1
-                yield batch
+                yield from batches
 
     def _generate(self, input_ids: list[np.ndarray], chunk: list[int], call: int, params):
         """generate() call number `call` (max_tokens 1) for `chunk`: (request keys, outputs)."""
@@ -197,34 +228,49 @@ class VllmBackend:
             self.llm.collective_rpc("eyrie_expect", args=expect)
         return keys, self.llm.generate(prompts, params, use_tqdm=False)
 
-    def _mapped(self, input_ids, chunk, keys, outputs, call: int) -> StagedBatch:
-        """One capture call's request files, mapped: the worker made the stored representation
-        and its finite flags, so the writers copy the mapped rows into the shard as they are.
-        Each file is removed once mapped (its memory goes with the batch)."""
-        files: dict[str, dict[str, np.ndarray]] = {}
-        for i, key, out in zip(chunk, keys, outputs):
-            if key in files:
-                continue  # the same prompt twice in one call: recorded once
-            path = self._wait_for(request_path(self.scratch, call, key), out)
-            arrays = map_request(path)
-            path.unlink()
-            got = arrays.pop(TOKEN_IDS, None)
-            if got is None or BAD not in arrays or not np.array_equal(got, input_ids[i]):
-                raise ExtractError(
-                    f"{path}: the capture worker wrote states for other token ids than the "
-                    f"{len(input_ids[i])}-token prompt it was sent (or no {TOKEN_IDS!r}/{BAD!r}); "
-                    "this vLLM's capture is broken for this target: report it with the log"
-                )
-            files[key] = arrays
-        rows = [{k: v for k, v in files[key].items() if k != BAD} for key in keys]
-        return StagedBatch(
-            list(chunk),
-            [len(input_ids[i]) for i in chunk],
-            rows,
-            np.concatenate([files[key][BAD] for key in keys]),
-            done=None,
-            free=files.clear,
-        )
+    def _files(self, input_ids, chunk, keys, outputs, call: int) -> Iterator[FileBatch]:
+        """One capture call's request files, as up to WRITERS batches of about equal tokens (one
+        per writer thread): the worker made the stored representation and its finite flags, so
+        the writers have the kernel copy the rows into the shard as they are. Each file is
+        removed once open; its memory goes when the call's batches are released."""
+        files: dict[str, RequestFile] = {}
+        bad: dict[str, np.ndarray] = {}
+        try:
+            for i, key, out in zip(chunk, keys, outputs):
+                if key in files:
+                    continue  # the same prompt twice in one call: recorded once
+                path = self._wait_for(request_path(self.scratch, call, key), out)
+                files[key] = f = RequestFile(path)
+                path.unlink()
+                got = f.read(TOKEN_IDS) if TOKEN_IDS in f.arrays else None
+                if got is None or BAD not in f.arrays or not np.array_equal(got, input_ids[i]):
+                    raise ExtractError(
+                        f"{path}: the capture worker wrote states for other token ids than the "
+                        f"{len(input_ids[i])}-token prompt it was sent (or no {TOKEN_IDS!r}/"
+                        f"{BAD!r}); this vLLM's capture is broken for this target: report it "
+                        "with the log"
+                    )
+                bad[key] = f.read(BAD)
+        except BaseException:
+            for f in files.values():
+                f.close()
+            raise
+        lengths = [len(input_ids[i]) for i in chunk]
+        parts = _parts(lengths, WRITERS)
+        free = _CloseWithLast(list(files.values()), len(parts))
+        for part in parts:
+            part_keys = [keys[j] for j in part]
+            yield FileBatch(
+                [chunk[j] for j in part],
+                [lengths[j] for j in part],
+                [
+                    {n: files[k].source(n) for n in files[k].arrays if n not in (BAD, TOKEN_IDS)}
+                    for k in part_keys
+                ],
+                [(files[k].arrays[AUX][1], files[k].arrays[FINAL][1]) for k in part_keys],
+                np.concatenate([bad[k] for k in part_keys]),
+                free=free,
+            )
 
     def _batch(self, input_ids, chunk, keys, outputs, storage: torch.dtype) -> StoredBatch:
         """One native call's states read from vLLM's request files (removed after), as a batch

@@ -3,16 +3,16 @@ from the capture worker (eyrie.vllm.capture) to the driver (eyrie.vllm.backend) 
 scratch folder (in memory: /dev/shm).
 
 The layout is safetensors' (an 8-byte header length, a JSON header, the raw bytes), so any
-safetensors reader opens one. The worker writes it straight from its pinned buffer and the driver
-maps it: the bytes are copied once on each side, into the scratch file and from it into the
-shard. A file is named by the generate() call that asked for it and the prompt's request key, so
-a prompt that recurs in the next call never meets the last call's file.
+safetensors reader opens one. The worker writes it straight from its pinned buffer, and the shard
+writer copies its rows into the shard in the kernel (sendfile): the bytes are copied once on
+each side and never pass through the driver's memory. A file is named by the generate() call
+that asked for it and the prompt's request key, so a prompt that recurs in the next call never
+meets the last call's file.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from pathlib import Path
@@ -69,27 +69,58 @@ def write_request(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
     os.replace(tmp, path)
 
 
-def map_request(path: str | Path) -> dict[str, np.ndarray]:
-    """The arrays of the request file at `path`, as read-only views of its mapping (they keep it
-    alive: the file may be removed at once, its memory goes with the last view)."""
+class RequestFile:
+    """An open request file: its arrays' dtypes, shapes and byte ranges, read from its header.
+
+    `read(name)` reads one array (the flags and token ids: small); `source(name)` is (descriptor,
+    offset, bytes) of one, for the shard writer to copy in the kernel (ShardWriter.put_from_file)
+    without the bytes passing through this process. The file may be removed once open; `close()`
+    frees it."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.fd = os.open(self.path, os.O_RDONLY)
+        try:
+            size = os.fstat(self.fd).st_size
+            (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+            header = json.loads(os.pread(self.fd, n, 8))
+            self.arrays: dict[str, tuple[np.dtype, tuple, int, int]] = {}
+            for name, d in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype, (a, b) = NUMPY[d["dtype"]], d["data_offsets"]
+                shape = tuple(int(x) for x in d["shape"])
+                if 8 + n + b > size or b - a != dtype.itemsize * int(np.prod(shape)):
+                    raise ValueError(f"{name}: bytes {a}..{b} do not hold {shape} in {size}")
+                self.arrays[name] = (dtype, shape, 8 + n + a, b - a)
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            os.close(self.fd)
+            raise ExtractError(
+                f"{self.path}: not a readable request file of the capture worker ({exc}); "
+                "the engine's scratch folder was changed under it: rerun the extraction"
+            ) from None
+
+    def read(self, name: str) -> np.ndarray:
+        dtype, shape, at, nbytes = self.arrays[name]
+        data = os.pread(self.fd, nbytes, at)
+        if len(data) != nbytes:
+            raise ExtractError(f"{self.path}: {name} cut short ({len(data)} of {nbytes} bytes)")
+        return np.frombuffer(data, dtype).reshape(shape)
+
+    def source(self, name: str) -> tuple[int, int, int]:
+        _, _, at, nbytes = self.arrays[name]
+        return self.fd, at, nbytes
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def read_request(path: str | Path) -> dict[str, np.ndarray]:
+    """Every array of the request file at `path`."""
+    f = RequestFile(path)
     try:
-        with open(path, "rb") as f:
-            m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        (n,) = struct.unpack_from("<Q", m, 0)
-        header = json.loads(bytes(m[8 : 8 + n]))
-        out = {}
-        for name, d in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = NUMPY[d["dtype"]]
-            a, b = d["data_offsets"]
-            if 8 + n + b > len(m):
-                raise ValueError(f"{name} ends at byte {8 + n + b} of {len(m)}")
-            view = np.frombuffer(m, dtype, (b - a) // dtype.itemsize, 8 + n + a)
-            out[name] = view.reshape(d["shape"])
-        return out
-    except (OSError, ValueError, KeyError, struct.error) as exc:
-        raise ExtractError(
-            f"{path}: not a readable request file of the capture worker ({exc}); "
-            "the engine's scratch folder was changed under it: rerun the extraction"
-        ) from None
+        return {name: f.read(name) for name in f.arrays}
+    finally:
+        f.close()
