@@ -7,7 +7,8 @@ the same prompts for every row:
       HDF5 shard on local disk (the engine's load not timed), and what `VllmBackend.states()`
       alone delivers (no HDF5);
   (d) the disk's raw write rate for the shard's bytes (pwrite threads into one file, the
-      writers' call);
+      writers' call), into the page cache and until fsync returns (a shard is fsynced before
+      its rename, inside (b)/(c)'s end to end);
 
 each once per storage dtype, the best of `--passes`. A row's ratio is its tokens/s over
 min(a, d-as-tokens/s): the goal is >= 0.85. Each engine runs in its own process (its GPU memory
@@ -247,8 +248,10 @@ def child_eyrie(root: Path, shape: str, path: str, storages: list[str], passes: 
     return out
 
 
-def raw_writes(path: Path, nbytes: int, threads: int = 4) -> float:
-    """(d): `nbytes` into one preallocated file by `threads` pwrite threads, 64 MiB pieces."""
+def raw_writes(path: Path, nbytes: int, threads: int = 4) -> tuple[float, float]:
+    """(d): `nbytes` into one preallocated file by `threads` pwrite threads, 64 MiB pieces:
+    (seconds into the page cache, seconds until fsync returns: on the disk, as a shard is
+    before its rename)."""
     from concurrent.futures import ThreadPoolExecutor
 
     piece = 64 << 20
@@ -266,7 +269,9 @@ def raw_writes(path: Path, nbytes: int, threads: int = 4) -> float:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(write, range(0, nbytes, piece)))
-        return time.perf_counter() - t0
+        cached = time.perf_counter() - t0
+        os.fsync(fd)
+        return cached, time.perf_counter() - t0
     finally:
         os.close(fd)
         os.unlink(path)
@@ -323,7 +328,9 @@ def main() -> None:
             if "storage" in row[path]
             for s in row[path]["storage"].values()
         ]
-        row["disk"] = {str(n): raw_writes(root / "raw.bin", n) for n in sorted(set(sizes))}
+        disk = {str(n): raw_writes(root / "raw.bin", n) for n in sorted(set(sizes))}
+        row["disk"] = {n: cached for n, (cached, _) in disk.items()}
+        row["disk_fsync"] = {n: synced for n, (_, synced) in disk.items()}
         results["shapes"][shape] = row
         print(json.dumps({shape: row}, indent=1), flush=True)
         save(results, gpu)  # after each shape: a run cut short keeps what it measured
@@ -340,24 +347,27 @@ def save(results: dict, gpu: str) -> None:
 
 def table(results: dict) -> None:
     print(
-        "| shape | storage | bare prefill | disk limit | row | delivered | end to end | ratio "
-        "| engine wait s | read s | writers wait s |"
+        "| shape | storage | bare prefill | disk limit | disk with fsync | row | delivered "
+        "| end to end | ratio | engine wait s | read s | writers wait s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for shape, row in results["shapes"].items():
         T = row["tokens"]
         bare = T / row["bare"]["seconds"] if "seconds" in row["bare"] else float("nan")
         for path in ("native", "capture"):
             got = row.get(path) or {}
             if "storage" not in got:
-                print(f"| {shape} | | {bare:,.0f} | | {path} | {got.get('error', 'not run')} | | |")
+                why = got.get("error", "not run")
+                print(f"| {shape} | | {bare:,.0f} | | | {path} | {why} | | |")
                 continue
             for storage, s in got["storage"].items():
                 disk = T / row["disk"][str(s["shard_bytes"])]
+                synced = row.get("disk_fsync", {}).get(str(s["shard_bytes"]))
+                synced = f"{T / synced:,.0f}" if synced else ""
                 e2e = T / s["end_to_end_s"]
                 w = s.get("waits", {})
                 print(
-                    f"| {shape} | {storage} | {bare:,.0f} | {disk:,.0f} | {path} | "
+                    f"| {shape} | {storage} | {bare:,.0f} | {disk:,.0f} | {synced} | {path} | "
                     f"{T / s['delivered_s']:,.0f} | {e2e:,.0f} | {e2e / min(bare, disk):.2f} | "
                     f"{w.get('engine_s', '')} | {w.get('read_s', '')} | {w.get('writers_s', '')} |"
                 )
