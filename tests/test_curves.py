@@ -141,10 +141,23 @@ def test_event_files_equal_metrics_once_per_step_after_a_crash_and_resume(
     assert logged[3]["accuracy/ttt_step_2"] == records[2]["full_acc_2"]
 
 
-def test_no_curves_when_report_to_is_empty(world, tmp_path):
+def test_report_to_turned_on_after_a_run_writes_its_whole_curves(world, tmp_path, monkeypatch):
     summary = run_train(world, tmp_path, train_settings(epochs=1, report_to=[]))
+    run_dir = tmp_path / "state" / summary["run_id"]
     assert not (tmp_path / "train" / "tensorboard").exists()
-    assert not (tmp_path / "state" / summary["run_id"] / "tensorboard").exists()
+    assert not (run_dir / "tensorboard").exists() and not (run_dir / "wandb_run_id").exists()
+
+    # the same run (report_to is not in the run id): resumed at its last step, no step trained
+    runs = stand_in_wandb(monkeypatch)
+    again = run_train(world, tmp_path, train_settings(epochs=1, report_to=["tensorboard", "wandb"]))
+    assert again["run_id"] == summary["run_id"]
+    assert again["resumed_from_step"] == again["steps"] == summary["steps"]
+    records = [json.loads(ln) for ln in (tmp_path / "train" / "metrics.jsonl").open()]
+    want = expected_scalars(records, log_every=5)
+    assert_curves_equal(event_scalars(run_dir / "tensorboard"), want)
+    assert_curves_equal(event_scalars(tmp_path / "train" / "tensorboard"), want)
+    (run,) = runs
+    assert [s for s, _ in run["log"]] == [r["step"] for r in records]
 
 
 def test_a_backend_that_cannot_be_imported_is_refused_naming_the_key(monkeypatch):

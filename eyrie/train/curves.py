@@ -56,7 +56,10 @@ class _TensorBoard:
 
         if first_step <= 1:  # a fresh start: no earlier attempt's curves
             shutil.rmtree(folder, ignore_errors=True)
-        self.writer = SummaryWriter(str(folder), purge_step=first_step if first_step > 1 else None)
+        # the steps before first_step are there (else: a run resumed with report_to changed)
+        self.has_history = any(folder.glob("events.out.tfevents.*"))
+        purge = first_step if self.has_history else None
+        self.writer = SummaryWriter(str(folder), purge_step=purge)
 
     def write(self, step: int, values: dict[str, float]) -> None:
         for tag, value in values.items():
@@ -77,7 +80,8 @@ class _WandB:
         import wandb
 
         id_file = run_dir / WANDB_ID
-        if resumed and id_file.is_file():
+        self.has_history = resumed and id_file.is_file()
+        if self.has_history:
             run_id = id_file.read_text().strip()
         else:
             run_id = uuid.uuid4().hex[:16]
@@ -92,8 +96,8 @@ class _WandB:
         )
 
     def write(self, step: int, values: dict[str, float]) -> None:
-        # W&B drops a step at or below its newest: a resumed run's repeated steps keep the
-        # first values (the same losses: a resumed run trains the same steps)
+        # W&B ignores a step below the run's current one: a resumed run's repeated steps keep
+        # their first values (the same losses: a resumed run trains the same steps)
         self.run.log(values, step=step)
 
     def flush(self) -> None:
@@ -119,15 +123,19 @@ class Curves:
         wandb_config: dict,
     ) -> "Curves":
         """The run folder's curves; `history`: the records of the steps before this process (a
-        resumed run's), which tokens/s counts from and which are not written again."""
-        for record in history:
-            scalars.of(record)
+        resumed run's), which tokens/s counts from and which a backend gets only when it does
+        not have them yet (turned on in a resumed run)."""
+        backlog = [(record["step"], scalars.of(record)) for record in history]
         first_step = history[-1]["step"] + 1 if history else 1
         sinks = []
         if "tensorboard" in report_to:
             sinks.append(_TensorBoard(run_dir / TENSORBOARD_DIR, first_step))
         if "wandb" in report_to:
             sinks.append(_WandB(run_dir, run_dir.name, bool(history), wandb_config))
+        for sink in sinks:
+            if not sink.has_history:
+                for step, values in backlog:
+                    sink.write(step, values)
         return cls(sinks, scalars)
 
     def add(self, records: list[dict]) -> None:
@@ -148,6 +156,6 @@ def write_event_files(folder: Path, records: list[dict], ttt_steps: int, log_eve
     """A finished run's records as TensorBoard event files in `folder` (the output folder's copy:
     every step once, whatever resumes made the run)."""
     scalars = Scalars(ttt_steps, log_every, records[-1]["step"] if records else 0)
-    curves = Curves([_TensorBoard(folder, 1)], scalars)
+    curves = Curves([_TensorBoard(folder, first_step=1)], scalars)
     curves.add(records)
     curves.close()
