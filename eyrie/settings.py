@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -100,7 +101,7 @@ def cross_field_problems(config: dict) -> list[str]:
             f"train.max_tokens_per_batch: {both[0]} is too small for train.ttt_steps={both[1]}; "
             f"set it to at least {8 * both[1]} (8 per TTT step) or lower train.ttt_steps"
         )
-    return problems + rehearsal_problems(config)
+    return problems + rehearsal_problems(config) + report_problems(config)
 
 
 def _section(config: dict, name: str) -> dict:
@@ -132,6 +133,26 @@ def rehearsal_problems(config: dict) -> list[str]:
             "run to regenerate.max_new_tokens, so every record would be dropped as cut; set "
             f"data.regenerate: false for the rehearsal ({rehearsal.DOC})"
         )
+    return problems
+
+
+# train.report_to's backends: the module each imports, which its pip package of that name installs
+REPORTERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def report_problems(settings: dict) -> list[str]:
+    """A train.report_to backend whose package this Python lacks: refused when the config is
+    read and again when training starts, before any step, rather than curves silently missing."""
+    asked = _section(settings, "train").get("report_to")
+    problems = []
+    for name in asked if isinstance(asked, list) else []:
+        module = REPORTERS.get(name)
+        if module and importlib.util.find_spec(module) is None:
+            problems.append(
+                f"train.report_to: {name} is asked for but {sys.executable} cannot import "
+                f"{module}; install it (`{sys.executable} -m pip install {module}`) or remove "
+                f"{name} from train.report_to"
+            )
     return problems
 
 

@@ -153,6 +153,7 @@ TABLE = (
             "verify_shards",
         )
     ),
+    Row("train.report_to", ("train_draft",), new=True),
     Row("eval.num_speculative_tokens", ("evaluate_draft", "evaluate_vllm")),
     Row("eval.max_new_tokens", ("evaluate_draft", "evaluate_vllm")),
     Row("eval.num_prompts", ("evaluate_draft", "evaluate_vllm")),

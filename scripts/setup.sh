@@ -25,7 +25,9 @@ python - <<'PY'
 from importlib.metadata import version
 
 import h5py, speculators.models.eagle3, torch, transformers  # noqa: F401  (imports must work)
+import torch.utils.tensorboard  # noqa: F401  (train.report_to's default)
 print("setup: " + ", ".join(f"{p} {version(p)}" for p in
-                            ("torch", "transformers", "speculators", "snakemake", "h5py")))
+                            ("torch", "transformers", "speculators", "snakemake", "h5py",
+                             "tensorboard")))
 PY
 echo "$want" > "$stamp"

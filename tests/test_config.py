@@ -179,6 +179,7 @@ def test_contracts_doc_is_the_generated_table():
 
 # data keys added after db3e96d: left out of params while at their defaults (the configs here)
 NEW_DATA_KEYS = ("mask_mode", "train_reasoning", "non_text", "regenerate")
+NEW_TRAIN_KEYS = ("report_to",)  # likewise, added later
 
 
 def _old_settings(config: dict) -> dict:
@@ -204,6 +205,7 @@ def _old_settings(config: dict) -> dict:
         keys = ("extraction_path", "tensor_parallel_size", "enforce_eager", "max_model_len")
         extract["vllm"] = {k: vllm[k] for k in keys}
     demo = config["demo"]
+    train = {k: v for k, v in config["train"].items() if k not in NEW_TRAIN_KEYS}
     return {
         "build_demo_conversations": {"demo": {k: demo[k] for k in ("seed", "num_conversations")}},
         "build_demo_target": {"demo": {k: v for k, v in demo.items() if k != "num_conversations"}},
@@ -214,8 +216,8 @@ def _old_settings(config: dict) -> dict:
         "build_vocab_map": {"vocab": config["vocab"]},
         "preflight": preflight,
         "extract_hidden_states": extract,
-        "train_draft": {"train": config["train"]},
-        "export_draft": {"train": config["train"]},
+        "train_draft": {"train": train},
+        "export_draft": {"train": train},
         "evaluate_draft": {"eval": ev},
         "evaluate_vllm": {
             "eval": {k: v for k, v in ev.items() if k != "device"},

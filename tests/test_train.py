@@ -197,6 +197,7 @@ def test_loss_falls_and_outputs_are_written(world, tmp_path):
         "curves.png",
         "draft",
         "metrics.jsonl",
+        "tensorboard",
         "train.json",
     ]
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"

@@ -164,8 +164,10 @@ def test_two_processes_train_the_same_draft_as_one(one_process, two_processes):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=RTOL)  # DDP averages, not sums
         for k in range(3):
             assert b[f"loss_{k}"] == pytest.approx(a[f"loss_{k}"], rel=RTOL, abs=1e-9)
-    # one copy of the progress lines (rank 0 only)
+    # one copy of the progress lines and of the curves (rank 0 only)
     assert proc.stderr.count(f"step {summary['steps']}/{summary['steps']} ") == 1
+    events = list((two / "state" / saved["run_id"] / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1, events
 
 
 @pytest.fixture(scope="module")

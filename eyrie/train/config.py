@@ -13,13 +13,13 @@ import math
 from dataclasses import dataclass
 
 from eyrie.errors import EyrieError
-from eyrie.settings import load_settings
+from eyrie.settings import load_settings, report_problems
 
 log = logging.getLogger(__name__)
 
 
 # Settings that do not change the trained weights (left out of the run id).
-NOT_IN_RUN_ID = ("log_every", "checkpoint_every", "verify_shards")
+NOT_IN_RUN_ID = ("log_every", "checkpoint_every", "verify_shards", "report_to")
 
 
 @dataclass(frozen=True)
@@ -45,14 +45,16 @@ class TrainSettings:
     checkpoint_every: int
     log_every: int
     verify_shards: bool
+    report_to: tuple[str, ...]  # where the curves go besides metrics.jsonl (eyrie.train.curves)
 
     @classmethod
     def from_settings(cls, settings: dict) -> "TrainSettings":
         """Typed `train` section of --settings; every problem reported at once, each by key."""
-        section = load_settings(settings, ["train"], EyrieError)["train"]
+        section = load_settings(settings, ["train"], EyrieError, report_problems(settings))["train"]
+        convert = {"float": float, "tuple[str, ...]": tuple}
         cfg = cls(
             **{
-                f.name: float(section[f.name]) if f.type == "float" else section[f.name]
+                f.name: convert.get(f.type, lambda v: v)(section[f.name])
                 for f in dataclasses.fields(cls)
             }
         )

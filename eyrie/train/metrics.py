@@ -1,6 +1,6 @@
 """Training metrics and outputs: a pack's device-side sums, the step records of metrics.jsonl, the
 means the progress line prints, and the output folder (draft, metrics.jsonl, curves.png,
-train.json).
+tensorboard/, train.json).
 
 Contract: a step's record holds its loss (the mean over its packs), per-TTT-step losses and full
 accuracies, token counts, lr, grad norm, data wait and wall time, from the sums of every rank's
@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from eyrie.io import atomic_path, write_json
+from eyrie.train.config import TrainSettings
+from eyrie.train.curves import TENSORBOARD_DIR, write_event_files
 
 
 def pack_sums(loss: torch.Tensor, metrics: dict, ttt_steps: int) -> torch.Tensor:
@@ -64,13 +66,18 @@ def _step_record(sums: list[float], packs: int, ttt_steps: int) -> dict:
     return out
 
 
-def write_outputs(out_dir: Path, model, records: list[dict], summary: dict, ttt_steps: int) -> None:
-    """out_dir/{draft/, metrics.jsonl, curves.png, train.json}, replaced as a whole."""
+def write_outputs(
+    out_dir: Path, model, records: list[dict], summary: dict, cfg: TrainSettings
+) -> None:
+    """out_dir/{draft/, metrics.jsonl, curves.png, tensorboard/ (with train.report_to's
+    tensorboard), train.json}, replaced as a whole."""
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         model.to("cpu").save_pretrained(tmp / "draft")
         (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-        plot_curves(records, ttt_steps, tmp / "curves.png")
+        plot_curves(records, cfg.ttt_steps, tmp / "curves.png")
+        if "tensorboard" in cfg.report_to:
+            write_event_files(tmp / TENSORBOARD_DIR, records, cfg.ttt_steps, cfg.log_every)
         write_json(tmp / "train.json", summary)
 
 

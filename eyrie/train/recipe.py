@@ -41,6 +41,7 @@ from eyrie.train.checkpoint import (
     truncate_metrics,
 )
 from eyrie.train.config import TrainSettings, check_world
+from eyrie.train.curves import Curves, Scalars
 from eyrie.train.launch import Dist, stop
 from eyrie.train.metrics import fmt, mean, pack_sums, read_pending, write_outputs
 from eyrie.train.packing import BatchSpec, PackedShards, Plan, Prefetcher, decode_batch
@@ -59,8 +60,8 @@ class TrainPaths:
     preflight: Path  # preflight.json
     vocab: Path  # vocab.safetensors (d2t, t2d)
     shards: list[Path]  # hidden-state HDF5 shards
-    out_dir: Path  # draft/, metrics.jsonl, curves.png, train.json; replaced as a whole
-    state_dir: Path  # <run id>/step_<N>/ checkpoints and the run's metrics.jsonl
+    out_dir: Path  # draft/, metrics.jsonl, curves.png, tensorboard/, train.json; replaced whole
+    state_dir: Path  # <run id>/step_<N>/ checkpoints, the run's metrics.jsonl and tensorboard/
 
     def __post_init__(self) -> None:
         self.target = Path(self.target).resolve()
@@ -131,7 +132,7 @@ class TrainRecipe:
         fixed = cfg.pack_shape == "fixed" or (cfg.pack_shape == "auto" and self.cuda)
         self.pad_to = cfg.max_tokens_per_batch if fixed else None
         self.k = cfg.packs_per_step // self.dist.world  # packs of each step that this rank trains
-        self._stack = contextlib.ExitStack()  # the shards, the metrics file, the loader
+        self._stack = contextlib.ExitStack()  # the shards, the metrics file and curves, the loader
 
     def run(
         self,
@@ -358,10 +359,11 @@ class TrainRecipe:
         return True
 
     def _start_loading(self) -> None:
-        """The metrics file (rank 0) and the loader thread, closed by `cleanup`."""
-        self.metrics_file = (
-            self._stack.enter_context(self.metrics_path.open("a")) if self.dist.main else None
-        )
+        """The metrics file and curves (rank 0) and the loader thread, closed by `cleanup`."""
+        self.metrics_file = self.curves = None
+        if self.dist.main:
+            self.metrics_file = self._stack.enter_context(self.metrics_path.open("a"))
+            self.curves = self._open_curves()
         spec = BatchSpec(
             dtype=self.data.transfer_dtype if self.cuda else torch.float32,
             pin=self.cuda,
@@ -370,6 +372,22 @@ class TrainRecipe:
         self.loader = self._stack.enter_context(
             Prefetcher(self.data, [mine for _, _, mine, _ in self.schedule], spec=spec)
         )
+
+    def _open_curves(self) -> Curves | None:
+        """TensorBoard and W&B curves as train.report_to asks, beside metrics.jsonl."""
+        cfg = self.cfg
+        if not cfg.report_to:
+            return None
+        history = [json.loads(ln) for ln in self.metrics_path.read_text().splitlines()]
+        curves = Curves.open(
+            cfg.report_to,
+            self.run_dir,
+            Scalars(cfg.ttt_steps, cfg.log_every, self.plan.total_steps),
+            history,
+            {"train": self.settings["train"], "out_dir": str(self.paths.out_dir)},
+        )
+        self._stack.callback(curves.close)
+        return curves
 
     def _stage(self) -> tuple[list[dict], float]:
         """The next step's batches, copies to the device under way; seconds blocked."""
@@ -452,6 +470,8 @@ class TrainRecipe:
             if self.metrics_file is not None:
                 self.metrics_file.write("".join(json.dumps(r) + "\n" for r in records))
                 self.metrics_file.flush()
+            if self.curves is not None:
+                self.curves.add(records)
             state.window = (state.window + records)[-cfg.log_every :]
         if not log_now:
             return
@@ -510,7 +530,7 @@ class TrainRecipe:
         if self.dist.main:
             records = [json.loads(ln) for ln in self.metrics_path.read_text().splitlines()]
             summary = self._summary(records, timing)
-            write_outputs(self.paths.out_dir, self.model, records, summary, cfg.ttt_steps)
+            write_outputs(self.paths.out_dir, self.model, records, summary, cfg)
             log.info(
                 "wrote %s: final loss %s, accuracy per TTT step %s",
                 self.paths.out_dir,
