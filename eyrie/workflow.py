@@ -157,6 +157,7 @@ TABLE = (
     Row("eval.max_new_tokens", ("evaluate_draft", "evaluate_vllm")),
     Row("eval.num_prompts", ("evaluate_draft", "evaluate_vllm")),
     Row("eval.device", ("evaluate_draft",), other="evaluate_draft's gpu resource"),
+    Row("eval.dtype", ("evaluate_draft",), new=True),
     Row("eval.vllm", read=VLLM_READ, other="`all` asks for eval_vllm.json"),
     Row(
         "vllm.python",
