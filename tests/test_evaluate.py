@@ -361,6 +361,27 @@ def test_bfloat16_decodes_in_bfloat16(case, tmp_path):
     assert next(model.parameters()).dtype == torch.bfloat16
 
 
+def test_mt_bench_questions_as_the_eval_set(case, tmp_path):
+    """eval.prompts: a question.jsonl, made an eval set by `eyrie eval-prompts`, is what the
+    evaluation decodes (its first turns, named by question id)."""
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(
+        "\n".join(
+            json.dumps({"question_id": 100 + i, "category": "demo", "turns": [t, "and then?"]})
+            for i, t in enumerate(TEXTS[:2])
+        )
+    )
+    prompts = tmp_path / "prompts.parquet"
+    argv = ["eval-prompts", "--target", str(case["target"]), "--questions", str(questions)]
+    assert cli.main([*argv, "--out", str(prompts), "--settings", "{}"]) == 0
+    argv = cli_args(case, tmp_path, num_prompts=2)
+    argv[argv.index("--eval-set") + 1] = str(prompts)
+    assert cli.main(argv) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    reference = [greedy_generate(case["model"], p, 8, case["eos"]) for p in case["prompts"][:2]]
+    assert report["num_prompts"] == 2 and report["output_tokens"] == sum(map(len, reference))
+
+
 def test_bad_settings_listed_together():
     with pytest.raises(ev_errors.EvaluateError, match="eval.device.*eval.num_speculative_tokens"):
         ev.parse_settings(
