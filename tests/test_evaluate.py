@@ -349,6 +349,11 @@ def test_cli_output_mismatch_names_prompt(case, tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "prompt conv.jsonl:1" in err and "trained draft" in err
     assert not (tmp_path / "eval.json").exists()
+    assert "eval.dtype: float32" not in err  # float32: a difference is a bug, not rounding
+    assert cli.main(cli_args(case, tmp_path, num_prompts=1, dtype="bfloat16")) == 2
+    assert "in bfloat16 a near tie can round either way: set eval.dtype: float32" in (
+        capsys.readouterr().err
+    )
 
 
 def test_bfloat16_decodes_in_bfloat16(case, tmp_path):

@@ -331,10 +331,18 @@ class Decoder:
                     (i for i, (a, b) in enumerate(zip(got, reference)) if a != b),
                     min(len(got), len(reference)),
                 )
+                # in 16 bits a forward over L + K tokens may round differently from one over L
+                hint = (
+                    ""
+                    if self.model.dtype == torch.float32
+                    else f" (in {str(self.model.dtype).removeprefix('torch.')} a near tie can "
+                    "round either way: set eval.dtype: float32 to tell rounding from a bug)"
+                )
                 raise EvaluateError(
                     f"{where}: prompt {sample_id}: speculative output with the {name} "
                     f"differs from the target's greedy output at new token {at} ({len(got)} vs "
-                    f"{len(reference)} tokens); speculative decoding must not change greedy outputs"
+                    f"{len(reference)} tokens); speculative decoding must not change greedy "
+                    f"outputs{hint}"
                 )
         return reference
 
