@@ -50,7 +50,7 @@ def parse_settings(settings: dict) -> EvalSettings:
     the device resolved."""
     ev = load_settings(settings, ["eval"], EvaluateError)["eval"]
     device = auto_device("eval.device", ev["device"], EvaluateError)
-    dtype = auto_dtype(ev.get("dtype", "auto"), device)  # a params text from before eval.dtype
+    dtype = auto_dtype(ev["dtype"], device)
     return EvalSettings(
         ev["num_speculative_tokens"], ev["max_new_tokens"], ev["num_prompts"], device, dtype
     )
