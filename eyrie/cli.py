@@ -43,6 +43,7 @@ STAGES = {
     ),
     "train": ("eyrie.train.train", "train the EAGLE-3 draft"),
     "export": ("eyrie.train.export", "export the draft in the format vLLM loads"),
+    "eval-prompts": ("eyrie.data.questions", "an MT-Bench question.jsonl as an eval set"),
     "evaluate": ("eyrie.evaluate.evaluate", "acceptance length by real speculative decoding"),
     "evaluate-vllm": (
         "eyrie.vllm.evaluate_vllm",

@@ -50,6 +50,15 @@ def auto_device(key: str, value: str, error: type[Exception]) -> str:
     return value
 
 
+def auto_dtype(value: str, device: str) -> str:
+    """A compute-dtype setting (`extract.dtype`, `eval.dtype`) as a torch dtype name: auto takes
+    bfloat16 on CUDA (what a GPU serves the target in) and float32 on the CPU (where bfloat16
+    matmuls are slow and round differently)."""
+    if value == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    return value
+
+
 def describe(exc: BaseException) -> str:
     """An exception's message, never empty: `raise RuntimeError()` or `assert x` carry none, and a
     blank log line is what users then report."""

@@ -173,7 +173,8 @@ def config_warnings(config: dict) -> list[str]:
                 f"{seq_len + ttt - 2} or data.max_seq_len to at most {room + 1}"
             )
     prompts = _ints(config, "eval.num_prompts", "data.num_eval")
-    if prompts and prompts[0] > prompts[1]:
+    held_out = not (config.get("eval") or {}).get("prompts")  # eval.prompts: a question file's
+    if prompts and prompts[0] > prompts[1] and held_out:
         warnings.append(
             f"eval.num_prompts={prompts[0]} is more than data.num_eval={prompts[1]}: the "
             f"evaluation has at most {prompts[1]} prompts; raise data.num_eval or lower "

@@ -72,7 +72,14 @@ TABLE = (
     Row("target.path", other="the target folder (null: the demo target, built by the workflow)"),
     Row(
         "target.trust_remote_code",
-        ("tokenize_conversations", "preflight", *EXTRACT, "preflight_regenerate", *REGENERATE),
+        (
+            "tokenize_conversations",
+            "preflight",
+            *EXTRACT,
+            "preflight_regenerate",
+            *REGENERATE,
+            "tokenize_eval_prompts",
+        ),
     ),
     Row("demo.seed", ("build_demo_conversations", *DEMO_TARGET)),
     Row("demo.num_conversations", ("build_demo_conversations",)),
@@ -158,6 +165,12 @@ TABLE = (
     Row("eval.max_new_tokens", ("evaluate_draft", "evaluate_vllm")),
     Row("eval.num_prompts", ("evaluate_draft", "evaluate_vllm")),
     Row("eval.device", ("evaluate_draft",), other="evaluate_draft's gpu resource"),
+    Row("eval.dtype", ("evaluate_draft",), new=True),
+    Row(
+        "eval.prompts",
+        other="an input of tokenize_eval_prompts, whose output is the eval set of evaluate_draft "
+        "and evaluate_vllm (null: the held-out conversations' eval.parquet)",
+    ),
     Row("eval.vllm", read=VLLM_READ, other="`all` asks for eval_vllm.json"),
     Row(
         "vllm.python",

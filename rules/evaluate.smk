@@ -1,11 +1,37 @@
-# Acceptance length by real greedy speculative decoding on the held-out prompts.
+# Acceptance length by real greedy speculative decoding on the held-out prompts, or on the first
+# turns of an MT-Bench question.jsonl (eval.prompts).
+
+EVAL_PROMPTS = config["eval"]["prompts"]
+EVAL_SET = (
+    "results/{name}/eval/prompts.parquet"
+    if EVAL_PROMPTS
+    else "results/{name}/tokenized/eval.parquet"
+)
+
+
+# With eval.prompts: an MT-Bench question.jsonl as the eval set (first turns, the chat template);
+# the file is an input, so editing it reruns this and both evaluations.
+rule tokenize_eval_prompts:
+    input:
+        questions=EVAL_PROMPTS or [],
+        tokenizer=TARGET_TOKENIZER,
+    output:
+        "results/{name}/eval/prompts.parquet",
+    log:
+        "logs/{name}/tokenize_eval_prompts.log",
+    params:
+        settings=settings("tokenize_eval_prompts"),
+        target=target_dir,
+    shell:
+        "eyrie eval-prompts --target {params.target} --questions {input.questions:q}"
+        " --out {output} --settings {params.settings:q} > {log} 2>&1"
 
 
 rule evaluate_draft:
     input:
         draft="results/{name}/draft.json",
         vocab="results/{name}/vocab/vocab.safetensors",
-        eval_set="results/{name}/tokenized/eval.parquet",
+        eval_set=EVAL_SET,
         preflight="results/{name}/preflight.json",
         target=TARGET_FILES,
     output:
@@ -49,7 +75,7 @@ EVALUATE_VLLM_SHELL = (
 rule evaluate_vllm:
     input:
         draft="results/{name}/draft.json",
-        eval_set="results/{name}/tokenized/eval.parquet",
+        eval_set=EVAL_SET,
         hf_eval=[] if REHEARSAL else "results/{name}/eval/eval.json",
         target=TARGET_FILES,
     output:

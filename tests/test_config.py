@@ -178,6 +178,7 @@ def test_contracts_doc_is_the_generated_table():
 
 
 # data keys added after db3e96d: left out of params while at their defaults (the configs here)
+NEW_EVAL_KEYS = ("dtype", "prompts")  # added later: in no finished run's params
 NEW_DATA_KEYS = ("mask_mode", "train_reasoning", "non_text", "regenerate")
 NEW_TRAIN_KEYS = ("report_to",)  # likewise, added later
 
@@ -186,7 +187,7 @@ def _old_settings(config: dict) -> dict:
     """Every rule's params.settings as db3e96d's rule files built them (the values finished runs
     recorded): the table must give the same text, or every finished run would rerun."""
     ext, vllm, trust = config["extract"], config["vllm"], config["target"]["trust_remote_code"]
-    ev = {k: v for k, v in config["eval"].items() if k != "vllm"}
+    ev = {k: v for k, v in config["eval"].items() if k not in ("vllm", *NEW_EVAL_KEYS)}
     vllm_extract = ext["backend"] == "vllm"
     preflight = {
         "layers": config["layers"],

@@ -300,6 +300,7 @@ def cli_args(case, out_dir, **settings):
 
 def test_cli_writes_json_and_png(case, tmp_path):
     assert cli.main(cli_args(case, tmp_path)) == 0
+    trained = Eagle3Proposer(load_draft(case["draft"]))
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["K"] == K and report["num_prompts"] == 3 and report["max_new_tokens"] == 8
     assert report["outputs_match_target_greedy"] is True
@@ -311,6 +312,14 @@ def test_cli_writes_json_and_png(case, tmp_path):
         assert m["acceptance_length"] == pytest.approx(1 + m["accepted_tokens"] / m["num_drafts"])
         assert len(m["per_position_acceptance"]) == K
         assert sum(m["accepted_at_position"]) == m["accepted_tokens"]
+    assert report["engine"] == {"name": "hf", "dtype": "float32", "device": "cpu"}  # auto on CPU
+    by_k = report["trained"]["acceptance_length_by_k"]
+    assert len(by_k) == K and by_k[-1] == report["trained"]["acceptance_length"]
+    for k, al in enumerate(by_k, 1):  # each K' decoded for real, as its own run would count
+        stats = SpecStats(k)
+        for p in case["prompts"][:3]:
+            speculative_generate(case["model"], p, trained, Decoding(k, 8, case["eos"], AUX), stats)
+        assert al == pytest.approx(stats.metrics()["acceptance_length"]) and 1 <= al <= 1 + k
     assert report["provenance"]["settings"]["eval"]["num_speculative_tokens"] == K
     assert (tmp_path / "eval.png").read_bytes()[:4] == b"\x89PNG"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left
@@ -340,6 +349,42 @@ def test_cli_output_mismatch_names_prompt(case, tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "prompt conv.jsonl:1" in err and "trained draft" in err
     assert not (tmp_path / "eval.json").exists()
+    assert "eval.dtype: float32" not in err  # float32: a difference is a bug, not rounding
+    assert cli.main(cli_args(case, tmp_path, num_prompts=1, dtype="bfloat16")) == 2
+    assert "in bfloat16 a near tie can round either way: set eval.dtype: float32" in (
+        capsys.readouterr().err
+    )
+
+
+def test_bfloat16_decodes_in_bfloat16(case, tmp_path):
+    """eval.dtype: bfloat16 runs the target and both drafts in bfloat16 and says so."""
+    assert cli.main(cli_args(case, tmp_path, num_prompts=1, dtype="bfloat16")) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["engine"] == {"name": "hf", "dtype": "bfloat16", "device": "cpu"}
+    assert report["provenance"]["settings"]["eval"]["dtype"] == "bfloat16"
+    model, _ = ev.load_target(case["target"], "cpu", "bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_mt_bench_questions_as_the_eval_set(case, tmp_path):
+    """eval.prompts: a question.jsonl, made an eval set by `eyrie eval-prompts`, is what the
+    evaluation decodes (its first turns, named by question id)."""
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(
+        "\n".join(
+            json.dumps({"question_id": 100 + i, "category": "demo", "turns": [t, "and then?"]})
+            for i, t in enumerate(TEXTS[:2])
+        )
+    )
+    prompts = tmp_path / "prompts.parquet"
+    argv = ["eval-prompts", "--target", str(case["target"]), "--questions", str(questions)]
+    assert cli.main([*argv, "--out", str(prompts), "--settings", "{}"]) == 0
+    argv = cli_args(case, tmp_path, num_prompts=2)
+    argv[argv.index("--eval-set") + 1] = str(prompts)
+    assert cli.main(argv) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    reference = [greedy_generate(case["model"], p, 8, case["eos"]) for p in case["prompts"][:2]]
+    assert report["num_prompts"] == 2 and report["output_tokens"] == sum(map(len, reference))
 
 
 def test_bad_settings_listed_together():

@@ -354,7 +354,8 @@ def test_requests_and_report(world, tmp_path, monkeypatch):
     assert report["difference"]["per_position_acceptance"] == pytest.approx(
         [a - b for a, b in zip([0.6, 0.4, 0.2], hf_pp)]
     )
-    assert report["engine"]["dtype"] == "bfloat16"
+    assert report["engine"]["name"] == "vllm" and report["engine"]["dtype"] == "bfloat16"
+    assert report["hf"]["engine"] == {"name": "hf", "dtype": "float32", "device": "cpu"}
     assert report["provenance"]["settings"]["vllm"]["enforce_eager"] is True
     assert not stale.exists()  # a diagnostic from an earlier failed run is removed
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

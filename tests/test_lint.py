@@ -84,6 +84,7 @@ KEPT_LINTS = {
             "extract_hidden_states",
             "train_draft",
             "export_draft",
+            "tokenize_eval_prompts",
             "evaluate_draft",
             "evaluate_vllm",
         )

@@ -218,6 +218,9 @@ def test_more_prompts_than_held_out_conversations_warns():
         "eval.num_prompts=5 is more than data.num_eval=4: the evaluation has at most 4 "
         "prompts; raise data.num_eval or lower eval.num_prompts"
     ]
+    # with eval.prompts the prompts come from a question file, not the held-out conversations
+    questions = {**TINY["eval"], "num_prompts": 5, "prompts": "question.jsonl"}
+    assert config_warnings(validate_config({**TINY, "eval": questions})) == []
 
 
 # ----------------------------------------------------------------------------- OS errors

@@ -385,3 +385,19 @@ def test_regeneration_reruns_tokenization_on_the_targets_responses(built, tmp_pa
     assert summary["records_used"] + summary["cut"] + summary["failed"] > 0
     assert got["dropped_by_reason"].get("regenerate_cut", 0) == summary["cut"]
     assert planned(work, report) == {}
+
+
+def test_question_file_is_a_tracked_input_of_the_evaluation(tmp_path):
+    """eval.prompts adds tokenize_eval_prompts with the question file as an input, and its output
+    is the eval set of evaluate_draft: a newer or edited question file reruns both (Snakemake's
+    mtime and input triggers); without eval.prompts the eval set stays eval.parquet."""
+    write_config(tmp_path, data__conversations=[], eval__prompts="question.jsonl")
+    (tmp_path / "question.jsonl").write_text('{"question_id": 1, "turns": ["hello"]}\n')
+    out = snakemake(tmp_path, "-n")
+    jobs = {m[1]: m[2] for m in re.finditer(r"rule (\w+):\n(.*?)\n\n", out, re.S)}
+    assert re.search(r"input: .*question\.jsonl", jobs["tokenize_eval_prompts"])
+    assert "output: results/tiny/eval/prompts.parquet" in jobs["tokenize_eval_prompts"]
+    assert re.search(r"input: .*results/tiny/eval/prompts\.parquet", jobs["evaluate_draft"])
+    write_config(tmp_path, data__conversations=[])
+    out = snakemake(tmp_path, "-n")
+    assert "tokenize_eval_prompts" not in out and "results/tiny/tokenized/eval.parquet" in out

@@ -9,7 +9,7 @@ Every speculative output is checked token for token against plain greedy decodin
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from eyrie.formats.tokenized import read_prompts
 from eyrie.formats.vocab import read_vocab
 from eyrie.io import atomic_path, provenance, write_json
 from eyrie.rehearsal import draft_is_rehearsal, refusal
-from eyrie.runtime import auto_device
+from eyrie.runtime import auto_device, auto_dtype
 from eyrie.settings import load_settings
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class EvalSettings:
     max_new_tokens: int
     num_prompts: int
     device: str  # resolved: cpu | cuda
+    dtype: str  # resolved: float32 | bfloat16 | float16, the target's and the draft's
 
 
 def parse_settings(settings: dict) -> EvalSettings:
@@ -49,8 +50,9 @@ def parse_settings(settings: dict) -> EvalSettings:
     the device resolved."""
     ev = load_settings(settings, ["eval"], EvaluateError)["eval"]
     device = auto_device("eval.device", ev["device"], EvaluateError)
+    dtype = auto_dtype(ev["dtype"], device)
     return EvalSettings(
-        ev["num_speculative_tokens"], ev["max_new_tokens"], ev["num_prompts"], device
+        ev["num_speculative_tokens"], ev["max_new_tokens"], ev["num_prompts"], device, dtype
     )
 
 
@@ -139,29 +141,47 @@ def check_draft(
         )
 
 
-def plot(path: str | Path, K: int, trained: dict, untrained: dict) -> None:
+def plot(path: str | Path, report: dict) -> None:
+    """eval.png: per-position acceptance of both drafts (left) and the trained draft's acceptance
+    length at every K' <= K (right); the title names the engine and dtype of the figures."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def fmt(m):
-        return "n/a" if m["acceptance_length"] is None else f"{m['acceptance_length']:.3f}"
+    def fmt(al):
+        return "n/a" if al is None else f"{al:.3f}"
 
-    positions = torch.arange(1, K + 1).tolist()
+    K, trained, untrained, engine = (
+        report["K"],
+        report["trained"],
+        report["untrained"],
+        report["engine"],
+    )
+    positions = list(range(1, K + 1))
     width = 0.4
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * K + 2), 3.5))
+    fig, (ax, ax_k) = plt.subplots(1, 2, figsize=(max(4.0, 1.2 * K + 2) + 4, 3.5))
     for offset, (label, m) in zip(
         (-width / 2, width / 2), (("trained", trained), ("untrained", untrained))
     ):
         values = m["per_position_acceptance"] or [0.0] * K
-        ax.bar([p + offset for p in positions], values, width, label=f"{label} (AL {fmt(m)})")
+        label = f"{label} (AL {fmt(m['acceptance_length'])})"
+        ax.bar([p + offset for p in positions], values, width, label=label)
     ax.set_xticks(positions)
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.05)
-    ax.set_title(f"K={K}: AL trained {fmt(trained)} vs untrained {fmt(untrained)}")
     ax.legend()
+    by_k = [float("nan") if al is None else al for al in trained["acceptance_length_by_k"]]
+    ax_k.plot(positions, by_k, marker="o", label="trained")
+    ax_k.set_xticks(positions)
+    ax_k.set_xlabel("K (draft tokens per verification)")
+    ax_k.set_ylabel("acceptance length")
+    ax_k.legend()
+    fig.suptitle(
+        f"K={K}: AL trained {fmt(trained['acceptance_length'])} vs untrained "
+        f"{fmt(untrained['acceptance_length'])} ({engine['name']}, {engine['dtype']})"
+    )
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
@@ -233,21 +253,22 @@ def check_inputs(paths: EvalPaths, cfg: EvalSettings) -> EvalInputs:
     return EvalInputs(aux_ids, d2t, t2d, prompts, draft)
 
 
-def load_target(target: str | Path, device: str):
-    """(the target in float32 on `device`, its tokenizer's eos id or None)."""
+def load_target(target: str | Path, device: str, dtype: str):
+    """(the target in `dtype` on `device`, its tokenizer's eos id or None)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         log.warning("the tokenizer has no eos token: decoding stops at max_new_tokens only")
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=getattr(torch, dtype))
     return model.to(device).eval(), eos_id
 
 
-def build_proposers(target: str | Path, inputs: EvalInputs, device: str) -> dict:
+def build_proposers(target: str | Path, inputs: EvalInputs, device: str, dtype: str) -> dict:
     """{"trained": the exported draft, "untrained": a fresh draft of the same shape (the
-    baseline, seeded with UNTRAINED_SEED)} as EAGLE-3 proposers on `device`."""
+    baseline, seeded with UNTRAINED_SEED)} as EAGLE-3 proposers on `device` in `dtype` (the
+    target's, as vLLM runs a draft)."""
     from eyrie.draft import DraftSpec, build_draft
 
     draft = inputs.draft
@@ -260,39 +281,68 @@ def build_proposers(target: str | Path, inputs: EvalInputs, device: str) -> dict
     )
     untrained = build_draft(target, spec, inputs.d2t, inputs.t2d, seed=UNTRAINED_SEED)
     return {
-        "trained": Eagle3Proposer(draft.to(device)),
-        "untrained": Eagle3Proposer(untrained.to(device)),
+        "trained": Eagle3Proposer(draft.to(device, getattr(torch, dtype))),
+        "untrained": Eagle3Proposer(untrained.to(device, getattr(torch, dtype))),
     }
 
 
 @dataclass
 class Decoder:
     """The target and the proposers: decodes one prompt greedily and speculatively with each,
-    counting into `stats` (one SpecStats per proposer)."""
+    counting into `stats` (one SpecStats per proposer), and with the trained draft again at every
+    K' < K, counting into `stats_at_k[K']`.
+
+    Each K' is decoded for real, not derived from the K run: a draft chain's first K' tokens do
+    not depend on K, but the positions it drafts from do (at K' the next draft starts after at
+    most K' + 1 new tokens), so min(accepted at K, K') per step is not the acceptance at K'.
+    """
 
     model: object
     proposers: dict
     decoding: Decoding
     stats: dict = field(init=False)
+    stats_at_k: dict = field(init=False)
 
     def __post_init__(self):
         self.stats = {name: SpecStats(self.decoding.K) for name in self.proposers}
+        self.stats_at_k = {k: SpecStats(k) for k in range(1, self.decoding.K)}
+
+    def runs(self):
+        """(label, proposer, decoding, stats) of every speculative run of one prompt."""
+        d = self.decoding
+        for name, propose in self.proposers.items():
+            yield f"{name} draft", propose, d, self.stats[name]
+        for k, stats in self.stats_at_k.items():
+            yield f"trained draft at K={k}", self.proposers["trained"], replace(d, K=k), stats
+
+    def acceptance_length_by_k(self) -> list:
+        """The trained draft's acceptance length at K' = 1..K (index K' - 1)."""
+        at = [self.stats_at_k[k] for k in range(1, self.decoding.K)] + [self.stats["trained"]]
+        return [s.metrics()["acceptance_length"] for s in at]
 
     def decode(self, sample_id: str, prompt_ids: list[int], where) -> list[int]:
-        """The target's greedy output; each proposer's speculative output must equal it."""
+        """The target's greedy output; each speculative output must equal it."""
         d = self.decoding
         reference = greedy_generate(self.model, prompt_ids, d.max_new_tokens, d.eos_id)
-        for name, propose in self.proposers.items():
-            got = speculative_generate(self.model, prompt_ids, propose, d, stats=self.stats[name])
+        for name, propose, decoding, stats in self.runs():
+            got = speculative_generate(self.model, prompt_ids, propose, decoding, stats=stats)
             if got != reference:
                 at = next(
                     (i for i, (a, b) in enumerate(zip(got, reference)) if a != b),
                     min(len(got), len(reference)),
                 )
+                # in 16 bits a forward over L + K tokens may round differently from one over L
+                hint = (
+                    ""
+                    if self.model.dtype == torch.float32
+                    else f" (in {str(self.model.dtype).removeprefix('torch.')} a near tie can "
+                    "round either way: set eval.dtype: float32 to tell rounding from a bug)"
+                )
                 raise EvaluateError(
-                    f"{where}: prompt {sample_id}: speculative output with the {name} draft "
+                    f"{where}: prompt {sample_id}: speculative output with the {name} "
                     f"differs from the target's greedy output at new token {at} ({len(got)} vs "
-                    f"{len(reference)} tokens); speculative decoding must not change greedy outputs"
+                    f"{len(reference)} tokens); speculative decoding must not change greedy "
+                    f"outputs{hint}"
                 )
         return reference
 
@@ -322,17 +372,18 @@ def evaluate(paths: EvalPaths, settings: dict) -> dict:
     """Run the evaluation and write eval.json and eval.png; returns the report."""
     cfg = parse_settings(settings)
     inputs = check_inputs(paths, cfg)
-    model, eos_id = load_target(paths.target, cfg.device)
-    proposers = build_proposers(paths.target, inputs, cfg.device)
+    model, eos_id = load_target(paths.target, cfg.device, cfg.dtype)
+    proposers = build_proposers(paths.target, inputs, cfg.device, cfg.dtype)
     decoder = Decoder(model, proposers, Decoding(cfg.K, cfg.max_new_tokens, eos_id, inputs.aux_ids))
     log.info(
-        "evaluating %s on %d prompts: K=%d, max_new_tokens=%d, aux ids %s, device %s",
+        "evaluating %s on %d prompts: K=%d, max_new_tokens=%d, aux ids %s, device %s, %s",
         paths.draft,
         len(inputs.prompts),
         cfg.K,
         cfg.max_new_tokens,
         inputs.aux_ids,
         cfg.device,
+        cfg.dtype,
     )
     output_tokens = decode_prompts(decoder, inputs.prompts, paths.eval_set)
     report = {
@@ -340,7 +391,11 @@ def evaluate(paths: EvalPaths, settings: dict) -> dict:
         "num_prompts": len(inputs.prompts),
         "max_new_tokens": cfg.max_new_tokens,
         "output_tokens": output_tokens,
-        "trained": decoder.stats["trained"].metrics(),
+        "engine": {"name": "hf", "dtype": cfg.dtype, "device": cfg.device},
+        "trained": {
+            **decoder.stats["trained"].metrics(),
+            "acceptance_length_by_k": decoder.acceptance_length_by_k(),
+        },
         "untrained": decoder.stats["untrained"].metrics(),
         "outputs_match_target_greedy": True,
         "aux_layer_ids": inputs.aux_ids,
@@ -348,10 +403,9 @@ def evaluate(paths: EvalPaths, settings: dict) -> dict:
         "draft": str(paths.draft),
         "target": str(paths.target),
         "untrained_seed": UNTRAINED_SEED,
-        "device": cfg.device,
         "provenance": provenance(settings),
     }
-    plot(paths.plot, cfg.K, report["trained"], report["untrained"])
+    plot(paths.plot, report)
     write_json(paths.out, report)
     log.info(
         "acceptance length: trained %s, untrained %s -> %s",

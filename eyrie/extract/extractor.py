@@ -27,7 +27,7 @@ from eyrie.errors import ExtractError
 from eyrie.formats.tokenized import Tokenized, read_tokenized
 from eyrie.io import provenance
 from eyrie.rehearsal import is_rehearsal
-from eyrie.runtime import auto_device
+from eyrie.runtime import auto_device, auto_dtype
 from eyrie.settings import load_settings
 
 if TYPE_CHECKING:
@@ -265,9 +265,7 @@ def parse_settings(settings: dict) -> ExtractSettings:
     loaded = load_settings(settings, ["extract", "layers"], ExtractError, problems)
     ext, vllm = loaded["extract"], loaded.get("vllm") or {}
     device = auto_device("extract.device", ext["device"], ExtractError)
-    dtype = ext["dtype"]
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
+    dtype = auto_dtype(ext["dtype"], device)
     return ExtractSettings(
         backend=ext["backend"],
         device=device,

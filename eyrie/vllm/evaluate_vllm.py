@@ -183,7 +183,8 @@ def check_draft_config(draft_dir: str | Path, info) -> dict:
 def read_hf_eval(path: str | Path, K: int, max_new_tokens: int) -> dict:
     """The Hugging Face evaluation (eyrie evaluate's eval.json), checked to have used the same K
     and max_new_tokens: {acceptance_length, per_position_acceptance, num_prompts, eos_token_id,
-    draft, path}."""
+    draft, path, engine (its name and dtype; null in an eval.json from before they were
+    recorded)}."""
     path = Path(path)
     try:
         report = json.loads(path.read_text())
@@ -217,6 +218,7 @@ def read_hf_eval(path: str | Path, K: int, max_new_tokens: int) -> dict:
         "eos_token_id": report["eos_token_id"],
         "draft": report.get("draft"),
         "path": str(path),
+        "engine": report.get("engine"),
     }
 
 
@@ -616,10 +618,11 @@ def build_report(plan: VllmPlan, spec: dict, differ: int = 0) -> dict:
         "counters": {k: m[k] for k in counter_keys},
         "hf": None
         if hf is None
-        else {k: hf[k] for k in ("acceptance_length", "per_position_acceptance", "path")},
+        else {k: hf[k] for k in ("acceptance_length", "per_position_acceptance", "path", "engine")},
         "difference": None if hf is None else difference(m, hf),
         "eos_token_id": plan.eos_token_id,
         "engine": {
+            "name": "vllm",
             "dtype": spec["dtype"],
             "enforce_eager": cfg.enforce_eager,
             "tensor_parallel_size": cfg.tensor_parallel_size,
