@@ -338,7 +338,7 @@ def test_cli_mismatched_aux_ids_one_line_error(case, tmp_path, capsys):
     assert not (tmp_path / "eval.json").exists()
 
 
-def test_cli_output_mismatch_names_prompt(case, tmp_path, monkeypatch, capsys):
+def test_cli_output_mismatch_names_prompt(case, tmp_path, monkeypatch, capsys, caplog):
     real = ev_specdec.speculative_generate
 
     def broken(*args, **kwargs):  # a decoding bug: drops the last token
@@ -350,10 +350,12 @@ def test_cli_output_mismatch_names_prompt(case, tmp_path, monkeypatch, capsys):
     assert "prompt conv.jsonl:1" in err and "trained draft" in err
     assert not (tmp_path / "eval.json").exists()
     assert "eval.dtype: float32" not in err  # float32: a difference is a bug, not rounding
-    assert cli.main(cli_args(case, tmp_path, num_prompts=1, dtype="bfloat16")) == 2
-    assert "in bfloat16 a near tie can round either way: set eval.dtype: float32" in (
-        capsys.readouterr().err
-    )
+    # in bfloat16 a difference may be a near tie's rounding: counted, reported, not fatal
+    assert cli.main(cli_args(case, tmp_path, num_prompts=1, dtype="bfloat16")) == 0
+    assert "in bfloat16 a near tie can round either way" in caplog.text
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["outputs_match_target_greedy"] is False
+    assert report["outputs_differing_from_greedy"]["trained draft"] == ["conv.jsonl:1"]
 
 
 def test_bfloat16_decodes_in_bfloat16(case, tmp_path):

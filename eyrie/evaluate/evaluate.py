@@ -302,8 +302,11 @@ class Decoder:
     decoding: Decoding
     stats: dict = field(init=False)
     stats_at_k: dict = field(init=False)
+    # in 16 bits: {run label: prompts whose speculative output differed from greedy decoding}
+    differs: dict = field(init=False)
 
     def __post_init__(self):
+        self.differs = {}
         self.stats = {name: SpecStats(self.decoding.K) for name in self.proposers}
         self.stats_at_k = {k: SpecStats(k) for k in range(1, self.decoding.K)}
 
@@ -321,7 +324,8 @@ class Decoder:
         return [s.metrics()["acceptance_length"] for s in at]
 
     def decode(self, sample_id: str, prompt_ids: list[int], where) -> list[int]:
-        """The target's greedy output; each speculative output must equal it."""
+        """The target's greedy output; each speculative output must equal it in float32 (else
+        an error: a bug), and is counted in `differs` where it does not in 16 bits."""
         d = self.decoding
         reference = greedy_generate(self.model, prompt_ids, d.max_new_tokens, d.eos_id)
         for name, propose, decoding, stats in self.runs():
@@ -331,19 +335,24 @@ class Decoder:
                     (i for i, (a, b) in enumerate(zip(got, reference)) if a != b),
                     min(len(got), len(reference)),
                 )
-                # in 16 bits a forward over L + K tokens may round differently from one over L
-                hint = (
-                    ""
-                    if self.model.dtype == torch.float32
-                    else f" (in {str(self.model.dtype).removeprefix('torch.')} a near tie can "
-                    "round either way: set eval.dtype: float32 to tell rounding from a bug)"
-                )
-                raise EvaluateError(
+                message = (
                     f"{where}: prompt {sample_id}: speculative output with the {name} "
                     f"differs from the target's greedy output at new token {at} ({len(got)} vs "
-                    f"{len(reference)} tokens); speculative decoding must not change greedy "
-                    f"outputs{hint}"
+                    f"{len(reference)} tokens)"
                 )
+                if self.model.dtype == torch.float32:
+                    raise EvaluateError(
+                        f"{message}; speculative decoding must not change greedy outputs"
+                    )
+                # in 16 bits a forward over L + K tokens may round a near tie differently from one
+                # over L, as vLLM's may: counted and reported, the acceptance stays well defined
+                log.warning(
+                    "%s: in %s a near tie can round either way (eval.dtype: float32 tells "
+                    "rounding from a bug)",
+                    message,
+                    str(self.model.dtype).removeprefix("torch."),
+                )
+                self.differs.setdefault(name, []).append(sample_id)
         return reference
 
 
@@ -397,7 +406,9 @@ def evaluate(paths: EvalPaths, settings: dict) -> dict:
             "acceptance_length_by_k": decoder.acceptance_length_by_k(),
         },
         "untrained": decoder.stats["untrained"].metrics(),
-        "outputs_match_target_greedy": True,
+        "outputs_match_target_greedy": not decoder.differs,
+        # in 16 bits only (float32 refuses a difference): {run: prompts whose output differed}
+        "outputs_differing_from_greedy": decoder.differs,
         "aux_layer_ids": inputs.aux_ids,
         "eos_token_id": eos_id,
         "draft": str(paths.draft),
