@@ -320,6 +320,18 @@ def test_vllm_backend_reads_each_call_while_the_next_runs(tmp_path, monkeypatch,
             torch.testing.assert_close(aux[:, 8:16], (want + 0.1).expand(-1, 8), **tol)
 
 
+def test_a_stopped_extraction_closes_the_calls_request_files(tmp_path, monkeypatch):
+    """The consumer stops after the first part of a call (as Extractor does on a bad batch):
+    the call's other parts are released, so its request files are closed."""
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
+    b = _capture_backend(tmp_path, [1, 2], 4)
+    states = b.states([np.array([1, 2, 3], np.int32), np.array([4, 5], np.int32)], torch.bfloat16)
+    first = next(states)
+    first.release()
+    states.close()
+    assert first.free.left == 0 and all(f.fd == -1 for f in first.free.files)
+
+
 def test_a_request_file_for_other_tokens_is_one_clear_line(tmp_path, monkeypatch):
     from eyrie.errors import ExtractError
 

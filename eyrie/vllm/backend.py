@@ -217,7 +217,13 @@ class VllmBackend:
                     batches = [self._batch(input_ids, chunk, keys, outputs, storage)]
                 self.waits["engine_s"] += t1 - t0
                 self.waits["read_s"] += time.monotonic() - t1
-                yield from batches
+                for j, batch in enumerate(batches):
+                    try:
+                        yield batch
+                    except GeneratorExit:  # the extraction stopped: free the call's other parts
+                        for rest in batches[j + 1 :]:
+                            rest.release()
+                        raise
 
     def _generate(self, input_ids: list[np.ndarray], chunk: list[int], call: int, params):
         """generate() call number `call` (max_tokens 1) for `chunk`: (request keys, outputs)."""
