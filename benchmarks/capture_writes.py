@@ -122,31 +122,6 @@ def run(kind: str, root: Path, lengths: list[int], n_aux: int, H: int, storage: 
     return seconds
 
 
-def raw_writes(path: Path, nbytes: int, threads: int = 4) -> float:
-    """(a): `nbytes` into one preallocated file by `threads` pwrite threads, 64 MiB pieces."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    piece = 64 << 20
-    buf = np.random.default_rng(0).integers(0, 255, piece, dtype=np.uint8)
-    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-    try:
-        os.ftruncate(fd, nbytes)
-
-        def write(at: int) -> None:
-            view = memoryview(buf)[: min(piece, nbytes - at)]
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], at + done)
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(write, range(0, nbytes, piece)))
-        return time.perf_counter() - t0
-    finally:
-        os.close(fd)
-        os.unlink(path)
-
-
 def main() -> None:
     from eyrie.formats.codecs import bytes_per_token
 
@@ -167,7 +142,10 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="eyrie-cw-", dir=args.work))
     nbytes = total * per_token
-    rows = {"disk (raw pwrite)": min(raw_writes(root / "raw", nbytes) for _ in range(args.repeats))}
+    from extraction_vllm import raw_writes  # (d) of the GPU benchmark: the same pwrite threads
+
+    cached = min(raw_writes(root / "raw", nbytes)[0] for _ in range(args.repeats))
+    rows = {"disk (raw pwrite)": cached}
     for kind in ("mapped", "sendfile"):
         rows[kind] = min(
             run(kind, root, lengths, n_aux, H, args.storage) for _ in range(args.repeats)
