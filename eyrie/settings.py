@@ -73,7 +73,11 @@ def _problems(schema: dict, instance: Any, prefix: Sequence[str] = ()) -> list[s
                 )
         else:
             # a pattern's message is the regular expression: the schema's `fix` says it in words
-            what = f"{err.instance!r} is not allowed" if err.validator == "pattern" else err.message
+            what = (
+                f"{err.instance!r} is not allowed"
+                if err.validator in ("pattern", "oneOf")
+                else err.message
+            )
             fix = f"; {err.schema['fix']}" if "fix" in err.schema else ""
             problems.append(f"{_key(path)}: {what}{fix}")
     return problems

@@ -137,10 +137,10 @@ def test_config_problems_are_one_line_each_without_traceback(tmp_path):
         "'.', '_' and '-', starting with a letter or digit (it names the folders "
         "results/<name>/ and logs/<name>/)",
         f"eyrie config: error: {where}: train.bogus: unknown key (allowed here: "
-        "checkpoint_every, device, draft_arch, epochs, learning_rate, log_every, max_grad_norm, "
-        "max_tokens_per_batch, norm_before_residual, num_layers, pack_shape, packs_per_step, "
-        "precision, report_to, seed, ttt_step_loss_decay, ttt_steps, verify_shards, "
-        "warmup_steps, weight_decay)",
+        "checkpoint_every, device, draft_arch, epochs, hidden_noise, learning_rate, log_every, "
+        "loss, lr_schedule, max_grad_norm, max_tokens_per_batch, norm_before_residual, "
+        "num_layers, pack_shape, packs_per_step, precision, report_to, seed, "
+        "ttt_step_loss_decay, ttt_steps, verify_shards, warmup_steps, weight_decay)",
         f"eyrie config: error: {where}: train.seed: -1 is less than the minimum of 0; give an "
         "integer from 0 to 4294967295",
         f"eyrie config: error: {where}: train.ttt_steps: 40 is greater than the maximum of 32; "

@@ -27,7 +27,7 @@ from eyrie.arch.target import fingerprint, read_config
 from eyrie.formats.report import identity, read_report
 from eyrie.io import atomic_path
 from eyrie.store.fingerprint import file_digest
-from eyrie.train.config import NOT_IN_RUN_ID, TrainSettings
+from eyrie.train.config import IMPLIED_BEFORE, NOT_IN_RUN_ID, TrainSettings
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,11 @@ def run_id(
 ) -> str:
     """16 hex digits naming the run: what changes the weights, never the number of processes."""
     ident = {
-        "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_RUN_ID},
+        "settings": {
+            k: v
+            for k, v in dataclasses.asdict(cfg).items()
+            if k not in NOT_IN_RUN_ID and IMPLIED_BEFORE.get(k, ...) != v
+        },
         "target_config": fingerprint(read_config(target)),
         # what in the report determines the weights, not its time or host: a preflight rerun
         # with the same outcome keeps the run (and its checkpoints)

@@ -8,6 +8,7 @@ adds only the cross-field rules a schema cannot express. Fields in order make th
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -20,6 +21,9 @@ log = logging.getLogger(__name__)
 
 # Settings that do not change the trained weights (left out of the run id).
 NOT_IN_RUN_ID = ("log_every", "checkpoint_every", "verify_shards", "report_to")
+# Settings added after runs recorded their run ids, with the value those runs trained with: left
+# out of the run id at that value, so that their checkpoints still resume.
+IMPLIED_BEFORE = {"loss": "kl_div", "lr_schedule": "cosine", "hidden_noise": 0.0}
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,9 @@ class TrainSettings:
     packs_per_step: int
     ttt_steps: int
     ttt_step_loss_decay: float
+    loss: str  # speculators' loss spec: a name or a JSON object of name: weight (loss_spec)
+    lr_schedule: str  # after the warmup: cosine or linear decay to 0, or constant
+    hidden_noise: float  # Gaussian noise on the draft's input states, x RMS of each row
     num_layers: int
     draft_arch: str
     precision: str  # auto: bfloat16 autocast on a GPU, float32 on a CPU
@@ -52,6 +59,7 @@ class TrainSettings:
         """Typed `train` section of --settings; every problem reported at once, each by key."""
         section = load_settings(settings, ["train"], EyrieError, report_problems(settings))["train"]
         convert = {"float": float, "tuple[str, ...]": tuple}
+        section = {**section, "loss": loss_spec(section["loss"])}
         cfg = cls(
             **{
                 f.name: convert.get(f.type, lambda v: v)(section[f.name])
@@ -64,6 +72,14 @@ class TrainSettings:
                 f"is too small for ttt_steps={cfg.ttt_steps} (use at least {8 * cfg.ttt_steps})"
             )
         return cfg
+
+
+def loss_spec(loss: str | dict) -> str:
+    """train.loss as the spec speculators' resolve_loss_config takes: a loss name, or a weighted
+    sum as canonical JSON (sorted names; one text per recipe, in the run id and the metrics)."""
+    if isinstance(loss, str):
+        return loss
+    return json.dumps({name: float(w) for name, w in sorted(loss.items())})
 
 
 def check_world(packs_per_step: int, world: int) -> None:

@@ -264,9 +264,9 @@ class TrainRecipe:
         )
         total = self.plan.total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total)
+            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total, cfg.lr_schedule)
         )
-        self.loss_config = resolve_loss_config("kl_div", "eager")
+        self.loss_config = resolve_loss_config(cfg.loss, "eager")
 
     def _restore(self) -> dict:
         """The position to start from: the newest checkpoint that verifies, or a fresh seeded
@@ -419,6 +419,10 @@ class TrainRecipe:
         batch = decode_batch(batch)  # float8 codes (GPU transfers) to float32, on the device
         if not self.bf16:  # under bfloat16 autocast the layers take the stored bf16 as it is
             batch = {n: (v.float() if v.is_floating_point() else v) for n, v in batch.items()}
+        if cfg.hidden_noise:  # the draft's input only; the target's distribution stays exact
+            batch["hidden_states"] = add_hidden_noise(
+                batch["hidden_states"], cfg.hidden_noise, batch["verifier_last_hidden_states"].shape[-1]
+            )
         # DDP averages gradients over ranks at the backward of a rank's last pack only
         sync = net is self.model or j == self.k - 1
         with (
@@ -679,12 +683,26 @@ def resolve_device(name: str, dist: Dist | None = None) -> torch.device:
     return torch.device("cuda", dist.local_rank)
 
 
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warmup over `warmup` steps, then cosine decay to 0 at `total`."""
+def lr_factor(step: int, warmup: int, total: int, schedule: str = "cosine") -> float:
+    """Linear warmup over `warmup` steps, then `schedule`: cosine or linear decay to 0 at
+    `total`, or constant."""
     if step < warmup:
         return (step + 1) / (warmup + 1)
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def add_hidden_noise(states: torch.Tensor, scale: float, width: int) -> torch.Tensor:
+    """`states` [..., n * width] plus Gaussian noise of `scale` times the RMS of each row of each
+    layer (of `width` values): the draft learns from states that vary a little, as its own
+    drafted states do at inference. The RMS is computed without a gradient."""
+    rows = states.unflatten(-1, (-1, width))
+    rms = rows.detach().float().pow(2).mean(-1, keepdim=True).sqrt().to(states.dtype)
+    return (rows + torch.randn_like(rows) * (scale * rms)).flatten(-2)
 
 
 def _to_device(
