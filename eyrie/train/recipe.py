@@ -421,7 +421,9 @@ class TrainRecipe:
             batch = {n: (v.float() if v.is_floating_point() else v) for n, v in batch.items()}
         if cfg.hidden_noise:  # the draft's input only; the target's distribution stays exact
             batch["hidden_states"] = add_hidden_noise(
-                batch["hidden_states"], cfg.hidden_noise, batch["verifier_last_hidden_states"].shape[-1]
+                batch["hidden_states"],
+                cfg.hidden_noise,
+                batch["verifier_last_hidden_states"].shape[-1],
             )
         # DDP averages gradients over ranks at the backward of a rank's last pack only
         sync = net is self.model or j == self.k - 1
