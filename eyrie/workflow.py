@@ -93,6 +93,7 @@ TABLE = (
     Row("demo.batch_size", DEMO_TARGET),
     Row("demo.seq_len", DEMO_TARGET),
     Row("demo.learning_rate", DEMO_TARGET),
+    Row("demo.device", DEMO_TARGET, other="build_demo_target's gpu resource", new=True),
     Row("data.conversations", DATA, other="the inputs of tokenize_conversations"),
     Row("data.max_seq_len", DATA),
     Row("data.num_shards", DATA, other="one extract_hidden_states job per shard"),

@@ -25,6 +25,8 @@ rule build_demo_target:
     benchmark:
         "results/{name}/benchmarks/build_demo_target.tsv"
     threads: CORES
+    resources:
+        gpu=gpus(config["demo"]["device"]),
     params:
         settings=settings("build_demo_target"),
         out_dir=demo_target_dir,

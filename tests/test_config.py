@@ -209,7 +209,9 @@ def _old_settings(config: dict) -> dict:
     train = {k: v for k, v in config["train"].items() if k not in NEW_TRAIN_KEYS}
     return {
         "build_demo_conversations": {"demo": {k: demo[k] for k in ("seed", "num_conversations")}},
-        "build_demo_target": {"demo": {k: v for k, v in demo.items() if k != "num_conversations"}},
+        "build_demo_target": {
+            "demo": {k: v for k, v in demo.items() if k not in ("num_conversations", "device")}
+        },
         "tokenize_conversations": {
             "data": {k: v for k, v in config["data"].items() if k not in NEW_DATA_KEYS},
             "trust_remote_code": trust,

@@ -191,7 +191,8 @@ def test_tiny_target_trains_and_loads(tiny_target):
     assert summary["loss_curve"][-1]["step"] == TINY["train_steps"]
     assert losses[-1] < losses[0] - 1.0, losses
     assert summary["held_out_loss"] < summary["ln_vocab"]
-    assert summary["settings"] == TINY and summary["provenance"]["settings"] == {"demo": TINY}
+    assert summary["settings"] == {**TINY, "device": "cpu"} and summary["device"] == "cpu"
+    assert summary["provenance"]["settings"] == {"demo": TINY}
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target)
     tok = AutoTokenizer.from_pretrained(tiny_target)

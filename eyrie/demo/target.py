@@ -30,6 +30,7 @@ from eyrie.demo.corpus import demo_settings, read_conversations
 from eyrie.demo.tokenizer import build_chat_tokenizer
 from eyrie.errors import EyrieError
 from eyrie.io import atomic_path, provenance, write_json
+from eyrie.runtime import auto_device
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ SETTINGS_KEYS = (
     "batch_size",
     "seq_len",
     "learning_rate",
+    "device",
 )
 MAX_POSITION_EMBEDDINGS = 4096  # well above any demo sequence (data.max_seq_len, eval prompts)
 HELD_OUT_FRACTION = 0.02  # conversations kept out of training for the held-out loss
@@ -134,7 +136,7 @@ def held_out_loss(model, token_lists: list[list[int]], seq_len: int) -> float | 
         chunk = stream[start : start + seq_len]
         if len(chunk) < 2:
             break
-        ids = torch.tensor([chunk])  # [1, T] int64
+        ids = torch.tensor([chunk], device=model.device)  # [1, T] int64
         total += model(input_ids=ids, labels=ids).loss.item() * (len(chunk) - 1)
         count += len(chunk) - 1
     model.train()
@@ -150,7 +152,9 @@ def greedy_sample(
     prompt = tokenizer.apply_chat_template(
         messages[: first_user + 1], tokenize=False, add_generation_prompt=True
     )
-    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])  # [1, T]
+    ids = torch.tensor(
+        [tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=model.device
+    )  # [1, T]
     model.eval()
     out = model.generate(
         ids,
@@ -225,11 +229,12 @@ def prepare_data(conversations_path: str | Path, demo: dict, threads: int) -> De
     return DemoData(conversations, tokenizer, token_lists, held_idx, train_idx, windows, num_tokens)
 
 
-def build_training(demo: dict, tokenizer) -> DemoTraining:
-    """A Llama from scratch (seeded with demo.seed), AdamW and the warmup + cosine schedule."""
+def build_training(demo: dict, tokenizer, device: str = "cpu") -> DemoTraining:
+    """A Llama from scratch (seeded with demo.seed) on `device`, AdamW and the warmup + cosine
+    schedule."""
     steps = int(demo["train_steps"])
     torch.manual_seed(int(demo["seed"]))
-    model = LlamaForCausalLM(build_config(demo, tokenizer))
+    model = LlamaForCausalLM(build_config(demo, tokenizer)).to(device)
     model.train()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=demo["learning_rate"], betas=(0.9, 0.95), weight_decay=0.01
@@ -251,7 +256,7 @@ def train_steps(training: DemoTraining, windows: torch.Tensor, demo: dict) -> li
     for step in range(steps):
         if cursor + batch_size > len(perm):
             perm, cursor = torch.randperm(len(windows), generator=gen), 0
-        batch = windows[perm[cursor : cursor + batch_size]]  # [B, seq_len] int64
+        batch = windows[perm[cursor : cursor + batch_size]].to(model.device)  # [B, seq_len]
         cursor += batch_size
         loss = model(input_ids=batch, labels=batch).loss
         if not torch.isfinite(loss):
@@ -304,7 +309,8 @@ def train_target(conversations_path: str | Path, out_dir: str | Path, settings: 
     threads = num_threads()
     torch.set_num_threads(threads)
     data = prepare_data(conversations_path, demo, threads)
-    training = build_training(demo, data.tokenizer)
+    device = auto_device("demo.device", demo.get("device", "cpu"), DemoTargetError)
+    training = build_training(demo, data.tokenizer, device)
     model, tokenizer = training.model, data.tokenizer
     num_params = sum(p.numel() for p in model.parameters())
     curve = train_steps(training, data.windows, demo)
@@ -320,6 +326,7 @@ def train_target(conversations_path: str | Path, out_dir: str | Path, settings: 
         "num_train_tokens": data.num_tokens,
         "num_windows": len(data.windows),
         "threads": threads,
+        "device": device,
         "loss_curve": curve,
         "final_loss": curve[-1]["loss"] if curve else None,
         "held_out_loss": eval_loss,
@@ -349,7 +356,7 @@ def _validate_folder(path: Path, model) -> None:
     tok = AutoTokenizer.from_pretrained(path)
     if not tok.chat_template:
         raise DemoTargetError(f"{path}: saved tokenizer has no chat template")
-    if not torch.equal(reloaded.lm_head.weight, model.lm_head.weight):
+    if not torch.equal(reloaded.lm_head.weight, model.lm_head.weight.cpu()):
         raise DemoTargetError(f"{path}: reloaded weights differ from the trained ones")
 
 
