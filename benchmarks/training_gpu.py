@@ -63,6 +63,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import peer  # noqa: E402  (benchmarks/peer.py: speculators as the peer)
 
 SHAPES = {
     # Llama-3.1-8B's verifier shape; the draft's aux layers are EAGLE-3's default [2, N//2, N-3].
@@ -256,48 +259,6 @@ def write_world(
     }
 
 
-def convert_to_speculators(world: dict, out: Path, shape: dict) -> dict:
-    """speculators' offline format, read from eyrie's shards: hidden_states/hs_<i>.safetensors,
-    an Arrow dataset (input_ids, loss_mask, seq_len; torch format) and d2t/t2d .npy."""
-    from datasets import Dataset
-    from safetensors.torch import save_file
-
-    from eyrie.formats.hidden import ShardReader
-
-    (out / "hidden_states").mkdir(parents=True, exist_ok=True)
-    n_aux, H = len(shape["aux"]), shape["hidden"]
-    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    i = 0
-    for path in world["shards"]:
-        with ShardReader(path) as reader:
-            for s in range(len(reader)):
-                x = reader.read(s)
-                T = x["input_ids"].shape[0]
-                hs = torch.cat(
-                    [x["aux_hidden"].reshape(T, n_aux, H), x["final_hidden"][:, None]], 1
-                )
-                save_file(
-                    {"hidden_states": hs.contiguous(), "token_ids": x["input_ids"].clone()},
-                    str(out / "hidden_states" / f"hs_{i}.safetensors"),
-                )
-                rows["input_ids"].append(x["input_ids"].tolist())
-                rows["loss_mask"].append(x["loss_mask"].to(torch.int64).tolist())
-                rows["seq_len"].append(T)
-                i += 1
-    ds = Dataset.from_dict(rows)
-    ds.set_format(type="torch")
-    ds.save_to_disk(str(out))
-    V = int(world["d2t"].shape[0])
-    np.save(out / f"d2t-{V}.npy", world["d2t"].numpy())
-    np.save(out / f"t2d-{V}.npy", world["t2d"].numpy())
-    return {
-        "data_path": out,
-        "d2t": out / f"d2t-{V}.npy",
-        "t2d": out / f"t2d-{V}.npy",
-        "samples": i,
-    }
-
-
 def check_converted(world: dict, conv: dict, shape: dict, budget: int) -> dict:
     """Read the converted set back with speculators' ArrowDataset (on_missing=raise) and collate
     a packed batch with its CollateFn + shift_batch: values equal eyrie's, shapes as it trains."""
@@ -455,40 +416,6 @@ def speculators_flags(world: dict, conv: dict, root: Path, args, shape: dict) ->
     ]
 
 
-def speculators_settings(flags: list[str]) -> dict:
-    """The settings speculators resolves from `flags` (its defaults for the rest) that bear on
-    speed."""
-    from speculators.train.config import TrainConfig
-
-    a = TrainConfig.resolve(flags).flatten()
-    return {
-        k: a[k]
-        for k in (
-            "optimizer",
-            "lr",
-            "weight_decay",
-            "scheduler_type",
-            "loss_fn",
-            "loss_implementation",
-            "draft_attn_impl",
-            "hidden_states_dtype",
-            "num_workers",
-            "prefetch_factor",
-            "log_freq",
-            "norm_before_fc",
-            "norm_output",
-            "norm_before_residual",
-            "sliding_window",
-            "full_attention_indices",
-            "total_seq_len",
-            "train_data_ratio",
-            "epochs",
-            "max_steps",
-            "seed",
-        )
-    }
-
-
 def check_speculators_setup(world: dict, conv: dict, root: Path, args, shape: dict) -> dict:
     """Without a GPU: speculators' own config resolution of the run's flags, its vocabulary map
     loading, draft construction from the target folder and train loader (no workers), and one
@@ -550,32 +477,12 @@ def run_speculators(world: dict, conv: dict, root: Path, args, shape: dict) -> d
     """speculators.train under torchrun through benchmarks/speculators_launch.py."""
     flags = speculators_flags(world, conv, root, args, shape)
     out = root / "launch.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "1",
-        str(REPO / "benchmarks" / "speculators_launch.py"),
-        str(out),
-        "--",
-        *flags,
-    ]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0")
-    root.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        cmd, cwd=root, env=env, capture_output=True, text=True, timeout=args.timeout
-    )
-    wall = time.perf_counter() - t0
-    (root / "speculators.log").write_text(proc.stdout + proc.stderr)
+    proc, wall = peer.run(flags, root, out, args.timeout)
     shutil.rmtree(root / "checkpoints", ignore_errors=True)  # its epoch-end checkpoint
     if proc.returncode != 0:  # reported in the table and the JSON; eyrie's runs still go ahead
         if os.environ.get("OUT"):  # the device tool brings $OUT back
             shutil.copy(root / "speculators.log", Path(os.environ["OUT"]) / "speculators.log")
-        errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "Error" in ln]
-        return {"failed": f"status {proc.returncode}: " + " | ".join(errors[-3:])[-1500:]}
+        return {"failed": peer.failure(proc)}
     rec = json.loads(out.with_name("launch.rank0.json").read_text())
     steps, W = rec["steps"], args.warmup
     if len(steps) < W + 2:
@@ -695,7 +602,9 @@ def main() -> None:
         world = write_world(work, shape, samples, ids, args.shards, seed=1)
         phases["eyrie_data_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        conv = convert_to_speculators(world, work / "speculators_data", shape)
+        conv = peer.convert_shards(
+            world["shards"], world["d2t"], world["t2d"], work / "speculators_data"
+        )
         check = check_converted(world, conv, shape, budget)
         phases["conversion_s"] = time.perf_counter() - t
         tokens = sum(len(s[0]) for s in samples)
@@ -707,7 +616,7 @@ def main() -> None:
 
         runs: dict[str, dict] = {}
         spec_note, spec_check = None, None
-        spec_settings = speculators_settings(
+        spec_settings = peer.settings(
             speculators_flags(world, conv, work / "run_speculators", args, shape)
         )
         log(f"speculators' settings (flags + its defaults): {spec_settings}")

@@ -1,0 +1,129 @@
+"""speculators 0.9.0's trainer as the peer of eyrie's benchmarks (training_gpu.py, quality.py): its
+offline data format made from eyrie's shards, the settings it resolves, and its run under torchrun.
+
+No CLI: the benchmarks import it from this folder.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+# The settings of speculators' run that the benchmarks report (its defaults for the rest).
+REPORTED = (
+    "optimizer",
+    "lr",
+    "weight_decay",
+    "scheduler_type",
+    "loss_fn",
+    "loss_implementation",
+    "draft_attn_impl",
+    "hidden_states_dtype",
+    "num_workers",
+    "prefetch_factor",
+    "log_freq",
+    "norm_before_fc",
+    "norm_output",
+    "norm_before_residual",
+    "sliding_window",
+    "full_attention_indices",
+    "total_seq_len",
+    "train_data_ratio",
+    "ttt_steps",
+    "ttt_step_loss_decay",
+    "epochs",
+    "max_steps",
+    "seed",
+)
+
+
+def convert_shards(shards: list[Path], d2t: torch.Tensor, t2d: torch.Tensor, out: Path) -> dict:
+    """speculators' offline format, read from eyrie's shards: hidden_states/hs_<i>.safetensors
+    (`hidden_states` [T, n_aux + 1, H] in the shard's values as bf16, `token_ids` [T]), an Arrow
+    dataset (input_ids, loss_mask, seq_len; torch format) and d2t/t2d .npy. Samples keep the
+    shards' order."""
+    from datasets import Dataset
+    from safetensors.torch import save_file
+
+    from eyrie.formats.hidden import ShardReader
+
+    (out / "hidden_states").mkdir(parents=True, exist_ok=True)
+    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    i = 0
+    for path in shards:
+        with ShardReader(path) as reader:
+            n_aux, H = len(reader.meta.aux_layer_ids), reader.meta.hidden_size
+            for s in range(len(reader)):
+                x = reader.read(s)
+                T = x["input_ids"].shape[0]
+                hs = torch.cat(
+                    [x["aux_hidden"].reshape(T, n_aux, H), x["final_hidden"][:, None]], 1
+                ).to(torch.bfloat16)
+                save_file(
+                    {"hidden_states": hs.contiguous(), "token_ids": x["input_ids"].clone()},
+                    str(out / "hidden_states" / f"hs_{i}.safetensors"),
+                )
+                rows["input_ids"].append(x["input_ids"].tolist())
+                rows["loss_mask"].append(x["loss_mask"].to(torch.int64).tolist())
+                rows["seq_len"].append(T)
+                i += 1
+    ds = Dataset.from_dict(rows)
+    ds.set_format(type="torch")
+    ds.save_to_disk(str(out))
+    V = int(d2t.shape[0])
+    np.save(out / f"d2t-{V}.npy", d2t.numpy())
+    np.save(out / f"t2d-{V}.npy", t2d.numpy())
+    return {
+        "data_path": out,
+        "d2t": out / f"d2t-{V}.npy",
+        "t2d": out / f"t2d-{V}.npy",
+        "samples": i,
+        "tokens": sum(rows["seq_len"]),
+    }
+
+
+def settings(flags: list[str]) -> dict:
+    """The settings speculators resolves from `flags` (its defaults for the rest), those in
+    REPORTED."""
+    from speculators.train.config import TrainConfig
+
+    resolved = TrainConfig.resolve(flags).flatten()
+    return {k: resolved[k] for k in REPORTED if k in resolved}
+
+
+def run(flags: list[str], root: Path, record: Path, timeout: float) -> tuple:
+    """`torchrun --nproc-per-node 1 speculators_launch.py record -- flags` in `root` on GPU 0:
+    (the finished process, its wall seconds). The log is root/speculators.log."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        str(HERE / "speculators_launch.py"),
+        str(record),
+        "--",
+        *flags,
+    ]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0")
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    (root / "speculators.log").write_text(proc.stdout + proc.stderr)
+    return proc, wall
+
+
+def failure(proc) -> str:
+    """One line for a failed speculators run: its status and its last error lines."""
+    errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "Error" in ln]
+    return f"status {proc.returncode}: " + " | ".join(errors[-3:])[-1500:]

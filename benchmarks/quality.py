@@ -1,0 +1,485 @@
+"""Draft quality: eyrie's draft against one trained by speculators 0.9.0's own trainer from the same
+target, conversations and hidden states (`peer`), and eyrie's recipe choices measured one by one
+(`recipe`); every draft evaluated on the same held-out prompts, at each K of --k.
+
+    python benchmarks/quality.py peer   [--preset demo|large] [--k 3 5] [--vllm] [--workdir DIR]
+    python benchmarks/quality.py recipe [--preset demo] --variant NAME KEY=VALUE ... [--variant ...]
+
+peer    The workflow (this repository's Snakefile, a real Snakemake run) on the preset's config up
+        to eval.json, with eval K = max(--k): the target, the tokenized conversations, the
+        vocabulary map, the hidden-state shards and eyrie's draft. Then the shards are converted
+        to speculators' offline format (benchmarks/peer.py) and `torchrun speculators.train`
+        trains its draft from them: the same verifier folder, vocabulary map, aux layers, draft
+        layers and TTT steps, as many optimizer steps as eyrie's run and total_seq_len = eyrie's
+        tokens per step (max_tokens_per_batch x packs_per_step); its defaults otherwise (Muon,
+        linear schedule, 1% warmup, kl_div, bf16 autocast, flex attention), except its eager loss
+        (its fused Triton loss failed in backward on the H200 image) and train_data_ratio 0.99
+        (its default 0.9 would train on 10% fewer conversations; it refuses 1.0). Its last
+        checkpoint is evaluated by `eyrie evaluate` with the workflow's own evaluation settings,
+        and with --vllm also by `eyrie evaluate-vllm` (vLLM's counters) at each K.
+        speculators' trainer needs a GPU: on a CPU the peer is not trained, and the run stops
+        after eyrie's rows (speculators' data path and flags are still checked).
+recipe  The workflow once per variant, in one working folder and on one shared target: each
+        variant's overrides (dotted keys of config/config.yaml, YAML values) change what they
+        change, and Snakemake reruns only what depends on them (a train.* override retrains,
+        exports and evaluates; the target and the hidden states stay). The first variant is the
+        reference; every row gives AL at each K, the training steps and tokens.
+
+Presets: demo = README command 1's config (the embedded target trained on the CPU); large = a
+larger demo target trained on a GPU for the purpose (hidden 512, 8 layers, 4,096-token vocabulary,
+4,800 conversations; a random-weight target would make acceptance meaningless).
+Prints the table and writes benchmarks/results/quality-<mode>-<preset>-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import peer  # noqa: E402  (benchmarks/peer.py: speculators as the peer)
+
+PRESETS = {
+    "demo": {},
+    "large": {
+        "demo": {
+            "num_conversations": 4800,
+            "vocab_size": 4096,
+            "hidden_size": 512,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "intermediate_size": 1408,
+            "train_steps": 2000,
+            "batch_size": 16,
+            "seq_len": 256,
+            "learning_rate": 1.0e-3,
+            "device": "cuda",
+        },
+    },
+}
+TIMEOUT_S = 3600
+
+
+def log(msg: str) -> None:
+    print(f"[quality {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_override(text: str) -> tuple[list[str], object]:
+    key, sep, value = text.partition("=")
+    if not sep or "." not in key:
+        raise SystemExit(f"quality: override {text!r}: give KEY=VALUE with a dotted config key")
+    return key.split("."), yaml.safe_load(value)
+
+
+def build_config(args, K: int, overrides: list[str], vllm: bool) -> dict:
+    """config/config.yaml, then --base-config's sections, the preset's, --set and `overrides`."""
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    base = yaml.safe_load(args.base_config.read_text()) if args.base_config else {}
+    for layer in (base, PRESETS[args.preset]):
+        for section, values in layer.items():
+            cfg[section].update(values)
+    name = args.name or f"q_{args.preset}"
+    cfg["target"]["name"] = name
+    cfg["eval"]["num_speculative_tokens"] = K
+    if vllm:
+        cfg["eval"]["vllm"] = True
+        cfg["vllm"]["python"] = sys.executable
+    for text in [*args.set, *overrides]:
+        path, value = parse_override(text)
+        node = cfg
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return cfg
+
+
+def snakemake(workdir: Path, cfg: dict, targets: list[str], tag: str) -> float:
+    path = workdir / f"{tag}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-c", "all"]
+    cmd += ["-d", str(workdir), *targets, "--configfile", str(path)]  # it takes a list
+    began = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    (workdir / f"{tag}.snakemake.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        sys.exit(f"quality: {' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return round(time.perf_counter() - began, 1)
+
+
+def eyrie_cli(args: list[str], log_path: Path, python: str = sys.executable) -> None:
+    proc = subprocess.run(
+        [python, "-m", "eyrie.cli", *args], capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    log_path.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        sys.exit(f"quality: eyrie {args[0]} failed (log {log_path}):\n{proc.stderr[-3000:]}")
+
+
+class Run:
+    """One workflow folder: where its outputs are, and the settings its rules compared."""
+
+    def __init__(self, workdir: Path, cfg: dict):
+        from eyrie.settings import validate_config
+
+        self.workdir, self.cfg = workdir, validate_config(cfg)
+        self.name = cfg["target"]["name"]
+        self.res = workdir / "results" / self.name
+        target = self.cfg["target"]["path"]
+        self.target = Path(target) if target else self.res / "target"
+        prompts = self.cfg["eval"]["prompts"]
+        self.eval_set = self.res / ("eval/prompts.parquet" if prompts else "tokenized/eval.parquet")
+
+    def settings(self, rule: str, K: int) -> str:
+        from eyrie.workflow import settings_param
+
+        cfg = json.loads(json.dumps(self.cfg))
+        cfg["eval"]["num_speculative_tokens"] = K
+        return settings_param(cfg, rule)
+
+    def evaluate(self, draft: Path, out: Path, K: int, vllm: bool) -> dict:
+        """`eyrie evaluate` (and `eyrie evaluate-vllm`) of `draft` at K, as the workflow's rules
+        call them: {"hf": eval.json, "vllm": eval_vllm.json or None}."""
+        out.mkdir(parents=True, exist_ok=True)
+        hf = out / f"eval_k{K}.json"
+        if not hf.exists():  # a rerun in the same --workdir (e.g. adding --vllm) keeps it
+            eyrie_cli(
+                [
+                    "evaluate",
+                    *("--target", str(self.target), "--draft", str(draft)),
+                    *("--vocab", str(self.res / "vocab" / "vocab.safetensors")),
+                    *("--eval-set", str(self.eval_set)),
+                    *("--preflight", str(self.res / "preflight.json")),
+                    *("--out", str(hf), "--plot", str(out / f"eval_k{K}.png")),
+                    *("--settings", self.settings("evaluate_draft", K)),
+                ],
+                out / f"eval_k{K}.log",
+            )
+        got = {"hf": json.loads(hf.read_text()), "vllm": None}
+        path = out / f"eval_vllm_k{K}.json"
+        if vllm and not path.exists():
+            eyrie_cli(
+                [
+                    "evaluate-vllm",
+                    *("--target", str(self.target), "--draft", str(draft)),
+                    *("--eval-set", str(self.eval_set), "--hf-eval", str(hf)),
+                    *("--out", str(path), "--settings", self.settings("evaluate_vllm", K)),
+                ],
+                out / f"eval_vllm_k{K}.log",
+            )
+        if vllm:
+            got["vllm"] = json.loads(path.read_text())
+        return got
+
+
+def al_cells(evals: dict, ks: list[int]) -> dict:
+    """AL at each K: HF from the real decoding at that K (acceptance_length_by_k of the run with
+    the largest K), vLLM from its counters at that K."""
+    out = {}
+    for K in ks:
+        hf = evals[max(ks)]["hf"]["trained"]["acceptance_length_by_k"][K - 1]
+        v = evals.get(K, {}).get("vllm")
+        out[K] = {"hf": hf, "vllm": v["acceptance_length"] if v else None}
+    return out
+
+
+def train_record(run: Run) -> dict:
+    summary = json.loads((run.res / "train" / "train.json").read_text())
+    return {"steps": summary["steps"], "tokens": summary["tokens"]}
+
+
+def speculators_flags(run: Run, conv: dict, root: Path, steps: int, epochs: int) -> list[str]:
+    cfg, pre = run.cfg, json.loads((run.res / "preflight.json").read_text())
+    train = cfg["train"]
+    return [
+        *("--verifier-name-or-path", str(run.target)),
+        *("--data-path", str(conv["data_path"])),
+        *("--save-path", str(root / "checkpoints"), "--log-dir", str(root / "logs")),
+        *("--d2t-path", str(conv["d2t"]), "--t2d-path", str(conv["t2d"])),
+        *("--draft-vocab-size", str(cfg["vocab"]["draft_vocab_size"])),
+        *("--target-layer-ids", *map(str, pre["aux_layer_ids"])),
+        *("--num-layers", str(train["num_layers"]), "--ttt-steps", str(train["ttt_steps"])),
+        *("--total-seq-len", str(train["max_tokens_per_batch"] * train["packs_per_step"])),
+        *("--max-steps", str(steps), "--epochs", str(epochs)),
+        *("--train-data-ratio", "0.99", "--on-missing", "raise"),
+        *("--loss-implementation", "eager", "--seed", str(train["seed"])),
+    ]
+
+
+def speculators_batches(flags: list[str], hidden: int, n_aux: int) -> int:
+    """Batches per epoch of speculators' own train loader for `flags` (built on the CPU)."""
+    import speculators.train.cli as cli
+    import torch
+    from hs_connectors import HiddenStatesBackend
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.config import TrainConfig
+
+    a = argparse.Namespace(**TrainConfig.resolve(flags).flatten())
+    transfer = HiddenStatesBackend.registry[a.hidden_states_backend].from_train_args(a, a.data_path)
+    loader, _ = cli.create_train_val_loaders(
+        data_path=a.data_path,
+        total_seq_len=a.total_seq_len,
+        hidden_states_dtype=torch.bfloat16,
+        transfer=transfer,
+        vllm_endpoint=a.vllm_endpoint,
+        on_missing=a.on_missing,
+        verifier_name_or_path=a.verifier_name_or_path,
+        request_timeout=a.request_timeout,
+        max_retries=a.max_retries,
+        generation_validation_retries=a.generation_validation_retries,
+        max_consecutive_generation_failures=a.max_consecutive_generation_failures,
+        hidden_size=hidden,
+        num_target_layers=n_aux,
+        num_workers=0,
+        prefetch_factor=None,
+        preprocess=shift_batch,
+        train_data_ratio=a.train_data_ratio,
+        seed=a.seed,
+    )
+    return len(loader)
+
+
+def train_peer(run: Run, root: Path, steps: int) -> dict:
+    """speculators' draft from the run's shards: {"draft": its last checkpoint, ...}, or
+    {"not_run": why} without a GPU."""
+    import torch
+
+    from eyrie.formats.vocab import read_vocab
+
+    done = root / "peer.json"
+    if done.exists():  # trained by an earlier call in this --workdir
+        return {
+            **json.loads(done.read_text()),
+            "draft": Path(json.loads(done.read_text())["draft"]),
+        }
+    shards = sorted((run.res / "hidden").glob("shard_*.h5"))
+    d2t, t2d = read_vocab(run.res / "vocab" / "vocab.safetensors")
+    t0 = time.perf_counter()
+    conv = peer.convert_shards(shards, d2t, t2d, root / "data")
+    convert_s = time.perf_counter() - t0
+    pre = json.loads((run.res / "preflight.json").read_text())
+    hidden, n_aux = pre["target"]["hidden_size"], len(pre["aux_layer_ids"])
+    per_epoch = speculators_batches(speculators_flags(run, conv, root, steps, 1), hidden, n_aux)
+    epochs = math.ceil(steps / per_epoch)  # its loop takes one more step per epoch after max_steps
+    flags = speculators_flags(run, conv, root, steps, epochs)
+    info = {
+        "samples": conv["samples"],
+        "convert_s": round(convert_s, 1),
+        "batches_per_epoch": per_epoch,
+        "epochs": epochs,
+        "settings": peer.settings(flags),
+    }
+    if not torch.cuda.is_available():
+        return {
+            **info,
+            "not_run": "speculators.train needs a CUDA device (its trainer calls "
+            "torch.accelerator.set_device_index and autocasts on cuda)",
+        }
+    proc, wall = peer.run(flags, root, root / "launch.json", TIMEOUT_S)
+    if proc.returncode != 0:
+        sys.exit(
+            f"quality: speculators.train failed ({root / 'speculators.log'}): {peer.failure(proc)}"
+        )
+    record = json.loads((root / "launch.rank0.json").read_text())
+    ckpts = sorted(
+        (p for p in (root / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name)
+    )
+    info.update(
+        draft=str(ckpts[-1]),
+        steps=len(record["steps"]),
+        tokens=sum(s["tokens"] for s in record["steps"]),
+        wall_s=round(wall, 1),
+    )
+    done.write_text(json.dumps(info, indent=1))
+    return {**info, "draft": ckpts[-1]}
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0).replace(" ", "_")
+    return "cpu"
+
+
+def cmd_peer(args) -> dict:
+    ks, K = sorted(set(args.k)), max(args.k)
+    work = args.workdir
+    cfg = build_config(args, K, [], args.vllm)
+    run = Run(work, cfg)
+    targets = [f"results/{run.name}/eval/eval.json"]
+    if args.vllm:
+        targets.append(f"results/{run.name}/eval/eval_vllm.json")
+    wall = snakemake(work, cfg, targets, "peer")
+    log(f"workflow: {wall} s")
+    evals = {"eyrie": {K: {"hf": json.loads((run.res / "eval" / "eval.json").read_text())}}}
+    if args.vllm:
+        evals["eyrie"][K]["vllm"] = json.loads((run.res / "eval" / "eval_vllm.json").read_text())
+    budget = train_record(run)
+    rows = {"eyrie": {**budget, "draft": str(run.res / "draft")}}
+    for k in ks:
+        if k != K and args.vllm:  # the workflow's evaluation is at K; vLLM's counters per K
+            evals["eyrie"][k] = run.evaluate(run.res / "draft", work / "eyrie_eval", k, True)
+    got = train_peer(run, work / "speculators", budget["steps"])
+    rows["speculators"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in got.items()}
+    if "draft" in got:
+        evals["speculators"] = {
+            k: run.evaluate(got["draft"], work / "speculators_eval", k, args.vllm)
+            for k in (ks if args.vllm else [K])
+        }
+    for who in evals:
+        rows[who]["al"] = al_cells(evals[who], ks)
+        rows[who]["engine"] = {
+            "hf": evals[who][K]["hf"]["engine"],
+            "vllm": (evals[who][K].get("vllm") or {}).get("engine"),
+        }
+        rows[who]["outputs_match_target_greedy"] = evals[who][K]["hf"][
+            "outputs_match_target_greedy"
+        ]
+    return {"rows": rows, "ks": ks, "workflow_s": wall}
+
+
+def cmd_recipe(args) -> dict:
+    ks, K = sorted(set(args.k)), max(args.k)
+    rows = {}
+    for name, *overrides in args.variant:
+        cfg = build_config(args, K, overrides, False)
+        run = Run(args.workdir, cfg)
+        wall = snakemake(args.workdir, cfg, [f"results/{run.name}/eval/eval.json"], name)
+        report = json.loads((run.res / "eval" / "eval.json").read_text())
+        rows[name] = {
+            "overrides": overrides,
+            **train_record(run),
+            "al": al_cells({K: {"hf": report}}, ks),
+            "per_position": report["trained"]["per_position_acceptance"],
+            "wall_s": wall,
+        }
+        shutil.copy(run.res / "eval" / "eval.json", args.workdir / f"{name}.eval.json")
+        log(f"{name}: AL {[rows[name]['al'][k]['hf'] for k in ks]} ({wall} s)")
+    return {"rows": rows, "ks": ks}
+
+
+def fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def table(mode: str, result: dict) -> str:
+    ks, rows = result["ks"], result["rows"]
+    lines = []
+    if mode == "peer":
+        head = [f"AL K={k} ({e})" for k in ks for e in ("eyrie eval", "vLLM")]
+        lines.append("| trainer | steps | tokens | " + " | ".join(head) + " |")
+        lines.append("|---" * (3 + len(head)) + "|")
+        for who, r in rows.items():
+            al = r.get("al", {})
+            cells = [fmt(al.get(k, {}).get(e)) for k in ks for e in ("hf", "vllm")]
+            lines.append(
+                f"| {who} | {r.get('steps', '-')} | {r.get('tokens', '-')} | "
+                + " | ".join(cells)
+                + " |"
+            )
+        if "al" in rows.get("speculators", {}):
+            ratio = [
+                fmt(rows["eyrie"]["al"][k][e] / rows["speculators"]["al"][k][e])
+                if rows["speculators"]["al"][k][e]
+                else "-"
+                for k in ks
+                for e in ("hf", "vllm")
+            ]
+            lines.append("| eyrie / speculators | | | " + " | ".join(ratio) + " |")
+    else:
+        ref = next(iter(rows.values()))
+        head = [f"AL K={k}" for k in ks]
+        lines.append("| variant | overrides | steps | " + " | ".join(head) + " | vs first |")
+        lines.append("|---" * (4 + len(head)) + "|")
+        for name, r in rows.items():
+            cells = [fmt(r["al"][k]["hf"]) for k in ks]
+            rel = r["al"][max(ks)]["hf"] / ref["al"][max(ks)]["hf"]
+            lines.append(
+                f"| {name} | {' '.join(r['overrides']) or '(defaults)'} | {r['steps']} | "
+                + " | ".join(cells)
+                + f" | {rel:.3f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("mode", choices=["peer", "recipe"])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="demo")
+    p.add_argument("--k", type=int, nargs="+", default=[3, 5], help="speculative tokens K")
+    p.add_argument(
+        "--vllm", action="store_true", help="also vLLM's counters (GPU, vLLM importable)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every run (e.g. data.regenerate=true)",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="NAME [KEY=VALUE ...]",
+        help="recipe: a variant and its overrides",
+    )
+    p.add_argument("--workdir", type=Path, default=None, help="kept; default a temporary folder")
+    p.add_argument(
+        "--name",
+        default=None,
+        help="target.name (default q_<preset>): with the same "
+        "--workdir, recipe variants reuse a peer run's target and states",
+    )
+    p.add_argument("--out", type=Path, default=None, help="the JSON (default benchmarks/results/)")
+    p.add_argument(
+        "--base-config",
+        type=Path,
+        default=None,
+        help="a YAML of config sections over config/config.yaml (before the preset)",
+    )
+    args = p.parse_args()
+    if args.mode == "recipe" and not args.variant:
+        p.error("recipe needs at least one --variant")
+    keep = args.workdir is not None
+    args.workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="quality-"))).resolve()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    result = cmd_peer(args) if args.mode == "peer" else cmd_recipe(args)
+    result.update(
+        mode=args.mode,
+        preset=args.preset,
+        date=str(date.today()),
+        host=platform.node(),
+        device=device_name(),
+        wall_s=round(time.perf_counter() - began, 1),
+        command="python benchmarks/quality.py " + " ".join(sys.argv[1:]),
+    )
+    text = table(args.mode, result)
+    print(text)
+    name = f"quality-{args.mode}-{args.preset}-{result['device']}.json"
+    out = args.out or REPO / "benchmarks" / "results" / name
+    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    log(f"wrote {out}")
+    if not keep:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
