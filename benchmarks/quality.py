@@ -37,6 +37,7 @@ import argparse
 import json
 import math
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -121,13 +122,21 @@ def snakemake(workdir: Path, cfg: dict, targets: list[str], tag: str) -> float:
     return round(time.perf_counter() - began, 1)
 
 
-def eyrie_cli(args: list[str], log_path: Path, python: str = sys.executable) -> None:
+def eyrie_cli(args: list[str], log_path: Path, fatal: bool = True) -> str | None:
+    """Run `eyrie <stage>`; None when it succeeds, else its error line (or exit when `fatal`)."""
     proc = subprocess.run(
-        [python, "-m", "eyrie.cli", *args], capture_output=True, text=True, timeout=TIMEOUT_S
+        [sys.executable, "-m", "eyrie.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
     log_path.write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
+    if proc.returncode == 0:
+        return None
+    if fatal:
         sys.exit(f"quality: eyrie {args[0]} failed (log {log_path}):\n{proc.stderr[-3000:]}")
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"eyrie {args[0]}: error")]
+    return (lines or proc.stderr.strip().splitlines() or ["no output"])[-1]
 
 
 class Run:
@@ -172,7 +181,8 @@ class Run:
         got = {"hf": json.loads(hf.read_text()), "vllm": None}
         path = out / f"eval_vllm_k{K}.json"
         if vllm and not path.exists():
-            eyrie_cli(
+            # not fatal: vLLM may refuse a peer's draft (e.g. a field it would not read)
+            refused = eyrie_cli(
                 [
                     "evaluate-vllm",
                     *("--target", str(self.target), "--draft", str(draft)),
@@ -180,9 +190,14 @@ class Run:
                     *("--out", str(path), "--settings", self.settings("evaluate_vllm", K)),
                 ],
                 out / f"eval_vllm_k{K}.log",
+                fatal=False,
             )
-        if vllm:
+            if refused:
+                path.with_suffix(".refused").write_text(refused)
+        if vllm and path.exists():
             got["vllm"] = json.loads(path.read_text())
+        elif vllm:
+            got["vllm_refused"] = path.with_suffix(".refused").read_text()
         return got
 
 
@@ -194,6 +209,8 @@ def al_cells(evals: dict, ks: list[int]) -> dict:
         hf = evals[max(ks)]["hf"]["trained"]["acceptance_length_by_k"][K - 1]
         v = evals.get(K, {}).get("vllm")
         out[K] = {"hf": hf, "vllm": v["acceptance_length"] if v else None}
+        if evals.get(K, {}).get("vllm_refused"):
+            out[K]["vllm_refused"] = evals[K]["vllm_refused"]
     return out
 
 
@@ -295,12 +312,16 @@ def train_peer(run: Run, root: Path, steps: int) -> dict:
             f"quality: speculators.train failed ({root / 'speculators.log'}): {peer.failure(proc)}"
         )
     record = json.loads((root / "launch.rank0.json").read_text())
+    logged = re.findall(r"global_step=(\d+)", (root / "speculators.log").read_text())
     ckpts = sorted(
         (p for p in (root / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name)
     )
     info.update(
         draft=str(ckpts[-1]),
-        steps=len(record["steps"]),
+        # a rerun in this --workdir resumes from its own last checkpoint: the steps it took
+        # before are in the count, their tokens not
+        steps=int(logged[-1]) + 1 if logged else len(record["steps"]),
+        steps_this_process=len(record["steps"]),
         tokens=sum(s["tokens"] for s in record["steps"]),
         wall_s=round(wall, 1),
     )
@@ -334,6 +355,11 @@ def cmd_peer(args) -> dict:
     for k in ks:
         if k != K and args.vllm:  # the workflow's evaluation is at K; vLLM's counters per K
             evals["eyrie"][k] = run.evaluate(run.res / "draft", work / "eyrie_eval", k, True)
+    rows["eyrie"]["target"] = target_identity(run)
+    if args.peer_from:  # the peer's row of an earlier run on the same target and shards
+        earlier = json.loads(args.peer_from.read_text())["rows"]["speculators"]
+        rows["speculators"] = {**earlier, "from": str(args.peer_from)}
+        return {"rows": rows, "ks": ks, "workflow_s": wall, **finish(rows, evals, ks, K)}
     got = train_peer(run, work / "speculators", budget["steps"])
     rows["speculators"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in got.items()}
     if "draft" in got:
@@ -341,6 +367,11 @@ def cmd_peer(args) -> dict:
             k: run.evaluate(got["draft"], work / "speculators_eval", k, args.vllm)
             for k in (ks if args.vllm else [K])
         }
+    return {"rows": rows, "ks": ks, "workflow_s": wall, **finish(rows, evals, ks, K)}
+
+
+def finish(rows: dict, evals: dict, ks: list[int], K: int) -> dict:
+    """Each evaluated row's AL cells, engines and greedy check (in place); nothing to add."""
     for who in evals:
         rows[who]["al"] = al_cells(evals[who], ks)
         rows[who]["engine"] = {
@@ -350,7 +381,34 @@ def cmd_peer(args) -> dict:
         rows[who]["outputs_match_target_greedy"] = evals[who][K]["hf"][
             "outputs_match_target_greedy"
         ]
-    return {"rows": rows, "ks": ks, "workflow_s": wall}
+    return {}
+
+
+def target_identity(run: Run) -> dict:
+    """What makes two runs' targets and states the same: the target's weights and the shards."""
+    import hashlib
+
+    def digest(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+    def values(path: Path) -> str:  # the datasets' values; the attributes hold times and hosts
+        import h5py
+
+        h = hashlib.sha256()
+        with h5py.File(path, "r") as f:
+            for name in sorted(f):
+                if isinstance(f[name], h5py.Dataset):
+                    h.update(name.encode() + f[name][()].tobytes())
+        return h.hexdigest()[:16]
+
+    summary = run.target / "demo_training.json"
+    return {
+        "model_sha256": digest(run.target / "model.safetensors"),
+        "shards_values_sha256": [values(p) for p in sorted((run.res / "hidden").glob("*.h5"))],
+        "demo_held_out_loss": json.loads(summary.read_text())["held_out_loss"]
+        if summary.exists()
+        else None,
+    }
 
 
 def cmd_recipe(args) -> dict:
@@ -446,6 +504,13 @@ def main() -> None:
         default=None,
         help="target.name (default q_<preset>): with the same "
         "--workdir, recipe variants reuse a peer run's target and states",
+    )
+    p.add_argument(
+        "--peer-from",
+        type=Path,
+        default=None,
+        help="peer: take speculators' row from this earlier JSON (same target and shards: "
+        "compare rows.eyrie.target) instead of training it again",
     )
     p.add_argument("--out", type=Path, default=None, help="the JSON (default benchmarks/results/)")
     p.add_argument(
