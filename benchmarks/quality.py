@@ -427,6 +427,8 @@ def cmd_recipe(args) -> dict:
             "wall_s": wall,
         }
         shutil.copy(run.res / "eval" / "eval.json", args.workdir / f"{name}.eval.json")
+        # each row as it comes: a long study stopped early keeps what it measured
+        (args.workdir / "recipe.partial.json").write_text(json.dumps({"rows": rows, "ks": ks}))
         log(f"{name}: AL {[rows[name]['al'][k]['hf'] for k in ks]} ({wall} s)")
     return {"rows": rows, "ks": ks}
 
