@@ -102,6 +102,13 @@ def settings(flags: list[str]) -> dict:
 def run(flags: list[str], root: Path, record: Path, timeout: float) -> tuple:
     """`torchrun --nproc-per-node 1 speculators_launch.py record -- flags` in `root` on GPU 0:
     (the finished process, its wall seconds). The log is root/speculators.log."""
+    t0 = time.perf_counter()
+    proc = wait(start(flags, root, record), root, timeout)
+    return proc, time.perf_counter() - t0
+
+
+def start(flags: list[str], root: Path, record: Path) -> subprocess.Popen:
+    """The same run, started: its output goes to root/speculators.log."""
     cmd = [
         sys.executable,
         "-m",
@@ -116,11 +123,22 @@ def run(flags: list[str], root: Path, record: Path, timeout: float) -> tuple:
     ]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="0")
     root.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - t0
-    (root / "speculators.log").write_text(proc.stdout + proc.stderr)
-    return proc, wall
+    log = open(root / "speculators.log", "w")  # noqa: SIM115 (the child writes it until `wait`)
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log = log
+    return proc
+
+
+def wait(proc: subprocess.Popen, root: Path, timeout: float) -> subprocess.CompletedProcess:
+    """The started run, finished: its status, with root/speculators.log as its output."""
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    proc.log.close()
+    text = (root / "speculators.log").read_text()
+    return subprocess.CompletedProcess(proc.args, code, text, "")
 
 
 def failure(proc) -> str:

@@ -270,19 +270,17 @@ def speculators_batches(flags: list[str], hidden: int, n_aux: int) -> int:
     return len(loader)
 
 
-def train_peer(run: Run, root: Path, steps: int) -> dict:
-    """speculators' draft from the run's shards: {"draft": its last checkpoint, ...}, or
-    {"not_run": why} without a GPU."""
+def start_peer(run: Run, root: Path, steps: int) -> dict:
+    """speculators' training on the run's shards, started: {"proc": its process, ...}; or
+    {"done": ...} when an earlier call in this --workdir trained it, {"not_run": why} without
+    a GPU."""
     import torch
 
     from eyrie.formats.vocab import read_vocab
 
     done = root / "peer.json"
-    if done.exists():  # trained by an earlier call in this --workdir
-        return {
-            **json.loads(done.read_text()),
-            "draft": Path(json.loads(done.read_text())["draft"]),
-        }
+    if done.exists():
+        return {"done": json.loads(done.read_text())}
     shards = sorted((run.res / "hidden").glob("shard_*.h5"))
     d2t, t2d = read_vocab(run.res / "vocab" / "vocab.safetensors")
     t0 = time.perf_counter()
@@ -306,7 +304,21 @@ def train_peer(run: Run, root: Path, steps: int) -> dict:
             "not_run": "speculators.train needs a CUDA device (its trainer calls "
             "torch.accelerator.set_device_index and autocasts on cuda)",
         }
-    proc, wall = peer.run(flags, root, root / "launch.json", TIMEOUT_S)
+    return {
+        **info,
+        "proc": peer.start(flags, root, root / "launch.json"),
+        "t0": time.perf_counter(),
+    }
+
+
+def finish_peer(root: Path, started: dict) -> dict:
+    """The started training's outcome: {"draft": its last checkpoint, steps, tokens, ...}."""
+    if "done" in started or "not_run" in started:
+        info = started.get("done") or started
+        return {**info, "draft": Path(info["draft"])} if "draft" in info else info
+    info = {k: v for k, v in started.items() if k not in ("proc", "t0")}
+    proc = peer.wait(started["proc"], root, TIMEOUT_S)
+    wall = time.perf_counter() - started["t0"]
     if proc.returncode != 0:
         sys.exit(
             f"quality: speculators.train failed ({root / 'speculators.log'}): {peer.failure(proc)}"
@@ -325,7 +337,7 @@ def train_peer(run: Run, root: Path, steps: int) -> dict:
         tokens=sum(s["tokens"] for s in record["steps"]),
         wall_s=round(wall, 1),
     )
-    done.write_text(json.dumps(info, indent=1))
+    (root / "peer.json").write_text(json.dumps(info, indent=1))
     return {**info, "draft": ckpts[-1]}
 
 
@@ -345,6 +357,14 @@ def cmd_peer(args) -> dict:
     targets = [f"results/{run.name}/eval/eval.json"]
     if args.vllm:
         targets.append(f"results/{run.name}/eval/eval_vllm.json")
+    root, started = work / "speculators", None
+    if args.peer_steps and not args.peer_from:  # the states, then both trainings side by side
+        states = [f"results/{run.name}/vocab/vocab.safetensors"] + [
+            f"results/{run.name}/hidden/shard_{i:03d}.h5"
+            for i in range(run.cfg["data"]["num_shards"])
+        ]
+        snakemake(work, cfg, states, "peer-states")
+        started = start_peer(run, root, args.peer_steps)
     wall = snakemake(work, cfg, targets, "peer")
     log(f"workflow: {wall} s")
     evals = {"eyrie": {K: {"hf": json.loads((run.res / "eval" / "eval.json").read_text())}}}
@@ -360,7 +380,9 @@ def cmd_peer(args) -> dict:
         earlier = json.loads(args.peer_from.read_text())["rows"]["speculators"]
         rows["speculators"] = {**earlier, "from": str(args.peer_from)}
         return {"rows": rows, "ks": ks, "workflow_s": wall, **finish(rows, evals, ks, K)}
-    got = train_peer(run, work / "speculators", budget["steps"])
+    got = finish_peer(root, started or start_peer(run, root, budget["steps"]))
+    if got.get("steps") not in (None, budget["steps"]):
+        sys.exit(f"quality: --peer-steps {args.peer_steps} but eyrie trained {budget['steps']}")
     rows["speculators"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in got.items()}
     if "draft" in got:
         evals["speculators"] = {
@@ -513,6 +535,13 @@ def main() -> None:
         default=None,
         help="peer: take speculators' row from this earlier JSON (same target and shards: "
         "compare rows.eyrie.target) instead of training it again",
+    )
+    p.add_argument(
+        "--peer-steps",
+        type=int,
+        default=None,
+        help="peer: speculators' steps, known from an earlier run on the same data: it then "
+        "trains beside eyrie's training (checked equal to eyrie's steps at the end)",
     )
     p.add_argument("--out", type=Path, default=None, help="the JSON (default benchmarks/results/)")
     p.add_argument(
