@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from train_helpers import build_world, train_settings
+from train_helpers import build_world, train_paths, train_settings
 
 from eyrie.errors import ConfigError, EyrieError
 from eyrie.settings import load_config, validate_config
 from eyrie.train.config import TrainSettings
-from eyrie.train.recipe import TrainPaths, train
+from eyrie.train.recipe import train
 
 REPO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "config.yaml"
 
@@ -28,14 +28,7 @@ def world(tmp_path_factory):
 
 
 def run_train(world, root, settings, **kw):
-    paths = TrainPaths(
-        world["target"],
-        world["preflight"],
-        world["vocab"],
-        world["shards"],
-        root / "train",
-        root / "state",
-    )
+    paths = train_paths(world, root)
     return train(paths, settings, **kw)
 
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from safetensors import safe_open
-from train_helpers import AUX_IDS, DRAFT_VOCAB, HIDDEN, build_world, train_settings
+from train_helpers import AUX_IDS, DRAFT_VOCAB, HIDDEN, build_world, train_paths, train_settings
 
 from eyrie.cli import main as cli_main
 from eyrie.errors import ExportError
@@ -20,7 +20,7 @@ from eyrie.formats.draft import (
     random_packed_batch,
 )
 from eyrie.train.export import export
-from eyrie.train.recipe import TrainPaths, train
+from eyrie.train.recipe import train
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +29,7 @@ def trained(tmp_path_factory):
     world = build_world(root, num_conversations=8)
     settings = train_settings(epochs=1, ttt_steps=2)
     train(
-        TrainPaths(
-            world["target"],
-            world["preflight"],
-            world["vocab"],
-            world["shards"],
-            root / "train",
-            root / "state",
-        ),
+        train_paths(world, root),
         settings,
     )
     return world, root / "train", settings

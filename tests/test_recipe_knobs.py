@@ -9,12 +9,12 @@ import math
 
 import pytest
 import torch
-from train_helpers import build_world, train_settings
+from train_helpers import build_world, train_paths, train_settings
 
 from eyrie.errors import EyrieError
 from eyrie.train.checkpoint import run_id
 from eyrie.train.config import TrainSettings
-from eyrie.train.recipe import TrainPaths, add_hidden_noise, lr_factor, train
+from eyrie.train.recipe import add_hidden_noise, lr_factor, train
 
 
 @pytest.fixture(scope="module")
@@ -84,15 +84,7 @@ def test_run_id_leaves_out_the_new_keys_at_what_earlier_runs_trained_with(world)
 
 def test_training_with_a_mixed_loss_noise_and_linear_schedule(world, tmp_path):
     def run(name, **recipe):
-        paths = TrainPaths(
-            world["target"],
-            world["preflight"],
-            world["vocab"],
-            world["shards"],
-            tmp_path / name / "train",
-            tmp_path / name / "state",
-        )
-        train(paths, train_settings(epochs=3, log_every=1, **recipe))
+        train(train_paths(world, tmp_path / name), train_settings(epochs=3, log_every=1, **recipe))
         lines = (tmp_path / name / "train" / "metrics.jsonl").read_text().splitlines()
         return [json.loads(ln) for ln in lines]
 

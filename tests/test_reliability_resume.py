@@ -12,9 +12,9 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from train_helpers import build_world, train_settings
+from train_helpers import build_world, train_paths, train_settings
 
-from eyrie.train.recipe import TrainPaths, train
+from eyrie.train.recipe import train
 
 SETTINGS = train_settings(epochs=2, checkpoint_every=4)  # 27 steps; checkpoints every 4
 
@@ -25,14 +25,7 @@ def world(tmp_path_factory):
 
 
 def run_train(world, root, **kw):
-    paths = TrainPaths(
-        world["target"],
-        world["preflight"],
-        world["vocab"],
-        world["shards"],
-        root / "train",
-        root / "state",
-    )
+    paths = train_paths(world, root)
     return train(paths, SETTINGS, **kw)
 
 
@@ -234,14 +227,7 @@ def test_under_two_processes_every_rank_resumes_from_the_checkpoint_rank_0_verif
     settings = train_settings(**DDP)  # checkpoints every 2 steps
 
     def paths(root):
-        return TrainPaths(
-            world["target"],
-            world["preflight"],
-            world["vocab"],
-            world["shards"],
-            root / "train",
-            root / "state",
-        )
+        return train_paths(world, root)
 
     train(paths(tmp_path / "one"), settings)
     assert train(paths(tmp_path), settings, stop_after_steps=4) is None

@@ -10,7 +10,7 @@ import h5py
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import AUX_IDS, HIDDEN, build_world, train_settings, write_shard
+from train_helpers import AUX_IDS, HIDDEN, build_world, train_paths, train_settings, write_shard
 
 from eyrie.cli import main as cli_main
 from eyrie.errors import EyrieError, ShardError
@@ -27,14 +27,7 @@ def world(tmp_path_factory):
 
 def run_train(world, root, settings, **kw):
     return train(
-        TrainPaths(
-            world["target"],
-            world["preflight"],
-            world["vocab"],
-            world["shards"],
-            root / "train",
-            root / "state",
-        ),
+        train_paths(world, root),
         settings,
         **kw,
     )

@@ -225,3 +225,17 @@ def write_preflight(
         )
     )
     return path
+
+
+def train_paths(world: dict, root: Path):
+    """TrainPaths of a run on `world` with its run folder root/train and state root/state."""
+    from eyrie.train.recipe import TrainPaths
+
+    return TrainPaths(
+        world["target"],
+        world["preflight"],
+        world["vocab"],
+        world["shards"],
+        root / "train",
+        root / "state",
+    )
