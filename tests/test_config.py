@@ -206,7 +206,12 @@ def _old_settings(config: dict) -> dict:
         keys = ("extraction_path", "tensor_parallel_size", "enforce_eager", "max_model_len")
         extract["vllm"] = {k: vllm[k] for k in keys}
     demo = config["demo"]
-    train = {k: v for k, v in config["train"].items() if k not in NEW_TRAIN_KEYS}
+    # a new key is in the params only where the config changes it from the schema's default
+    train = {
+        k: v
+        for k, v in config["train"].items()
+        if k not in NEW_TRAIN_KEYS or v != schema_default(f"train.{k}")
+    }
     return {
         "build_demo_conversations": {"demo": {k: demo[k] for k in ("seed", "num_conversations")}},
         "build_demo_target": {

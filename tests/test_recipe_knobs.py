@@ -98,3 +98,17 @@ def test_training_with_a_mixed_loss_noise_and_linear_schedule(world, tmp_path):
     assert sum(losses[-3:]) < 0.95 * sum(losses[:3])
     assert recipe[-1]["full_acc_0"] > recipe[0]["full_acc_0"]
     assert losses[0] != plain[0]["loss"]  # another loss on other inputs from the first step
+
+
+def test_a_resumed_run_with_hidden_noise_draws_the_same_noise(world, tmp_path):
+    from safetensors.torch import load_file
+
+    settings = train_settings(epochs=2, checkpoint_every=4, hidden_noise=0.1)
+    train(train_paths(world, tmp_path / "full"), settings)
+    assert train(train_paths(world, tmp_path / "cut"), settings, stop_after_steps=6) is None
+    train(train_paths(world, tmp_path / "cut"), settings)  # resumes from step 4
+    full, cut = (
+        load_file(str(tmp_path / r / "train" / "draft" / "model.safetensors"))
+        for r in ("full", "cut")
+    )
+    assert all(torch.equal(full[k], cut[k]) for k in full)
