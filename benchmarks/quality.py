@@ -485,16 +485,16 @@ def table(mode: str, result: dict) -> str:
             lines.append("| eyrie / speculators | | | " + " | ".join(ratio) + " |")
     else:
         ref = next(iter(rows.values()))
-        head = [f"AL K={k}" for k in ks]
-        lines.append("| variant | overrides | steps | " + " | ".join(head) + " | vs first |")
-        lines.append("|---" * (4 + len(head)) + "|")
+        head = [f"AL K={k}" for k in ks] + [f"x first K={k}" for k in ks]
+        lines.append("| variant | overrides | steps | " + " | ".join(head) + " |")
+        lines.append("|---" * (3 + len(head)) + "|")
         for name, r in rows.items():
-            cells = [fmt(r["al"][k]["hf"]) for k in ks]
-            rel = r["al"][max(ks)]["hf"] / ref["al"][max(ks)]["hf"]
+            al = [r["al"][k]["hf"] for k in ks]
+            rel = [f"{a / ref['al'][k]['hf']:.3f}" for a, k in zip(al, ks)]
             lines.append(
                 f"| {name} | {' '.join(r['overrides']) or '(defaults)'} | {r['steps']} | "
-                + " | ".join(cells)
-                + f" | {rel:.3f} |"
+                + " | ".join([*map(fmt, al), *rel])
+                + " |"
             )
     return "\n".join(lines)
 
