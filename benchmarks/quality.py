@@ -358,7 +358,7 @@ def cmd_peer(args) -> dict:
     if args.vllm:
         targets.append(f"results/{run.name}/eval/eval_vllm.json")
     root, started = work / "speculators", None
-    if args.peer_steps and not args.peer_from:  # the states, then both trainings side by side
+    if args.peer_steps:  # the states, then both trainings side by side
         states = [f"results/{run.name}/vocab/vocab.safetensors"] + [
             f"results/{run.name}/hidden/shard_{i:03d}.h5"
             for i in range(run.cfg["data"]["num_shards"])
@@ -376,10 +376,6 @@ def cmd_peer(args) -> dict:
         if k != K and args.vllm:  # the workflow's evaluation is at K; vLLM's counters per K
             evals["eyrie"][k] = run.evaluate(run.res / "draft", work / "eyrie_eval", k, True)
     rows["eyrie"]["target"] = target_identity(run)
-    if args.peer_from:  # the peer's row of an earlier run on the same target and shards
-        earlier = json.loads(args.peer_from.read_text())["rows"]["speculators"]
-        rows["speculators"] = {**earlier, "from": str(args.peer_from)}
-        return {"rows": rows, "ks": ks, "workflow_s": wall, **finish(rows, evals, ks, K)}
     got = finish_peer(root, started or start_peer(run, root, budget["steps"]))
     if got.get("steps") not in (None, budget["steps"]):
         sys.exit(f"quality: --peer-steps {args.peer_steps} but eyrie trained {budget['steps']}")
@@ -528,13 +524,6 @@ def main() -> None:
         default=None,
         help="target.name (default q_<preset>): with the same "
         "--workdir, recipe variants reuse a peer run's target and states",
-    )
-    p.add_argument(
-        "--peer-from",
-        type=Path,
-        default=None,
-        help="peer: take speculators' row from this earlier JSON (same target and shards: "
-        "compare rows.eyrie.target) instead of training it again",
     )
     p.add_argument(
         "--peer-steps",

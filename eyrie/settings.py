@@ -73,11 +73,9 @@ def _problems(schema: dict, instance: Any, prefix: Sequence[str] = ()) -> list[s
                 )
         else:
             # a pattern's message is the regular expression: the schema's `fix` says it in words
-            what = (
-                f"{err.instance!r} is not allowed"
-                if err.validator in ("pattern", "oneOf")
-                else err.message
-            )
+            # likewise a oneOf's ("not valid under any of the given schemas") where a fix says why
+            words = err.validator == "pattern" or (err.validator == "oneOf" and "fix" in err.schema)
+            what = f"{err.instance!r} is not allowed" if words else err.message
             fix = f"; {err.schema['fix']}" if "fix" in err.schema else ""
             problems.append(f"{_key(path)}: {what}{fix}")
     return problems
