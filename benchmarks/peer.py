@@ -90,13 +90,51 @@ def convert_shards(shards: list[Path], d2t: torch.Tensor, t2d: torch.Tensor, out
     }
 
 
+def resolved(flags: list[str]):
+    """speculators' own resolution of `flags` (its defaults for the rest), as its CLI's args."""
+    import argparse
+
+    from speculators.train.config import TrainConfig
+
+    return argparse.Namespace(**TrainConfig.resolve(flags).flatten())
+
+
+def train_loader(a, hidden: int, n_aux: int):
+    """speculators' own train loader for the resolved args `a` (no workers: on the CPU, in this
+    process), as its trainer would build it."""
+    import speculators.train.cli as cli
+    from hs_connectors import HiddenStatesBackend
+    from speculators.models.eagle3.data import shift_batch
+
+    transfer = HiddenStatesBackend.registry[a.hidden_states_backend].from_train_args(a, a.data_path)
+    loader, _ = cli.create_train_val_loaders(
+        data_path=a.data_path,
+        total_seq_len=a.total_seq_len,
+        hidden_states_dtype=torch.bfloat16,
+        transfer=transfer,
+        vllm_endpoint=a.vllm_endpoint,
+        on_missing=a.on_missing,
+        verifier_name_or_path=a.verifier_name_or_path,
+        request_timeout=a.request_timeout,
+        max_retries=a.max_retries,
+        generation_validation_retries=a.generation_validation_retries,
+        max_consecutive_generation_failures=a.max_consecutive_generation_failures,
+        hidden_size=hidden,
+        num_target_layers=n_aux,
+        num_workers=0,
+        prefetch_factor=None,
+        preprocess=shift_batch,
+        train_data_ratio=a.train_data_ratio,
+        seed=a.seed,
+    )
+    return loader
+
+
 def settings(flags: list[str]) -> dict:
     """The settings speculators resolves from `flags` (its defaults for the rest), those in
     REPORTED."""
-    from speculators.train.config import TrainConfig
-
-    resolved = TrainConfig.resolve(flags).flatten()
-    return {k: resolved[k] for k in REPORTED if k in resolved}
+    args = vars(resolved(flags))
+    return {k: args[k] for k in REPORTED if k in args}
 
 
 def run(flags: list[str], root: Path, record: Path, timeout: float) -> tuple:

@@ -239,35 +239,7 @@ def speculators_flags(run: Run, conv: dict, root: Path, steps: int, epochs: int)
 
 def speculators_batches(flags: list[str], hidden: int, n_aux: int) -> int:
     """Batches per epoch of speculators' own train loader for `flags` (built on the CPU)."""
-    import speculators.train.cli as cli
-    import torch
-    from hs_connectors import HiddenStatesBackend
-    from speculators.models.eagle3.data import shift_batch
-    from speculators.train.config import TrainConfig
-
-    a = argparse.Namespace(**TrainConfig.resolve(flags).flatten())
-    transfer = HiddenStatesBackend.registry[a.hidden_states_backend].from_train_args(a, a.data_path)
-    loader, _ = cli.create_train_val_loaders(
-        data_path=a.data_path,
-        total_seq_len=a.total_seq_len,
-        hidden_states_dtype=torch.bfloat16,
-        transfer=transfer,
-        vllm_endpoint=a.vllm_endpoint,
-        on_missing=a.on_missing,
-        verifier_name_or_path=a.verifier_name_or_path,
-        request_timeout=a.request_timeout,
-        max_retries=a.max_retries,
-        generation_validation_retries=a.generation_validation_retries,
-        max_consecutive_generation_failures=a.max_consecutive_generation_failures,
-        hidden_size=hidden,
-        num_target_layers=n_aux,
-        num_workers=0,
-        prefetch_factor=None,
-        preprocess=shift_batch,
-        train_data_ratio=a.train_data_ratio,
-        seed=a.seed,
-    )
-    return len(loader)
+    return len(peer.train_loader(peer.resolved(flags), hidden, n_aux))
 
 
 def start_peer(run: Run, root: Path, steps: int) -> dict:
@@ -385,11 +357,12 @@ def cmd_peer(args) -> dict:
             k: run.evaluate(got["draft"], work / "speculators_eval", k, args.vllm)
             for k in (ks if args.vllm else [K])
         }
-    return {"rows": rows, "ks": ks, "workflow_s": wall, **finish(rows, evals, ks, K)}
+    finish(rows, evals, ks, K)
+    return {"rows": rows, "ks": ks, "workflow_s": wall}
 
 
-def finish(rows: dict, evals: dict, ks: list[int], K: int) -> dict:
-    """Each evaluated row's AL cells, engines and greedy check (in place); nothing to add."""
+def finish(rows: dict, evals: dict, ks: list[int], K: int) -> None:
+    """Each evaluated row's AL cells, engines and greedy check, into `rows`."""
     for who in evals:
         rows[who]["al"] = al_cells(evals[who], ks)
         rows[who]["engine"] = {
@@ -399,7 +372,6 @@ def finish(rows: dict, evals: dict, ks: list[int], K: int) -> dict:
         rows[who]["outputs_match_target_greedy"] = evals[who][K]["hf"][
             "outputs_match_target_greedy"
         ]
-    return {}
 
 
 def target_identity(run: Run) -> dict:

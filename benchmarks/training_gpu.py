@@ -422,39 +422,14 @@ def check_speculators_setup(world: dict, conv: dict, root: Path, args, shape: di
     forward with its loss on a batch (sdpa and eager loss on the CPU); what its trainer would
     get."""
     import speculators.train.cli as cli
-    from hs_connectors import HiddenStatesBackend
     from speculators.losses import resolve_loss_config
     from speculators.model import SpeculatorModel
-    from speculators.models.eagle3.data import shift_batch
-    from speculators.train.config import TrainConfig
 
-    a = argparse.Namespace(
-        **TrainConfig.resolve(speculators_flags(world, conv, root, args, shape)).flatten()
-    )
+    a = peer.resolved(speculators_flags(world, conv, root, args, shape))
     d2t, t2d, draft_vocab = cli.parse_vocab_mappings(a)
     a.draft_attn_impl = "sdpa"
     model = cli.build_draft_model(a, SpeculatorModel.registry["eagle3"], t2d, d2t, draft_vocab)
-    transfer = HiddenStatesBackend.registry[a.hidden_states_backend].from_train_args(a, a.data_path)
-    train_loader, _ = cli.create_train_val_loaders(
-        data_path=a.data_path,
-        total_seq_len=a.total_seq_len,
-        hidden_states_dtype=torch.bfloat16,
-        transfer=transfer,
-        vllm_endpoint=a.vllm_endpoint,
-        on_missing=a.on_missing,
-        verifier_name_or_path=a.verifier_name_or_path,
-        request_timeout=a.request_timeout,
-        max_retries=a.max_retries,
-        generation_validation_retries=a.generation_validation_retries,
-        max_consecutive_generation_failures=a.max_consecutive_generation_failures,
-        hidden_size=shape["hidden"],
-        num_target_layers=len(shape["aux"]),
-        num_workers=0,
-        prefetch_factor=None,
-        preprocess=shift_batch,
-        train_data_ratio=a.train_data_ratio,
-        seed=a.seed,
-    )
+    train_loader = peer.train_loader(a, shape["hidden"], len(shape["aux"]))
     batch = next(iter(train_loader))
     kwargs, _ = model.get_trainer_kwargs(**vars(a))
     kwargs["loss_config"] = resolve_loss_config(a.loss_fn, "eager")

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_workflow import job_table, planned, snakemake, write_config
-from train_helpers import build_world, train_settings, write_shard
+from train_helpers import build_world, train_paths, train_settings, write_shard
 
 from eyrie.cli import main as cli_main
 from eyrie.errors import ExportError
@@ -27,7 +27,7 @@ from eyrie.formats.versions import DraftVersions
 from eyrie.store.fingerprint import file_digest, track_target
 from eyrie.store.store import Store
 from eyrie.train.export import export
-from eyrie.train.recipe import TrainPaths, train
+from eyrie.train.recipe import train
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_RULES = {  # what replaced weights rerun: everything that reads them, not tokenization
@@ -171,14 +171,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     world = build_world(root, num_conversations=8)
     settings = train_settings(epochs=1, ttt_steps=2)
-    paths = TrainPaths(
-        world["target"],
-        world["preflight"],
-        world["vocab"],
-        world["shards"],
-        root / "train",
-        root / "state",
-    )
+    paths = train_paths(world, root)
     train(paths, settings)
     return world, root / "train", settings
 

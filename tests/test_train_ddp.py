@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import build_world, train_settings
+from train_helpers import build_world, train_paths, train_settings
 
 from eyrie.cli import build_parser
 from eyrie.cli import main as cli_main
@@ -121,14 +121,7 @@ def assert_weights(a: dict, b: dict, exact: bool) -> None:
 def one_process(world, tmp_path_factory):
     root = tmp_path_factory.mktemp("one")
     summary = train(
-        TrainPaths(
-            world["target"],
-            world["preflight"],
-            world["vocab"],
-            world["shards"],
-            root / "train",
-            root / "state",
-        ),
+        train_paths(world, root),
         train_settings(**DDP),
     )
     return root, summary
@@ -198,14 +191,7 @@ def test_killed_ddp_run_resumes_in_one_process(world, killed_ddp, one_process, t
     """The number of processes is not part of the run: 2 processes' state resumes in 1."""
     shutil.copytree(killed_ddp, tmp_path / "copy")
     resumed = train(
-        TrainPaths(
-            world["target"],
-            world["preflight"],
-            world["vocab"],
-            world["shards"],
-            tmp_path / "copy" / "train",
-            tmp_path / "copy" / "state",
-        ),
+        train_paths(world, tmp_path / "copy"),
         train_settings(**DDP),
     )
     assert resumed["resumed_from_step"] >= 4 and resumed["world_size"] == 1
@@ -260,14 +246,7 @@ def test_packs_per_step_is_checked_against_world_size(world, tmp_path, monkeypat
 def test_killed_run_resumes_to_identical_weights(world, tmp_path, caplog):
     settings = train_settings(epochs=4, checkpoint_every=2)
     full = train(
-        TrainPaths(
-            world["target"],
-            world["preflight"],
-            world["vocab"],
-            world["shards"],
-            tmp_path / "a" / "train",
-            tmp_path / "a" / "state",
-        ),
+        train_paths(world, tmp_path / "a"),
         settings,
     )
     b = tmp_path / "b"
