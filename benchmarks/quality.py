@@ -3,6 +3,7 @@ target, conversations and hidden states (`peer`), and eyrie's recipe choices mea
 (`recipe`); every draft evaluated on the same held-out prompts, at each K of --k.
 
     python benchmarks/quality.py peer   [--preset demo|large] [--k 3 5] [--vllm] [--workdir DIR]
+                                        [--peer NAME[=SPECULATORS FLAGS]] ...
     python benchmarks/quality.py recipe [--preset demo] --variant NAME KEY=VALUE ... [--variant ...]
 
 peer    The workflow (this repository's Snakefile, a real Snakemake run) on the preset's config up
@@ -17,6 +18,9 @@ peer    The workflow (this repository's Snakefile, a real Snakemake run) on the 
         (its default 0.9 would train on 10% fewer conversations; it refuses 1.0). Its last
         checkpoint is evaluated by `eyrie evaluate` with the workflow's own evaluation settings,
         and with --vllm also by `eyrie evaluate-vllm` (vLLM's counters) at each K.
+        Each --peer is one such draft (default: `speculators`, its defaults as above); flags
+        after `=` go to its trainer too, e.g. `--peer 'spec_nonorm=--no-norm-output'` for the
+        draft shape eyrie trains, which vLLM 0.22 serves. The peers train side by side.
         speculators' trainer needs a GPU: on a CPU the peer is not trained, and the run stops
         after eyrie's rows (speculators' data path and flags are still checked).
 recipe  The workflow once per variant, in one working folder and on one shared target: each
@@ -38,6 +42,7 @@ import json
 import math
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -114,6 +119,7 @@ def snakemake(workdir: Path, cfg: dict, targets: list[str], tag: str) -> float:
     path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-c", "all"]
     cmd += ["-d", str(workdir), *targets, "--configfile", str(path)]  # it takes a list
+    cmd += ["--rerun-incomplete"]  # a run stopped in this --workdir (a call's limit) goes on
     began = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
     (workdir / f"{tag}.snakemake.log").write_text(proc.stdout + proc.stderr)
@@ -219,7 +225,9 @@ def train_record(run: Run) -> dict:
     return {"steps": summary["steps"], "tokens": summary["tokens"]}
 
 
-def speculators_flags(run: Run, conv: dict, root: Path, steps: int, epochs: int) -> list[str]:
+def speculators_flags(
+    run: Run, conv: dict, root: Path, steps: int, epochs: int, extra: list[str]
+) -> list[str]:
     cfg, pre = run.cfg, json.loads((run.res / "preflight.json").read_text())
     train = cfg["train"]
     return [
@@ -234,7 +242,20 @@ def speculators_flags(run: Run, conv: dict, root: Path, steps: int, epochs: int)
         *("--max-steps", str(steps), "--epochs", str(epochs)),
         *("--train-data-ratio", "0.99", "--on-missing", "raise"),
         *("--loss-implementation", "eager", "--seed", str(train["seed"])),
+        *extra,
     ]
+
+
+def planned_steps(run: Run) -> int:
+    """The steps eyrie's train_draft will take on the run's shards: its own packing plan."""
+    from eyrie.train.packing import PackedShards, Plan
+    from eyrie.train.recipe import _expectation  # what train_draft checks every shard against
+
+    t = run.cfg["train"]
+    shards = sorted((run.res / "hidden").glob("shard_*.h5"))
+    expect = _expectation(run.res / "preflight.json")
+    data = PackedShards(shards, expect, t["max_tokens_per_batch"], t["ttt_steps"] - 1, True)
+    return Plan.build(data, t["seed"], t["epochs"], t["packs_per_step"]).total_steps
 
 
 def speculators_batches(flags: list[str], hidden: int, n_aux: int) -> int:
@@ -242,30 +263,52 @@ def speculators_batches(flags: list[str], hidden: int, n_aux: int) -> int:
     return len(peer.train_loader(peer.resolved(flags), hidden, n_aux))
 
 
-def start_peer(run: Run, root: Path, steps: int) -> dict:
-    """speculators' training on the run's shards, started: {"proc": its process, ...}; or
+def parse_peer(text: str) -> tuple[str, list[str]]:
+    name, _, flags = text.partition("=")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == "eyrie":
+        raise SystemExit(f"quality: --peer {text!r}: give NAME or NAME=FLAGS, NAME of [A-Za-z0-9_.-]")
+    return name, shlex.split(flags)
+
+
+def converted(run: Run, work: Path) -> dict:
+    """The run's shards in speculators' format, once per --workdir for every peer."""
+    from eyrie.formats.vocab import read_vocab
+
+    out, record = work / "peer_data", work / "peer_data.json"
+    if record.exists():
+        return json.loads(record.read_text())
+    shards = sorted((run.res / "hidden").glob("shard_*.h5"))
+    d2t, t2d = read_vocab(run.res / "vocab" / "vocab.safetensors")
+    t0 = time.perf_counter()
+    conv = peer.convert_shards(shards, d2t, t2d, out)
+    conv = {k: str(v) if isinstance(v, Path) else v for k, v in conv.items()}
+    conv["convert_s"] = round(time.perf_counter() - t0, 1)
+    record.write_text(json.dumps(conv))  # last: a stopped conversion is redone
+    return conv
+
+
+def start_peer(run: Run, work: Path, name: str, extra: list[str], steps: int) -> dict:
+    """Peer `name`'s training on the run's shards, started: {"proc": its process, ...}; or
     {"done": ...} when an earlier call in this --workdir trained it, {"not_run": why} without
     a GPU."""
     import torch
 
-    from eyrie.formats.vocab import read_vocab
-
+    root = work / name
     done = root / "peer.json"
     if done.exists():
         return {"done": json.loads(done.read_text())}
-    shards = sorted((run.res / "hidden").glob("shard_*.h5"))
-    d2t, t2d = read_vocab(run.res / "vocab" / "vocab.safetensors")
-    t0 = time.perf_counter()
-    conv = peer.convert_shards(shards, d2t, t2d, root / "data")
-    convert_s = time.perf_counter() - t0
+    conv = converted(run, work)
     pre = json.loads((run.res / "preflight.json").read_text())
     hidden, n_aux = pre["target"]["hidden_size"], len(pre["aux_layer_ids"])
-    per_epoch = speculators_batches(speculators_flags(run, conv, root, steps, 1), hidden, n_aux)
+    one = speculators_flags(run, conv, root, steps, 1, extra)
+    per_epoch = speculators_batches(one, hidden, n_aux)
     epochs = math.ceil(steps / per_epoch)  # its loop takes one more step per epoch after max_steps
-    flags = speculators_flags(run, conv, root, steps, epochs)
+    flags = speculators_flags(run, conv, root, steps, epochs, extra)
+    root.mkdir(parents=True, exist_ok=True)
     info = {
+        "flags_beyond_common": extra,
         "samples": conv["samples"],
-        "convert_s": round(convert_s, 1),
+        "convert_s": conv["convert_s"],
         "batches_per_epoch": per_epoch,
         "epochs": epochs,
         "settings": peer.settings(flags),
@@ -329,14 +372,18 @@ def cmd_peer(args) -> dict:
     targets = [f"results/{run.name}/eval/eval.json"]
     if args.vllm:
         targets.append(f"results/{run.name}/eval/eval_vllm.json")
-    root, started = work / "speculators", None
-    if args.peer_steps:  # the states, then both trainings side by side
+    arms = dict(map(parse_peer, args.peer or ["speculators"]))
+    started = {}
+    if args.peer_steps:  # the states, then all trainings side by side
         states = [f"results/{run.name}/vocab/vocab.safetensors"] + [
             f"results/{run.name}/hidden/shard_{i:03d}.h5"
             for i in range(run.cfg["data"]["num_shards"])
         ]
         snakemake(work, cfg, states, "peer-states")
-        started = start_peer(run, root, args.peer_steps)
+        if args.peer_steps == "auto":
+            args.peer_steps = planned_steps(run)
+            log(f"eyrie's plan: {args.peer_steps} steps")
+        started = {n: start_peer(run, work, n, x, int(args.peer_steps)) for n, x in arms.items()}
     wall = snakemake(work, cfg, targets, "peer")
     log(f"workflow: {wall} s")
     evals = {"eyrie": {K: {"hf": json.loads((run.res / "eval" / "eval.json").read_text())}}}
@@ -348,17 +395,20 @@ def cmd_peer(args) -> dict:
         if k != K and args.vllm:  # the workflow's evaluation is at K; vLLM's counters per K
             evals["eyrie"][k] = run.evaluate(run.res / "draft", work / "eyrie_eval", k, True)
     rows["eyrie"]["target"] = target_identity(run)
-    got = finish_peer(root, started or start_peer(run, root, budget["steps"]))
-    if got.get("steps") not in (None, budget["steps"]):
-        sys.exit(f"quality: --peer-steps {args.peer_steps} but eyrie trained {budget['steps']}")
-    rows["speculators"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in got.items()}
-    if "draft" in got:
-        evals["speculators"] = {
-            k: run.evaluate(got["draft"], work / "speculators_eval", k, args.vllm)
-            for k in (ks if args.vllm else [K])
-        }
+    for n, x in arms.items():
+        started.setdefault(n, start_peer(run, work, n, x, budget["steps"]))
+    for n in arms:
+        got = finish_peer(work / n, started[n])
+        if got.get("steps") not in (None, budget["steps"]):
+            sys.exit(f"quality: {n} took {got['steps']} steps, eyrie {budget['steps']}")
+        rows[n] = {k: (str(v) if isinstance(v, Path) else v) for k, v in got.items()}
+        if "draft" in got:
+            evals[n] = {
+                k: run.evaluate(got["draft"], work / f"{n}_eval", k, args.vllm)
+                for k in (ks if args.vllm else [K])
+            }
     finish(rows, evals, ks, K)
-    return {"rows": rows, "ks": ks, "workflow_s": wall}
+    return {"rows": rows, "ks": ks, "workflow_s": wall, "peer_steps": args.peer_steps}
 
 
 def finish(rows: dict, evals: dict, ks: list[int], K: int) -> None:
@@ -442,15 +492,17 @@ def table(mode: str, result: dict) -> str:
                 + " | ".join(cells)
                 + " |"
             )
-        if "al" in rows.get("speculators", {}):
+        for who, r in rows.items():
+            if who == "eyrie" or "al" not in r:
+                continue
             ratio = [
-                fmt(rows["eyrie"]["al"][k][e] / rows["speculators"]["al"][k][e])
-                if rows["speculators"]["al"][k][e]
+                fmt(rows["eyrie"]["al"][k][e] / r["al"][k][e])
+                if r["al"][k][e] and rows["eyrie"]["al"][k][e]
                 else "-"
                 for k in ks
                 for e in ("hf", "vllm")
             ]
-            lines.append("| eyrie / speculators | | | " + " | ".join(ratio) + " |")
+            lines.append(f"| eyrie / {who} | | | " + " | ".join(ratio) + " |")
     else:
         ref = next(iter(rows.values()))
         head = [f"AL K={k}" for k in ks] + [f"x first K={k}" for k in ks]
@@ -499,10 +551,18 @@ def main() -> None:
     )
     p.add_argument(
         "--peer-steps",
-        type=int,
+        type=lambda v: v if v == "auto" else int(v),
         default=None,
-        help="peer: speculators' steps, known from an earlier run on the same data: it then "
-        "trains beside eyrie's training (checked equal to eyrie's steps at the end)",
+        help="peer: the peers' steps, N or auto (eyrie's own plan, read from the shards): they "
+        "then train beside eyrie's training (checked equal to eyrie's steps at the end)",
+    )
+    p.add_argument(
+        "--peer",
+        action="append",
+        default=None,
+        metavar="NAME[=FLAGS]",
+        help="peer: a speculators draft to train, with flags for its trainer beyond the common "
+        "ones (default: one, `speculators`, at its defaults); repeat for several",
     )
     p.add_argument("--out", type=Path, default=None, help="the JSON (default benchmarks/results/)")
     p.add_argument(

@@ -32,7 +32,8 @@ def test_quality_benchmark_peer_and_recipe_on_the_tiny_config(tmp_path):
     script = str(REPO / "benchmarks" / "quality.py")
 
     peer = subprocess.run(
-        [sys.executable, script, "peer", *common, "--out", str(tmp_path / "peer.json")],
+        [sys.executable, script, "peer", *common, "--out", str(tmp_path / "peer.json")]
+        + ["--peer", "speculators", "--peer", "spec_nonorm=--no-norm-output", "--peer-steps", "auto"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -41,6 +42,7 @@ def test_quality_benchmark_peer_and_recipe_on_the_tiny_config(tmp_path):
     r = json.loads((tmp_path / "peer.json").read_text())
     eyrie, spec = r["rows"]["eyrie"], r["rows"]["speculators"]
     assert eyrie["steps"] > 0 and eyrie["tokens"] > 0
+    assert r["peer_steps"] == eyrie["steps"]  # `auto`: eyrie's plan, read before it trained
     assert set(eyrie["al"]) == {"1", "2"} and all(1 <= c["hf"] <= 3 for c in eyrie["al"].values())
     assert eyrie["engine"]["hf"] == {"name": "hf", "dtype": "float32", "device": "cpu"}
     assert spec["not_run"].startswith("speculators.train needs a CUDA device")
@@ -49,6 +51,10 @@ def test_quality_benchmark_peer_and_recipe_on_the_tiny_config(tmp_path):
     assert s["max_steps"] == eyrie["steps"] and s["total_seq_len"] == 256
     assert s["optimizer"] == "muon" and s["loss_fn"] == "kl_div" and s["ttt_steps"] == 3
     assert "| eyrie |" in peer.stdout
+    nonorm = r["rows"]["spec_nonorm"]  # a second peer: the common flags and its own
+    assert nonorm["flags_beyond_common"] == ["--no-norm-output"] and spec["flags_beyond_common"] == []
+    assert nonorm["settings"]["norm_output"] is False and s["norm_output"] is True
+    assert nonorm["samples"] == spec["samples"] and (work / "peer_data.json").exists()
 
     recipe = subprocess.run(
         [sys.executable, script, "recipe", *common, "--out", str(tmp_path / "recipe.json")]
