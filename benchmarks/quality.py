@@ -266,7 +266,9 @@ def speculators_batches(flags: list[str], hidden: int, n_aux: int) -> int:
 def parse_peer(text: str) -> tuple[str, list[str]]:
     name, _, flags = text.partition("=")
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == "eyrie":
-        raise SystemExit(f"quality: --peer {text!r}: give NAME or NAME=FLAGS, NAME of [A-Za-z0-9_.-]")
+        raise SystemExit(
+            f"quality: --peer {text!r}: give NAME or NAME=FLAGS, NAME of [A-Za-z0-9_.-]"
+        )
     return name, shlex.split(flags)
 
 

@@ -33,7 +33,14 @@ def test_quality_benchmark_peer_and_recipe_on_the_tiny_config(tmp_path):
 
     peer = subprocess.run(
         [sys.executable, script, "peer", *common, "--out", str(tmp_path / "peer.json")]
-        + ["--peer", "speculators", "--peer", "spec_nonorm=--no-norm-output", "--peer-steps", "auto"],
+        + [
+            "--peer",
+            "speculators",
+            "--peer",
+            "spec_nonorm=--no-norm-output",
+            "--peer-steps",
+            "auto",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -52,7 +59,9 @@ def test_quality_benchmark_peer_and_recipe_on_the_tiny_config(tmp_path):
     assert s["optimizer"] == "muon" and s["loss_fn"] == "kl_div" and s["ttt_steps"] == 3
     assert "| eyrie |" in peer.stdout
     nonorm = r["rows"]["spec_nonorm"]  # a second peer: the common flags and its own
-    assert nonorm["flags_beyond_common"] == ["--no-norm-output"] and spec["flags_beyond_common"] == []
+    assert (
+        nonorm["flags_beyond_common"] == ["--no-norm-output"] and spec["flags_beyond_common"] == []
+    )
     assert nonorm["settings"]["norm_output"] is False and s["norm_output"] is True
     assert nonorm["samples"] == spec["samples"] and (work / "peer_data.json").exists()
 
