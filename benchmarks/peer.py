@@ -161,7 +161,8 @@ def start(flags: list[str], root: Path, record: Path) -> subprocess.Popen:
     ]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="0")
     root.mkdir(parents=True, exist_ok=True)
-    log = open(root / "speculators.log", "w")  # noqa: SIM115 (the child writes it until `wait`)
+    # appended: a resumed run counts the steps logged before it (quality.py reads them all)
+    log = open(root / "speculators.log", "a")  # noqa: SIM115 (the child writes it until `wait`)
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.log = log
     return proc

@@ -30,6 +30,7 @@ class DraftSpec:
     num_layers: int = 1
     draft_arch: str = "llama"
     norm_before_residual: bool = True
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states before fc
     ttt_steps: int = 3
     attn_impl: str = "sdpa"
     trust_remote_code: bool = False  # to read the target folder's config
@@ -79,6 +80,7 @@ def build_draft(
             verifier_name_or_path=target_path,
             draft_vocab_size=int(d2t.shape[0]),
             norm_before_residual=spec.norm_before_residual,
+            norm_before_fc=spec.norm_before_fc,
             ttt_steps=spec.ttt_steps,
             target_layer_ids=list(spec.aux_layer_ids),
             draft_attn_impl=spec.attn_impl,

@@ -162,7 +162,10 @@ TABLE = (
         )
     ),
     Row("train.report_to", ("train_draft",), new=True),
-    *(Row(f"train.{name}", TRAIN, new=True) for name in ("loss", "lr_schedule", "hidden_noise")),
+    *(
+        Row(f"train.{name}", TRAIN, new=True)
+        for name in ("loss", "lr_schedule", "hidden_noise", "norm_before_fc")
+    ),
     Row("eval.num_speculative_tokens", ("evaluate_draft", "evaluate_vllm")),
     Row("eval.max_new_tokens", ("evaluate_draft", "evaluate_vllm")),
     Row("eval.num_prompts", ("evaluate_draft", "evaluate_vllm")),

@@ -1,4 +1,5 @@
-"""The training recipe's choices (train.loss, train.lr_schedule, train.hidden_noise): parsed and
+"""The training recipe's choices (train.loss, train.lr_schedule, train.hidden_noise,
+train.norm_before_fc): parsed and
 refused by key, applied in training as documented, and absent from the run id at the value runs
 trained with before the keys existed."""
 
@@ -77,9 +78,26 @@ def test_run_id_leaves_out_the_new_keys_at_what_earlier_runs_trained_with(world)
         return run_id(cfg, world["target"], world["preflight"], world["vocab"], world["shards"])
 
     before = rid()
-    assert rid(loss="kl_div", lr_schedule="cosine", hidden_noise=0.0) == before
-    changed = {rid(loss="ce"), rid(lr_schedule="linear"), rid(hidden_noise=0.05)}
-    assert before not in changed and len(changed) == 3
+    assert rid(loss="kl_div", lr_schedule="cosine", hidden_noise=0.0, norm_before_fc=False) == before
+    changed = {
+        rid(loss="ce"),
+        rid(lr_schedule="linear"),
+        rid(hidden_noise=0.05),
+        rid(norm_before_fc=True),
+    }
+    assert before not in changed and len(changed) == 4
+
+
+def test_norm_before_fc_trains_a_draft_that_has_it_and_says_so(world, tmp_path):
+    from safetensors import safe_open
+
+    paths = train_paths(world, tmp_path / "nfc")
+    train(paths, train_settings(epochs=1, norm_before_fc=True))
+    out = next(p.parent for p in (tmp_path / "nfc").rglob("config.json") if "draft" in str(p))
+    assert json.loads((out / "config.json").read_text())["norm_before_fc"] is True
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert any("input_norm" in n for n in names), sorted(names)
 
 
 def test_training_with_a_mixed_loss_noise_and_linear_schedule(world, tmp_path):

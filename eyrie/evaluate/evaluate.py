@@ -278,6 +278,7 @@ def build_proposers(target: str | Path, inputs: EvalInputs, device: str, dtype: 
         num_layers=tl.num_hidden_layers,
         draft_arch=tl.model_type,
         norm_before_residual=draft.config.norm_before_residual,
+        norm_before_fc=draft.config.norm_before_fc,
     )
     untrained = build_draft(target, spec, inputs.d2t, inputs.t2d, seed=UNTRAINED_SEED)
     return {

@@ -23,7 +23,12 @@ log = logging.getLogger(__name__)
 NOT_IN_RUN_ID = ("log_every", "checkpoint_every", "verify_shards", "report_to")
 # Settings added after runs recorded their run ids, with the value those runs trained with: left
 # out of the run id at that value, so that their checkpoints still resume.
-IMPLIED_BEFORE = {"loss": "kl_div", "lr_schedule": "cosine", "hidden_noise": 0.0}
+IMPLIED_BEFORE = {
+    "loss": "kl_div",
+    "lr_schedule": "cosine",
+    "hidden_noise": 0.0,
+    "norm_before_fc": False,
+}
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class TrainSettings:
     loss: str  # speculators' loss spec: a name or a JSON object of name: weight (loss_spec)
     lr_schedule: str  # after the warmup: cosine or linear decay to 0, or constant
     hidden_noise: float  # Gaussian noise on the draft's input states, x RMS of each row
+    norm_before_fc: bool  # one RMSNorm over the concatenated target states before fc
     num_layers: int
     draft_arch: str
     precision: str  # auto: bfloat16 autocast on a GPU, float32 on a CPU

@@ -253,6 +253,7 @@ class TrainRecipe:
             num_layers=cfg.num_layers,
             draft_arch=cfg.draft_arch,
             norm_before_residual=cfg.norm_before_residual,
+            norm_before_fc=cfg.norm_before_fc,
             ttt_steps=cfg.ttt_steps,
             attn_impl="simple_flex_attention" if self.cuda else "sdpa",
         )
