@@ -78,7 +78,9 @@ def test_run_id_leaves_out_the_new_keys_at_what_earlier_runs_trained_with(world)
         return run_id(cfg, world["target"], world["preflight"], world["vocab"], world["shards"])
 
     before = rid()
-    assert rid(loss="kl_div", lr_schedule="cosine", hidden_noise=0.0, norm_before_fc=False) == before
+    assert (
+        rid(loss="kl_div", lr_schedule="cosine", hidden_noise=0.0, norm_before_fc=False) == before
+    )
     changed = {
         rid(loss="ce"),
         rid(lr_schedule="linear"),
