@@ -90,16 +90,20 @@ def test_run_id_leaves_out_the_new_keys_at_what_earlier_runs_trained_with(world)
     assert before not in changed and len(changed) == 4
 
 
-def test_norm_before_fc_trains_a_draft_that_has_it_and_says_so(world, tmp_path):
+def test_norm_before_fc_trains_and_exports_a_draft_that_has_it(world, tmp_path):
     from safetensors import safe_open
 
-    paths = train_paths(world, tmp_path / "nfc")
-    train(paths, train_settings(epochs=1, norm_before_fc=True))
-    out = next(p.parent for p in (tmp_path / "nfc").rglob("config.json") if "draft" in str(p))
+    from eyrie.cli import main as cli_main
+
+    settings = train_settings(epochs=1, norm_before_fc=True)
+    train(train_paths(world, tmp_path), settings)
+    out = tmp_path / "draft"
+    args = ["export", "--target", str(world["target"]), "--train-dir", str(tmp_path / "train")]
+    assert cli_main([*args, "--out-dir", str(out), "--settings", json.dumps(settings)]) == 0
     assert json.loads((out / "config.json").read_text())["norm_before_fc"] is True
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = set(f.keys())
-    assert any("input_norm" in n for n in names), sorted(names)
+    assert "input_norm.weight" in names, sorted(names)  # speculators' norm over the aux states
 
 
 def test_training_with_a_mixed_loss_noise_and_linear_schedule(world, tmp_path):
