@@ -398,7 +398,8 @@ def cmd_peer(args) -> dict:
             evals["eyrie"][k] = run.evaluate(run.res / "draft", work / "eyrie_eval", k, True)
     rows["eyrie"]["target"] = target_identity(run)
     for n, x in arms.items():
-        started.setdefault(n, start_peer(run, work, n, x, budget["steps"]))
+        if n not in started:  # not setdefault: its argument would start a second training
+            started[n] = start_peer(run, work, n, x, budget["steps"])
     for n in arms:
         got = finish_peer(work / n, started[n])
         if got.get("steps") not in (None, budget["steps"]):
