@@ -159,6 +159,10 @@ class Run:
         prompts = self.cfg["eval"]["prompts"]
         self.eval_set = self.res / ("eval/prompts.parquet" if prompts else "tokenized/eval.parquet")
 
+    def shards(self) -> list[Path]:
+        """The hidden-state shards the workflow wrote, in order."""
+        return sorted((self.res / "hidden").glob("shard_*.h5"))
+
     def settings(self, rule: str, K: int) -> str:
         from eyrie.workflow import settings_param
 
@@ -252,9 +256,8 @@ def planned_steps(run: Run) -> int:
     from eyrie.train.recipe import _expectation  # what train_draft checks every shard against
 
     t = run.cfg["train"]
-    shards = sorted((run.res / "hidden").glob("shard_*.h5"))
     expect = _expectation(run.res / "preflight.json")
-    data = PackedShards(shards, expect, t["max_tokens_per_batch"], t["ttt_steps"] - 1, True)
+    data = PackedShards(run.shards(), expect, t["max_tokens_per_batch"], t["ttt_steps"] - 1, True)
     return Plan.build(data, t["seed"], t["epochs"], t["packs_per_step"]).total_steps
 
 
@@ -279,10 +282,9 @@ def converted(run: Run, work: Path) -> dict:
     out, record = work / "peer_data", work / "peer_data.json"
     if record.exists():
         return json.loads(record.read_text())
-    shards = sorted((run.res / "hidden").glob("shard_*.h5"))
     d2t, t2d = read_vocab(run.res / "vocab" / "vocab.safetensors")
     t0 = time.perf_counter()
-    conv = peer.convert_shards(shards, d2t, t2d, out)
+    conv = peer.convert_shards(run.shards(), d2t, t2d, out)
     conv = {k: str(v) if isinstance(v, Path) else v for k, v in conv.items()}
     conv["convert_s"] = round(time.perf_counter() - t0, 1)
     record.write_text(json.dumps(conv))  # last: a stopped conversion is redone
