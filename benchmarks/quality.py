@@ -225,8 +225,10 @@ def al_cells(evals: dict, ks: list[int]) -> dict:
 
 
 def train_record(run: Run) -> dict:
+    """Steps, tokens and the training's last accuracies per TTT position (train.json's `final`):
+    a draft that underfits shows here before its AL is read."""
     summary = json.loads((run.res / "train" / "train.json").read_text())
-    return {"steps": summary["steps"], "tokens": summary["tokens"]}
+    return {k: summary[k] for k in ("steps", "tokens", "final") if k in summary}
 
 
 def speculators_flags(
@@ -472,6 +474,9 @@ def cmd_recipe(args) -> dict:
             "wall_s": wall,
         }
         shutil.copy(run.res / "eval" / "eval.json", args.workdir / f"{name}.eval.json")
+        shutil.copy(
+            run.workdir / "logs" / run.name / "train_draft.log", args.workdir / f"{name}.train.log"
+        )
         # each row as it comes: a long study stopped early keeps what it measured
         (args.workdir / "recipe.partial.json").write_text(json.dumps({"rows": rows, "ks": ks}))
         log(f"{name}: AL {[rows[name]['al'][k]['hf'] for k in ks]} ({wall} s)")
@@ -510,15 +515,16 @@ def table(mode: str, result: dict) -> str:
             lines.append(f"| eyrie / {who} | | | " + " | ".join(ratio) + " |")
     else:
         ref = next(iter(rows.values()))
-        head = [f"AL K={k}" for k in ks] + [f"x first K={k}" for k in ks]
+        head = [f"AL K={k}" for k in ks] + [f"x first K={k}" for k in ks] + ["train acc"]
         lines.append("| variant | overrides | steps | " + " | ".join(head) + " |")
         lines.append("|---" * (3 + len(head)) + "|")
         for name, r in rows.items():
             al = [r["al"][k]["hf"] for k in ks]
             rel = [f"{a / ref['al'][k]['hf']:.3f}" for a, k in zip(al, ks)]
+            acc = "/".join(f"{a:.2f}" for a in r.get("final", {}).get("full_acc", [])) or "-"
             lines.append(
                 f"| {name} | {' '.join(r['overrides']) or '(defaults)'} | {r['steps']} | "
-                + " | ".join([*map(fmt, al), *rel])
+                + " | ".join([*map(fmt, al), *rel, acc])
                 + " |"
             )
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """The training recipe's choices (train.loss, train.lr_schedule, train.hidden_noise,
-train.norm_before_fc): parsed and
-refused by key, applied in training as documented, and absent from the run id at the value runs
-trained with before the keys existed."""
+train.norm_before_fc, train.learning_rate: auto): parsed and refused by key, applied in training
+as documented, and absent from the run id at the value runs trained with before the keys
+existed."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
-from train_helpers import build_world, train_paths, train_settings
+from train_helpers import HIDDEN, build_world, train_paths, train_settings
 
 from eyrie.errors import EyrieError
 from eyrie.train.checkpoint import run_id
-from eyrie.train.config import TrainSettings
+from eyrie.train.config import TrainSettings, auto_learning_rate
 from eyrie.train.recipe import add_hidden_noise, lr_factor, train
 
 
@@ -136,3 +136,37 @@ def test_a_resumed_run_with_hidden_noise_draws_the_same_noise(world, tmp_path):
         for r in ("full", "cut")
     )
     assert all(torch.equal(full[k], cut[k]) for k in full)
+
+
+def test_auto_learning_rate_scales_with_the_drafts_width():
+    # the two measured optima it goes through, and the widths of real targets it extrapolates to
+    assert [auto_learning_rate(h) for h in (64, 128, 512, 4096, 7168)] == [
+        3e-3,
+        3e-3,
+        1e-3,
+        2e-4,
+        1e-4,
+    ]
+    assert TrainSettings.from_settings({"train": {}}).learning_rate == "auto"
+    fixed = TrainSettings.from_settings({"train": {"learning_rate": 1}})
+    assert fixed.learning_rate == 1.0 and fixed.resolved_for(4096) is fixed
+    with pytest.raises(EyrieError) as err:
+        TrainSettings.from_settings({"train": {"learning_rate": "fast"}})
+    assert "train.learning_rate: 'fast'" in str(err.value)
+    assert "give a positive number such as 1.0e-3, or auto" in str(err.value)
+
+
+def test_auto_learning_rate_trains_at_its_number_under_the_same_run_id(world, tmp_path):
+    lr = auto_learning_rate(HIDDEN)
+    settings = train_settings(epochs=1, log_every=1, lr_schedule="constant", learning_rate="auto")
+    auto = TrainSettings.from_settings(settings)
+    fixed = TrainSettings.from_settings({"train": {**settings["train"], "learning_rate": lr}})
+    ids = {
+        run_id(c, world["target"], world["preflight"], world["vocab"], world["shards"])
+        for c in (auto.resolved_for(HIDDEN), fixed)
+    }
+    assert len(ids) == 1  # a finished run at the explicit rate resumes under auto
+    summary = train(train_paths(world, tmp_path), settings)
+    assert summary["learning_rate"] == lr and summary["run_id"] in ids
+    last = json.loads((tmp_path / "train" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["lr"] == pytest.approx(lr)  # the optimizer's rate after the warmup

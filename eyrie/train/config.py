@@ -29,6 +29,11 @@ IMPLIED_BEFORE = {
     "hidden_noise": 0.0,
     "norm_before_fc": False,
 }
+# train.learning_rate: auto: AdamW's peak rate for a draft of the target's width, lr = REF_LR x
+# (REF_HIDDEN / hidden) ** LR_WIDTH_EXPONENT (REF_LR up to REF_HIDDEN), to one digit. Through the
+# two measured optima: 3e-3 at hidden 128 (the demo) and 1e-3 at hidden 512 (the larger target,
+# where 3e-3 trained a draft of 0.57x the AL). BENCHMARKS.md "Learning rate and width".
+REF_HIDDEN, REF_LR, LR_WIDTH_EXPONENT = 128, 3.0e-3, 0.8
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,7 @@ class TrainSettings:
     seed: int
     device: str
     epochs: int
-    learning_rate: float
+    learning_rate: float | str  # "auto" until resolved_for(hidden_size)
     weight_decay: float
     warmup_steps: int
     max_grad_norm: float
@@ -66,6 +71,8 @@ class TrainSettings:
         section = load_settings(settings, ["train"], EyrieError, report_problems(settings))["train"]
         convert = {"float": float, "tuple[str, ...]": tuple}
         section = {**section, "loss": loss_spec(section["loss"])}
+        if section["learning_rate"] != "auto":
+            section["learning_rate"] = float(section["learning_rate"])
         cfg = cls(
             **{
                 f.name: convert.get(f.type, lambda v: v)(section[f.name])
@@ -78,6 +85,22 @@ class TrainSettings:
                 f"is too small for ttt_steps={cfg.ttt_steps} (use at least {8 * cfg.ttt_steps})"
             )
         return cfg
+
+    def resolved_for(self, hidden_size: int) -> "TrainSettings":
+        """These settings with learning_rate a number: `auto` resolved for a draft of width
+        `hidden_size` (the target's). A resolved `auto` is the number in the run id, so a run
+        whose explicit rate equals it is the same run."""
+        if self.learning_rate != "auto":
+            return self
+        return dataclasses.replace(self, learning_rate=auto_learning_rate(hidden_size))
+
+
+def auto_learning_rate(hidden_size: int) -> float:
+    """train.learning_rate: auto for a draft `hidden_size` wide (see REF_HIDDEN), to one
+    significant digit: the optimum is broad (at 512, 3e-4 fell only 2-4% below 1e-3), and round
+    numbers are what a user would type (one printed value, one run id)."""
+    lr = REF_LR * min(1.0, REF_HIDDEN / hidden_size) ** LR_WIDTH_EXPONENT
+    return float(f"{lr:.1g}")
 
 
 def loss_spec(loss: str | dict) -> str:

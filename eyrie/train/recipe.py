@@ -157,6 +157,14 @@ class TrainRecipe:
         if not self.dist.main:  # one copy of the progress lines; warnings and errors from all
             log.setLevel(logging.WARNING)
         self.expect = self._check_target()
+        auto = self.cfg.learning_rate == "auto"
+        self.cfg = self.cfg.resolved_for(self.expect["hidden_size"])
+        if auto:
+            log.info(
+                "learning rate %.3g (train.learning_rate: auto, for the target's hidden size %d)",
+                self.cfg.learning_rate,
+                self.expect["hidden_size"],
+            )
         check_rehearsal(self.paths.shards, self.rehearsal)
         self._open_run()
         self.data = PackedShards(
@@ -579,6 +587,7 @@ class TrainRecipe:
             },
             "aux_layer_ids": expect["aux_layer_ids"],
             "final_layer_id": expect["final_layer_id"],
+            "learning_rate": cfg.learning_rate,  # the peak rate it trained with (auto resolved)
             "inputs": {
                 "preflight": str(p.preflight),
                 "vocab": str(p.vocab),
