@@ -5,6 +5,7 @@ the `eyrie` account, two training GPUs. Every Snakemake call runs under a hard t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -192,15 +193,18 @@ def test_shards_killed_mid_write_leave_nothing_that_looks_complete(built, tmp_pa
     job; the engine unwinds and removes its temporary file) or by SIGKILL of the engine (a dead
     node: nothing runs, the temporary stays). Either way Snakemake reports the failure, no file
     carries a shard's name unless it is complete, and the next run finishes the work. The copy
-    gets 40x the conversations, so that each shard takes seconds to write."""
+    holds 40 distinct copies of each conversation, so that a shard takes about a second to write."""
     from eyrie.formats.hidden import ShardReader
 
     work = tmp_path / "wf"
     shutil.copytree(built["work"], work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
-    lines = (work / "convs.jsonl").read_text().splitlines()
-    (work / "convs.jsonl").write_text("".join(f"{ln}\n" for ln in lines * 40))
-    # the copies are duplicates, dropped by tokenization: without the output store the shards
-    # are extracted again (with it they would be restored: tests/test_reliability_outputs.py)
+    records = [json.loads(ln) for ln in (work / "convs.jsonl").read_text().splitlines()]
+    copies = []
+    for i in range(40):  # each copy made distinct: tokenization drops exact duplicates
+        for rec in records:
+            first = dict(rec["messages"][0], content=f"({i}) {rec['messages'][0]['content']}")
+            copies.append(json.dumps({**rec, "messages": [first, *rec["messages"][1:]]}))
+    (work / "convs.jsonl").write_text("".join(f"{c}\n" for c in copies))
     write_config(work, train__packs_per_step=2, store__path=None)
     hidden = work / "results/tiny/hidden"
     engine_log = work / "logs/tiny/extract_engine/engine_000.log"
