@@ -228,7 +228,7 @@ def train_record(run: Run) -> dict:
     """Steps, tokens and the training's last accuracies per TTT position (train.json's `final`):
     a draft that underfits shows here before its AL is read."""
     summary = json.loads((run.res / "train" / "train.json").read_text())
-    return {k: summary[k] for k in ("steps", "tokens", "final") if k in summary}
+    return {k: summary[k] for k in ("steps", "tokens", "final")}
 
 
 def speculators_flags(

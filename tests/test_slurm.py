@@ -205,6 +205,7 @@ def test_shards_killed_mid_write_leave_nothing_that_looks_complete(built, tmp_pa
             first = dict(rec["messages"][0], content=f"({i}) {rec['messages'][0]['content']}")
             copies.append(json.dumps({**rec, "messages": [first, *rec["messages"][1:]]}))
     (work / "convs.jsonl").write_text("".join(f"{c}\n" for c in copies))
+    # no output store: the shards are extracted, not restored (tests/test_reliability_outputs.py)
     write_config(work, train__packs_per_step=2, store__path=None)
     hidden = work / "results/tiny/hidden"
     engine_log = work / "logs/tiny/extract_engine/engine_000.log"

@@ -69,10 +69,12 @@ class TrainSettings:
     def from_settings(cls, settings: dict) -> "TrainSettings":
         """Typed `train` section of --settings; every problem reported at once, each by key."""
         section = load_settings(settings, ["train"], EyrieError, report_problems(settings))["train"]
-        convert = {"float": float, "tuple[str, ...]": tuple}
+        convert = {
+            "float": float,
+            "float | str": lambda v: v if v == "auto" else float(v),  # learning_rate
+            "tuple[str, ...]": tuple,
+        }
         section = {**section, "loss": loss_spec(section["loss"])}
-        if section["learning_rate"] != "auto":
-            section["learning_rate"] = float(section["learning_rate"])
         cfg = cls(
             **{
                 f.name: convert.get(f.type, lambda v: v)(section[f.name])
