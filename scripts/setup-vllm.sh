@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Creates a vLLM environment: vLLM (which pins its own torch) plus what eyrie's vLLM stages import,
-# and eyrie itself. Idempotent. About 9 GB each from PyPI (README.md gives the time).
+# and eyrie itself. Idempotent. About 9 GB each from PyPI (README.md gives the time); files that
+# two environments share (most of torch and its CUDA libraries) become one hard link after each
+# install (util-linux's hardlink, where installed), so all three take ~18 GB instead of ~27: a
+# CI machine once ran out of disk building them. pip replaces a file rather than writing into
+# it, so an upgrade in one environment leaves the others as they were.
 # On a CPU-only machine vLLM imports (preflight introspects it) but cannot run a model.
 #   bash scripts/setup-vllm.sh          the default, envs/vllm.txt -> .venv-vllm (vllm.python)
 #   bash scripts/setup-vllm.sh 0.33     envs/vllm-0.33.txt -> .venv-vllm-0.33
@@ -32,6 +36,22 @@ print(f"setup-vllm: {sys.argv[1]}: "
       + ", ".join(f"{p} {version(p)}" for p in ("vllm", "torch", "transformers")))
 PY
   echo "$want" > "$stamp"
+  share "$venv"
+}
+
+share() {  # share() VENV: hard-link its files that equal those of this checkout's other vLLM envs
+  local envs=("$1") e
+  for e in .venv-vllm .venv-vllm-*; do
+    [ -d "$e" ] && [ "$(realpath "$e")" != "$(realpath "$1")" ] && envs+=("$e")
+  done
+  [ ${#envs[@]} -gt 1 ] || return 0
+  if ! command -v hardlink >/dev/null; then
+    echo "setup-vllm: no hardlink command (util-linux): the environments keep their own copies"
+    return 0
+  fi
+  # same name, same bytes; -t: pip stamps a file with its install time, so equal files differ in it
+  hardlink -q -t --respect-name --maximize "${envs[@]}"
+  echo "setup-vllm: $1 shares its identical files with ${envs[*]:1}: $(du -shc "${envs[@]}" | tail -1 | cut -f1) on disk for all"
 }
 
 case "${1:-default}" in

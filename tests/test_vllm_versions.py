@@ -6,6 +6,8 @@ that changes one fails here, naming the version, the target and the fact.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from vllm_helpers import REAL_CONFIGS, VLLM_ENVS, real_facts, vllm_env, vllm_settings, write_target
 
@@ -152,3 +154,19 @@ def test_preflight_path_per_version(version_facts, tmp_path):
         assert got["problems"] == [], (version, config, got["problems"])
         chosen[config] = got["report"]["extraction_path"]["chosen"]
     assert chosen == PATHS[version]
+
+
+@pytest.mark.skipif(shutil.which("hardlink") is None, reason="no hardlink command (util-linux)")
+def test_environments_with_one_torch_share_its_files():
+    """setup-vllm.sh hard-links what its environments share (three copies did not fit a CI
+    disk): two environments with the same torch hold its libraries once."""
+    torch_of = {}
+    for version in VLLM_ENVS:
+        site = next((vllm_env(version).parent.parent / "lib").glob("python3*/site-packages"))
+        (dist,) = site.glob("torch-*.dist-info")
+        torch_of.setdefault(dist.name, []).append(site)
+    pairs = [sites for sites in torch_of.values() if len(sites) > 1]
+    assert pairs, f"no two vLLM environments with one torch: {sorted(torch_of)}"
+    for sites in pairs:
+        inodes = {(site / "torch" / "lib" / "libtorch_cuda.so").stat().st_ino for site in sites}
+        assert len(inodes) == 1, [str(site) for site in sites]
