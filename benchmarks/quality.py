@@ -254,11 +254,11 @@ def speculators_flags(
 
 def planned_steps(run: Run) -> int:
     """The steps eyrie's train_draft will take on the run's shards: its own packing plan."""
+    from eyrie.formats.hidden import shard_expectation  # what train_draft checks shards against
     from eyrie.train.packing import PackedShards, Plan
-    from eyrie.train.recipe import _expectation  # what train_draft checks every shard against
 
     t = run.cfg["train"]
-    expect = _expectation(run.res / "preflight.json")
+    expect = shard_expectation(run.res / "preflight.json")
     data = PackedShards(run.shards(), expect, t["max_tokens_per_batch"], t["ttt_steps"] - 1, True)
     return Plan.build(data, t["seed"], t["epochs"], t["packs_per_step"]).total_steps
 

@@ -90,10 +90,10 @@ def test_forward_backward_trains_only_draft_weights(world):
     from speculators.losses import resolve_loss_config
 
     from eyrie.draft import DraftSpec, build_draft
+    from eyrie.formats.hidden import shard_expectation
     from eyrie.formats.vocab import read_vocab
-    from eyrie.train.recipe import _expectation
 
-    expect = _expectation(world["preflight"])
+    expect = shard_expectation(world["preflight"])
     data = PackedShards(world["shards"], expect, max_tokens=128, gap=2)
     d2t, t2d = read_vocab(world["vocab"])
     model = build_draft(world["target"], DraftSpec(AUX_IDS, ttt_steps=3), d2t, t2d, seed=0)
@@ -115,10 +115,12 @@ def test_a_pack_padded_to_a_fixed_shape_trains_the_same(world):
     from speculators.losses import resolve_loss_config
 
     from eyrie.draft import DraftSpec, build_draft
+    from eyrie.formats.hidden import shard_expectation
     from eyrie.formats.vocab import read_vocab
-    from eyrie.train.recipe import _expectation
 
-    data = PackedShards(world["shards"], _expectation(world["preflight"]), max_tokens=128, gap=2)
+    data = PackedShards(
+        world["shards"], shard_expectation(world["preflight"]), max_tokens=128, gap=2
+    )
     d2t, t2d = read_vocab(world["vocab"])
     out = {}
     for name, pad_to in (("exact", None), ("fixed", 128)):
@@ -309,10 +311,12 @@ def test_a_step_is_the_mean_over_consecutive_packs(world, tmp_path):
     from speculators.losses import resolve_loss_config
 
     from eyrie.draft import DraftSpec, build_draft
+    from eyrie.formats.hidden import shard_expectation
     from eyrie.formats.vocab import read_vocab
-    from eyrie.train.recipe import _expectation
 
-    data = PackedShards(world["shards"], _expectation(world["preflight"]), max_tokens=128, gap=2)
+    data = PackedShards(
+        world["shards"], shard_expectation(world["preflight"]), max_tokens=128, gap=2
+    )
     packs = pack(data.lengths, epoch_order(len(data), 0, 0), 128, 2)
     P = next(p for p in (3, 4, 5) if len(packs) % p)  # a remainder to drop
     summary = run_train(world, tmp_path, train_settings(epochs=1, packs_per_step=P))
@@ -412,9 +416,9 @@ def test_corrupted_shard_values_are_refused_before_the_first_step(world, tmp_pat
 
 
 def _expect(world):
-    from eyrie.train.recipe import _expectation
+    from eyrie.formats.hidden import shard_expectation
 
-    return _expectation(world["preflight"])
+    return shard_expectation(world["preflight"])
 
 
 def test_prefetcher_gives_the_synchronous_batches_and_token_counts(world):

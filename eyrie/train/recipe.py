@@ -26,8 +26,7 @@ import torch
 
 from eyrie.arch.target import fingerprint, read_config, tokenizer_hash
 from eyrie.errors import EyrieError, ShardError
-from eyrie.formats.hidden import ShardReader, read_meta, validate_shard
-from eyrie.formats.report import read_report
+from eyrie.formats.hidden import ShardReader, read_meta, shard_expectation, validate_shard
 from eyrie.formats.vocab import read_vocab
 from eyrie.io import provenance, write_json
 from eyrie.rehearsal import is_rehearsal, mark, refusal
@@ -191,7 +190,7 @@ class TrainRecipe:
     def _check_target(self) -> dict:
         """The preflight report's expectations, checked against the target folder."""
         p = self.paths
-        expect = _expectation(p.preflight)
+        expect = shard_expectation(p.preflight)
         for key, have in (
             ("fingerprint", fingerprint(read_config(p.target))),
             ("tokenizer_hash", tokenizer_hash(p.target)),
@@ -599,30 +598,6 @@ class TrainRecipe:
 
 
 # ---------------------------------------------------------------------------- inputs and device
-
-
-def _expectation(preflight_path: Path) -> dict:
-    """What every shard must match, from the preflight report (keys of ShardReader's expect)."""
-    report = read_report(preflight_path)
-    target = report.get("target") or {}
-    expect = {
-        "target_fingerprint": target.get("fingerprint"),
-        "tokenizer_hash": target.get("tokenizer_hash"),
-        "aux_layer_ids": report.get("aux_layer_ids"),
-        "final_layer_id": report.get("final_layer_id"),
-        "hidden_size": target.get("hidden_size"),
-    }
-    names = {
-        "target_fingerprint": "target.fingerprint",
-        "tokenizer_hash": "target.tokenizer_hash",
-        "hidden_size": "target.hidden_size",
-    }
-    for key, value in expect.items():
-        if value is None:
-            raise EyrieError(
-                f"{preflight_path}: key {names.get(key, key)} missing; rerun eyrie preflight"
-            )
-    return expect
 
 
 def check_rehearsal(paths: list[Path], rehearsal: bool) -> None:
