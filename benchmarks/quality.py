@@ -254,7 +254,7 @@ def speculators_flags(
 
 def planned_steps(run: Run) -> int:
     """The steps eyrie's train_draft will take on the run's shards: its own packing plan."""
-    from eyrie.formats.hidden import shard_expectation  # what train_draft checks shards against
+    from eyrie.formats.report import shard_expectation  # what train_draft checks shards against
     from eyrie.train.packing import PackedShards, Plan
 
     t = run.cfg["train"]

@@ -90,7 +90,7 @@ def test_forward_backward_trains_only_draft_weights(world):
     from speculators.losses import resolve_loss_config
 
     from eyrie.draft import DraftSpec, build_draft
-    from eyrie.formats.hidden import shard_expectation
+    from eyrie.formats.report import shard_expectation
     from eyrie.formats.vocab import read_vocab
 
     expect = shard_expectation(world["preflight"])
@@ -115,7 +115,7 @@ def test_a_pack_padded_to_a_fixed_shape_trains_the_same(world):
     from speculators.losses import resolve_loss_config
 
     from eyrie.draft import DraftSpec, build_draft
-    from eyrie.formats.hidden import shard_expectation
+    from eyrie.formats.report import shard_expectation
     from eyrie.formats.vocab import read_vocab
 
     data = PackedShards(
@@ -311,7 +311,7 @@ def test_a_step_is_the_mean_over_consecutive_packs(world, tmp_path):
     from speculators.losses import resolve_loss_config
 
     from eyrie.draft import DraftSpec, build_draft
-    from eyrie.formats.hidden import shard_expectation
+    from eyrie.formats.report import shard_expectation
     from eyrie.formats.vocab import read_vocab
 
     data = PackedShards(
@@ -416,7 +416,7 @@ def test_corrupted_shard_values_are_refused_before_the_first_step(world, tmp_pat
 
 
 def _expect(world):
-    from eyrie.formats.hidden import shard_expectation
+    from eyrie.formats.report import shard_expectation
 
     return shard_expectation(world["preflight"])
 

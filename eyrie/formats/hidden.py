@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 import torch
 
-from eyrie.errors import EyrieError, ShardError
+from eyrie.errors import ShardError
 from eyrie.formats.codecs import (
     HIDDEN,
     SCALES,
@@ -29,7 +29,6 @@ from eyrie.formats.codecs import (
     stored_arrays,
 )
 from eyrie.formats.pagecache import _LIBC, map_private
-from eyrie.formats.report import read_report
 from eyrie.io import remove_stale_temporaries, sync_path
 
 log = logging.getLogger(__name__)
@@ -396,31 +395,6 @@ def _file_offset(ds: h5py.Dataset, file_size: int) -> int | None:
     ):
         return None
     return int(off)
-
-
-def shard_expectation(preflight_path: Path) -> dict:
-    """What every shard of a run must match (ShardReader's `expect`, CHECKED_FIELDS), from the
-    run's preflight report: training and the benchmarks that read its shards ask the same."""
-    report = read_report(preflight_path)
-    target = report.get("target") or {}
-    expect = {
-        "target_fingerprint": target.get("fingerprint"),
-        "tokenizer_hash": target.get("tokenizer_hash"),
-        "aux_layer_ids": report.get("aux_layer_ids"),
-        "final_layer_id": report.get("final_layer_id"),
-        "hidden_size": target.get("hidden_size"),
-    }
-    names = {
-        "target_fingerprint": "target.fingerprint",
-        "tokenizer_hash": "target.tokenizer_hash",
-        "hidden_size": "target.hidden_size",
-    }
-    for key, value in expect.items():
-        if value is None:
-            raise EyrieError(
-                f"{preflight_path}: key {names.get(key, key)} missing; rerun eyrie preflight"
-            )
-    return expect
 
 
 class ShardReader:

@@ -12,7 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from eyrie.errors import PreflightError
+from eyrie.errors import EyrieError, PreflightError
 from eyrie.rehearsal import marked
 
 
@@ -64,3 +64,29 @@ def identity(report: dict) -> str:
     if marked(report):  # a rehearsal's (random weights): never a real run's identity
         kept["rehearsal"] = True
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def shard_expectation(preflight_path: Path) -> dict:
+    """What every hidden-state shard of a run must match (ShardReader's `expect`: the fields of
+    eyrie.formats.hidden's CHECKED_FIELDS), from the run's preflight report: training and the
+    benchmarks that read its shards ask the same."""
+    report = read_report(preflight_path)
+    target = report.get("target") or {}
+    expect = {
+        "target_fingerprint": target.get("fingerprint"),
+        "tokenizer_hash": target.get("tokenizer_hash"),
+        "aux_layer_ids": report.get("aux_layer_ids"),
+        "final_layer_id": report.get("final_layer_id"),
+        "hidden_size": target.get("hidden_size"),
+    }
+    names = {
+        "target_fingerprint": "target.fingerprint",
+        "tokenizer_hash": "target.tokenizer_hash",
+        "hidden_size": "target.hidden_size",
+    }
+    for key, value in expect.items():
+        if value is None:
+            raise EyrieError(
+                f"{preflight_path}: key {names.get(key, key)} missing; rerun eyrie preflight"
+            )
+    return expect

@@ -26,7 +26,8 @@ import torch
 
 from eyrie.arch.target import fingerprint, read_config, tokenizer_hash
 from eyrie.errors import EyrieError, ShardError
-from eyrie.formats.hidden import ShardReader, read_meta, shard_expectation, validate_shard
+from eyrie.formats.hidden import ShardReader, read_meta, validate_shard
+from eyrie.formats.report import shard_expectation
 from eyrie.formats.vocab import read_vocab
 from eyrie.io import provenance, write_json
 from eyrie.rehearsal import is_rehearsal, mark, refusal
