@@ -568,7 +568,8 @@ def test_train_reads_float8_shards(tmp_path):
     hold the bf16 shards' values within the float8 bound, and a draft trains on them."""
     from train_helpers import build_world, train_settings, write_shard
 
-    from eyrie.train.recipe import TrainPaths, _expectation, train
+    from eyrie.formats.report import shard_expectation
+    from eyrie.train.recipe import TrainPaths, train
 
     world = build_world(tmp_path / "world", num_conversations=8)
     fp8 = []
@@ -583,7 +584,7 @@ def test_train_reads_float8_shards(tmp_path):
             ShardMeta(**world["meta"], storage_dtype="float8_e4m3"),
             sids,
         )
-    expect = _expectation(world["preflight"])
+    expect = shard_expectation(world["preflight"])
     a = PackedShards(world["shards"], expect, max_tokens=128, gap=2)
     b = PackedShards(fp8, expect, max_tokens=128, gap=2)
     x, y = a.batch([0, 1]), b.batch([0, 1])
