@@ -104,6 +104,11 @@ TABLE = (
     Row("data.train_reasoning", DATA, new=True),
     Row("data.non_text", (*DATA, *REGENERATE), new=True),
     Row(
+        "data.chat_template_kwargs",
+        (*DATA, *REGENERATE, "tokenize_eval_prompts", "preflight", "preflight_regenerate"),
+        new=True,
+    ),
+    Row(
         "data.regenerate",
         DATA,
         new=True,
@@ -120,7 +125,6 @@ TABLE = (
             "top_p",
             "seed",
             "turns",
-            "thinking",
             "batch_size",
         )
     ),

@@ -15,10 +15,10 @@ from template_cases import CASES, family_tokenizer
 from eyrie import cli as cli
 from eyrie.data import inputs as inputs_mod
 from eyrie.data import records as records_mod
-from eyrie.data.chat import MaskSettings, masked_samples, template_traits
 from eyrie.data.inputs import read_records
 from eyrie.data.records import RecordError, to_conversation
 from eyrie.data.tokenize import DataSettings, collect_records, tokenize
+from eyrie.data.turns import MaskSettings, masked_samples, template_traits
 from eyrie.errors import DataError
 
 

@@ -14,8 +14,8 @@ import json
 import pytest
 from template_cases import CASES, FAMILIES, TEMPLATES, family_tokenizer, trained_text
 
-from eyrie.data.chat import MaskSettings, masked_samples, template_traits
 from eyrie.data.records import to_conversation
+from eyrie.data.turns import MaskSettings, masked_samples, template_traits
 
 GOLDEN = json.loads((TEMPLATES / "golden.json").read_text())
 

@@ -10,9 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from eyrie import cli as cli
-from eyrie.data.chat import load_chat_tokenizer, prompt_ids, render_with_mask
+from eyrie.data.chat import load_chat_tokenizer
 from eyrie.data.records import REASONS, RawRecord, RecordError, to_messages
 from eyrie.data.tokenize import LISTED_WHEN_SEEN, DataSettings, collect_records, tokenize_record
+from eyrie.data.turns import prompt_ids, render_with_mask
 from eyrie.demo.tokenizer import CHAT_TEMPLATE, build_chat_tokenizer
 from eyrie.errors import DataError
 
@@ -234,7 +235,7 @@ BAD = {
 }
 # reasons of the later steps, tested where those are
 LATER = {"template_error", "record_too_large", "shares_eval_prompt"}
-LATER |= {"regenerate_cut", "regenerate_failed"}
+LATER |= {"regenerate_cut", "regenerate_failed", "template_rule"}  # template_rule: test_templates
 MAX_LEN = 48
 
 
@@ -627,7 +628,7 @@ def test_cli_errors_are_one_line(target, tmp_path, capsys):
     assert run_cli(target, inputs, tmp_path / "few", num_eval=16) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "only 17 usable records" in err and "data.num_eval" in err and "data.num_shards" in err
-    assert f"(dropped: unknown_role 1 (e.g. {inputs[0]}:4))" in err
+    assert f"(dropped: unknown_role 1 (e.g. {inputs[0]}:4: messages[" in err
 
     broken = tmp_path / "in" / "broken.jsonl"
     bad = ["bad_encoding"] * 3 + ["bad_json"] * 2 + ["unknown_role", "no_assistant_turn"]
@@ -635,8 +636,9 @@ def test_cli_errors_are_one_line(target, tmp_path, capsys):
     assert run_cli(target, [broken, inputs[0]], tmp_path / "none", num_eval=16) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("eyrie tokenize: error: only 8 usable records of 16 read (dropped: ")
+    assert f"(dropped: bad_encoding 3 (e.g. {broken}:1: " in err  # the first one's detail
     assert (
-        f"(dropped: bad_encoding 3 (e.g. {broken}:1), bad_json 2 (e.g. {broken}:4), "
+        f"bad_json 2 (e.g. {broken}:4), "
         f"unknown_role 2 (e.g. {broken}:6), and 1 more reason(s)); need at least"
     ) in err
     assert "fix the dropped records" in err

@@ -82,9 +82,19 @@ def _table_records(name: str, tables: Iterator[pa.Table]) -> Iterator[RawRecord]
     for table in tables:
         for batch in table.to_batches(max_chunksize=1024):  # a batch at a time: bounded memory
             for row in batch.to_pylist():
-                # a column absent from this row's form reads back as null
-                yield RawRecord(name, index, {k: v for k, v in row.items() if v is not None})
+                yield RawRecord(name, index, without_nulls(row))
                 index += 1
+
+
+def without_nulls(value: object) -> object:
+    """A row as the record had it: Arrow gives every row every field of a column's (struct)
+    type, null where the record had no such key, so a null field of an object is left out at
+    every depth (a null list element is kept: Arrow adds none)."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
 
 
 def _parquet_tables(path: Path) -> Iterator[pa.Table]:

@@ -54,16 +54,14 @@ def read_questions(path: str | Path) -> list[tuple[str, str]]:
     return questions
 
 
-def question_prompts(tokenizer, questions: list[tuple[str, str]]) -> list[tuple[str, list[int]]]:
-    """(sample_id, prompt ids): each first turn as a user message with the generation prompt."""
-    from eyrie.data.chat import render
-
+def question_prompts(template, questions: list[tuple[str, str]]) -> list[tuple[str, list[int]]]:
+    """(sample_id, prompt ids): each first turn as a user message with the generation prompt
+    (`template`: an eyrie.data.chat.ChatTemplate, with data.chat_template_kwargs)."""
     out = []
     for sample_id, text in questions:
-        rendered = render(
-            tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True
-        )
-        out.append((sample_id, list(tokenizer.encode(rendered, add_special_tokens=False))))
+        rendered = template.render([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = template.tokenizer.encode(rendered, add_special_tokens=False)
+        out.append((sample_id, list(ids)))
     return out
 
 
@@ -90,14 +88,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--questions", required=True, help="question.jsonl (MT-Bench format)")
     parser.add_argument("--out", required=True, help="eval set .parquet to write")
     parser.add_argument(
-        "--settings", required=True, type=settings_arg, help="JSON object: trust_remote_code"
+        "--settings",
+        required=True,
+        type=settings_arg,
+        help="JSON object: trust_remote_code, data.chat_template_kwargs",
     )
 
 
 def run(args) -> int:
-    from eyrie.data.chat import load_chat_tokenizer
+    from eyrie.data.chat import ChatTemplate
 
     questions = read_questions(args.questions)
-    tokenizer = load_chat_tokenizer(args.target, args.settings.get("trust_remote_code", False))
-    write_eval_set(args.out, question_prompts(tokenizer, questions))
+    trust = args.settings.get("trust_remote_code", False)
+    kwargs = (args.settings.get("data") or {}).get("chat_template_kwargs")
+    template = ChatTemplate.load(args.target, trust, kwargs)
+    write_eval_set(args.out, question_prompts(template, questions))
     return 0

@@ -41,8 +41,12 @@ REASONS = {
         "the measured acceptance length"
     ),
     "template_error": (
-        "the target's chat template failed for this conversation, or (data.mask_mode: prefix) "
-        "is not prefix-stable for it; fix the conversation or use data.mask_mode: auto"
+        "the target's chat template failed for this conversation (the detail gives the "
+        "template's own message), or under data.mask_mode: prefix is not prefix-stable for it"
+    ),
+    "template_rule": (
+        "nothing, or another template: the chat template cannot render this conversation as "
+        "the model generates it (the detail names the template's rule)"
     ),
     "no_assistant_tokens_after_truncation": "raise data.max_seq_len or shorten the conversation",
     "regenerate_cut": "raise regenerate.max_new_tokens (the response hit the length limit)",
@@ -158,7 +162,24 @@ def _tool_calls(calls: object, where: str) -> list[dict]:
         function = call.get("function", call)
         if not isinstance(function.get("name"), str):
             raise RecordError("bad_tool_calls", f"{where}[{k}] has no function name")
+        _check_arguments(function.get("arguments"), f"{where}[{k}]")
     return calls
+
+
+def _check_arguments(arguments: object, where: str) -> None:
+    """Arguments a server takes: an object, or JSON text (parsed before rendering), or none."""
+    if isinstance(arguments, str) and arguments.strip():
+        try:
+            json.loads(arguments)
+        except ValueError as exc:
+            raise RecordError(
+                "bad_tool_calls", f"{where} arguments are not JSON ({exc}): {arguments!r:.60}"
+            ) from exc
+    elif arguments is not None and not isinstance(arguments, (str, dict)):
+        raise RecordError(
+            "bad_tool_calls",
+            f"{where} arguments are a {type(arguments).__name__}; give an object or JSON text",
+        )
 
 
 @dataclass(frozen=True)
@@ -245,6 +266,11 @@ def to_conversation(obj: object, non_text: str = "drop") -> Conversation:
     if not any(m["role"] == "assistant" for m in messages):
         raise RecordError("no_assistant_turn", f"roles are {[m['role'] for m in messages]}")
     tools = obj.get("tools")
+    if isinstance(tools, str):  # datasets often keep the tool definitions as JSON text
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except ValueError as exc:
+            raise RecordError("bad_tool_calls", f"'tools' is text but not JSON ({exc})") from exc
     if tools is not None and (
         not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
     ):

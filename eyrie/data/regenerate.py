@@ -15,14 +15,13 @@ import json
 import logging
 from pathlib import Path
 
-from eyrie.data.chat import load_chat_tokenizer
+from eyrie.data.chat import end_token_ids, load_chat_tokenizer
 from eyrie.data.regeneration import (
     Generated,
     RegenSettings,
     ShardPaths,
     StoredShard,
     add_shard_arguments,
-    end_token_ids,
     regenerate_shard,
     split_at_end,
     target_context,

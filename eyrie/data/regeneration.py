@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Protocol
 
 from eyrie.arch.target import read_config
-from eyrie.data.chat import render
+from eyrie.data.chat import ChatTemplate
 from eyrie.data.inputs import read_records
 from eyrie.data.records import (
     Conversation,
@@ -42,10 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-# regenerate.thinking -> the template switch passed to the chat template (auto: none)
-THINKING = {"auto": None, "on": {"enable_thinking": True}, "off": {"enable_thinking": False}}
-
-
 CHUNK_RECORDS = 1024  # records held at once: their rounds run together, then they are written
 
 
@@ -55,7 +51,8 @@ LEADING_THINK = re.compile(r"^\s*<think>(.*?)</think>", re.S)
 
 @dataclass(frozen=True)
 class RegenSettings:
-    """The `regenerate` section (and data.non_text, trust_remote_code), schema-checked."""
+    """The `regenerate` section (and data.non_text, data.chat_template_kwargs,
+    trust_remote_code), schema-checked."""
 
     num_shards: int
     backend: str
@@ -65,26 +62,26 @@ class RegenSettings:
     top_p: float
     seed: int
     turns: str
-    thinking: str
     batch_size: int
     non_text: str = "drop"
     trust_remote_code: bool = False
+    chat_template_kwargs: dict = field(default_factory=dict)
 
     @classmethod
     def from_settings(cls, settings: dict) -> "RegenSettings":
         """The stage's --settings checked by the schema (every problem at once). `data` may be
-        absent: the workflow passes data.non_text only when it differs from its default."""
+        absent: the workflow passes data.non_text and data.chat_template_kwargs only when they
+        differ from their defaults."""
         loaded = load_settings(settings, ["regenerate"], DataError)
         data = loaded.get("data") or {}
         return cls(
             **loaded["regenerate"],
             non_text=data.get("non_text", schema_default("data.non_text")),
             trust_remote_code=loaded["trust_remote_code"],
+            chat_template_kwargs=data.get(
+                "chat_template_kwargs", schema_default("data.chat_template_kwargs")
+            ),
         )
-
-    @property
-    def template_kwargs(self) -> dict | None:
-        return THINKING[self.thinking]
 
     @property
     def sampled(self) -> bool:
@@ -140,17 +137,6 @@ class Generated:
     def tokens(self) -> int:
         """Tokens generated, the end token included."""
         return len(self.ids) + int(self.ended)
-
-
-def end_token_ids(tokenizer, generation_eos=None) -> set[int]:
-    """The ids that end a response: the tokenizer's eos and the generation config's eos ids."""
-    ends = set()
-    for value in (tokenizer.eos_token_id, generation_eos):
-        if isinstance(value, int):
-            ends.add(value)
-        elif value:
-            ends.update(int(v) for v in value)
-    return ends
 
 
 def split_at_end(ids: list[int], ends: set[int]) -> Generated:
@@ -224,21 +210,15 @@ class Job:
         messages = [dict(m) for m in conv.messages]
         return cls(sample_id, messages, conv.tools, pending, len(chosen) - len(pending))
 
-    def request(self, tokenizer, cfg: RegenSettings, context: int | None) -> Request | None:
+    def request(self, tpl: ChatTemplate, cfg: RegenSettings, context: int | None) -> Request | None:
         """The next pending turn's prompt; None (the record failed) when it cannot be made."""
         turn = self.pending[0]
         try:
-            prompt = render(
-                tokenizer,
-                self.messages[:turn],
-                add_generation_prompt=True,
-                tools=self.tools,
-                template_kwargs=cfg.template_kwargs,
-            )
+            prompt = tpl.render(self.messages[:turn], add_generation_prompt=True, tools=self.tools)
         except RecordError as err:
             self.fail(f"assistant turn {turn}: {err}")
             return None
-        ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        ids = list(tpl.tokenizer.encode(prompt, add_special_tokens=False))
         if context is not None and len(ids) + cfg.max_new_tokens > context:
             self.fail(
                 f"assistant turn {turn}: its prompt of {len(ids)} tokens plus "
@@ -282,20 +262,6 @@ def target_context(target: str | Path) -> int | None:
     config = read_config(target)
     value = (config.get("text_config") or config).get("max_position_embeddings")
     return value if isinstance(value, int) else None
-
-
-def generation_eos(target: str | Path):
-    """The eos id(s) of the target's generation_config.json (else config.json), or None."""
-    path = Path(target) / "generation_config.json"
-    if path.is_file():
-        try:
-            value = json.loads(path.read_text()).get("eos_token_id")
-        except (json.JSONDecodeError, AttributeError) as exc:
-            raise DataError(f"{path}: not a JSON object ({exc}); re-save the model") from exc
-        if value is not None:
-            return value
-    config = read_config(target)
-    return (config.get("text_config") or config).get("eos_token_id")
 
 
 class Backend(Protocol):
@@ -361,8 +327,9 @@ def _generate_isolated(backend: Backend, batch: list[Request]) -> list[Generated
 
 def run_rounds(backend: Backend, jobs: list[Job], cfg: RegenSettings, stats: Stats) -> None:
     """Regenerate every pending turn of `jobs`, round by round, in batches of similar length."""
+    tpl = ChatTemplate.of(backend.tokenizer, cfg.chat_template_kwargs)
     while active := [j for j in jobs if j.pending]:
-        requests = [r for j in active if (r := j.request(backend.tokenizer, cfg, backend.context))]
+        requests = [r for j in active if (r := j.request(tpl, cfg, backend.context))]
         requests.sort(key=lambda r: len(r.ids))
         for start in range(0, len(requests), backend.batch_size):
             batch = requests[start : start + backend.batch_size]

@@ -19,14 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eyrie.data.chat import (
-    MaskSettings,
-    check_mode,
-    load_chat_tokenizer,
-    masked_samples,
-    prompt_ids,
-    template_traits,
-)
+from eyrie.data.chat import ChatTemplate
 from eyrie.data.inputs import read_records
 from eyrie.data.records import (
     REASONS,
@@ -34,6 +27,14 @@ from eyrie.data.records import (
     RawRecord,
     RecordError,
     to_conversation,
+)
+from eyrie.data.turns import (
+    TURN_COUNTS,
+    MaskSettings,
+    check_mode,
+    masked_samples,
+    prompt_ids,
+    template_traits,
 )
 from eyrie.errors import DataError, TargetError
 from eyrie.formats.tokenized import EVAL_SCHEMA, SHARD_SCHEMA
@@ -55,6 +56,7 @@ LISTED_WHEN_SEEN = (
     "shares_eval_prompt",
     "regenerate_cut",
     "regenerate_failed",
+    "template_rule",
 )
 
 
@@ -72,6 +74,7 @@ class DataSettings:
     train_reasoning: bool
     non_text: str
     regenerate: bool
+    chat_template_kwargs: dict
 
     @classmethod
     def from_settings(cls, settings: dict) -> "DataSettings":
@@ -103,7 +106,7 @@ class Record:
     mode: str  # the mask mode that made the samples: prefix | per_turn | generation
     truncated: int = 0  # samples cut to max_seq_len
     dropped_samples: int = 0  # samples with no assistant token left after the cut
-    reasoning_not_rendered: int = 0
+    turns: dict = field(default_factory=dict)  # eyrie.data.turns.TURN_COUNTS
 
     @property
     def sample_id(self) -> str:
@@ -132,9 +135,20 @@ class Tally:
         first = {}
         for d in self.dropped:
             first.setdefault(d["reason"], f"{d['file']}:{d['line']}")
+        top = next(d for d in self.dropped if d["reason"] == ranked[0])
+        first[ranked[0]] += f": {top['detail']}"  # the template's own message, say
         named = [f"{r} {counts[r]} (e.g. {first[r]})" for r in ranked[:limit]]
         more = len(ranked) - limit
         return ", ".join(named) + (f", and {more} more reason(s)" if more > 0 else "")
+
+    def by_rule(self) -> dict[str, int]:
+        """Records dropped by template rule (template_rule's detail starts with the rule)."""
+        counts: dict[str, int] = {}
+        for d in self.dropped:
+            if d["reason"] == "template_rule":
+                rule = d["detail"].split(":", 1)[0]
+                counts[rule] = counts.get(rule, 0) + 1
+        return counts
 
     def drop(self, raw: RawRecord, err: RecordError) -> None:
         self.dropped.append(
@@ -143,13 +157,12 @@ class Tally:
 
 
 def tokenize_conversation(
-    tokenizer, raw: RawRecord, conv: Conversation, cfg: DataSettings
+    tpl: ChatTemplate, raw: RawRecord, conv: Conversation, cfg: DataSettings
 ) -> Record:
     """One conversation -> its samples cut to max_seq_len; RecordError if none is usable."""
-    masked = masked_samples(tokenizer, conv, cfg.mask)
+    masked = masked_samples(tpl, conv, cfg.mask)
     many = len(masked.samples) > 1
-    record = Record(raw, conv, [], masked.mode)
-    record.reasoning_not_rendered = masked.reasoning_not_rendered
+    record = Record(raw, conv, [], masked.mode, turns=masked.counts)
     for k, (ids, mask) in enumerate(masked.samples):
         record.truncated += len(ids) > cfg.max_seq_len
         ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
@@ -173,12 +186,12 @@ def conversation_of(raw: RawRecord, cfg: DataSettings) -> Conversation:
     return to_conversation(raw.obj, cfg.non_text)
 
 
-def tokenize_record(tokenizer, raw: RawRecord, cfg: DataSettings) -> Record:
+def tokenize_record(tpl: ChatTemplate, raw: RawRecord, cfg: DataSettings) -> Record:
     """One raw record -> its Record; RecordError if unusable."""
-    return tokenize_conversation(tokenizer, raw, conversation_of(raw, cfg), cfg)
+    return tokenize_conversation(tpl, raw, conversation_of(raw, cfg), cfg)
 
 
-def collect_records(tokenizer, inputs: list[str | Path], cfg: DataSettings) -> Tally:
+def collect_records(tpl: ChatTemplate, inputs: list[str | Path], cfg: DataSettings) -> Tally:
     """Every record of `inputs` in order, tokenized; unusable ones and later copies of a
     conversation counted (strict: the first unusable one raised)."""
     _require_files(inputs)
@@ -188,7 +201,7 @@ def collect_records(tokenizer, inputs: list[str | Path], cfg: DataSettings) -> T
         for raw in read_records(path):
             tally.records_read += 1
             try:
-                record = _usable(tokenizer, raw, cfg, seen)
+                record = _usable(tpl, raw, cfg, seen)
             except RecordError as err:
                 if cfg.strict and err.reason != "duplicate":
                     raise _strict_error(raw, err) from err
@@ -207,13 +220,13 @@ def collect_records(tokenizer, inputs: list[str | Path], cfg: DataSettings) -> T
     return tally
 
 
-def _usable(tokenizer, raw: RawRecord, cfg: DataSettings, seen: dict[str, str]) -> Record:
+def _usable(tpl: ChatTemplate, raw: RawRecord, cfg: DataSettings, seen: dict[str, str]) -> Record:
     """The record tokenized, unless it repeats a conversation already kept (`seen`: key -> id)."""
     conv = conversation_of(raw, cfg)
     key = conv.key()
     if key in seen:
         raise RecordError("duplicate", f"the same conversation as {seen[key]}")
-    record = tokenize_conversation(tokenizer, raw, conv, cfg)
+    record = tokenize_conversation(tpl, raw, conv, cfg)
     seen[key] = raw.sample_id
     return record
 
@@ -277,7 +290,11 @@ def read_regenerated(files: list[str | Path]) -> dict[str, dict]:
 
 
 def regenerated_shards(
-    tokenizer, shards: list[list[Record]], regenerated: dict[str, dict], cfg: DataSettings, tally
+    tpl: ChatTemplate,
+    shards: list[list[Record]],
+    regenerated: dict[str, dict],
+    cfg: DataSettings,
+    tally,
 ) -> list[list[Record]]:
     """Each training record replaced by its regenerated version; cut, failed or unusable ones
     dropped and counted. A record the regenerated files do not hold stops the stage."""
@@ -292,20 +309,22 @@ def regenerated_shards(
                     "delete results/<name>/regenerated to regenerate"
                 )
             try:
-                out[-1].append(_regenerated_record(tokenizer, record.raw, entry, cfg))
+                out[-1].append(_regenerated_record(tpl, record.raw, entry, cfg))
             except RecordError as err:
                 tally.drop(record.raw, err)
     return out
 
 
-def _regenerated_record(tokenizer, raw: RawRecord, entry: dict, cfg: DataSettings) -> Record:
+def _regenerated_record(
+    tpl: ChatTemplate, raw: RawRecord, entry: dict, cfg: DataSettings
+) -> Record:
     status = entry.get("status")
     if status == "cut":
         raise RecordError("regenerate_cut", entry.get("detail", "hit regenerate.max_new_tokens"))
     if status != "ok":
         raise RecordError("regenerate_failed", entry.get("detail", f"status {status!r}"))
     conv = to_conversation(entry, cfg.non_text)
-    return tokenize_conversation(tokenizer, raw, conv, cfg)
+    return tokenize_conversation(tpl, raw, conv, cfg)
 
 
 def _table(examples: list[Example], with_prompt: list[list[int]] | None = None) -> pa.Table:
@@ -370,8 +389,8 @@ def tokenize(
         raise DataError("no input files; set data.conversations")
     if cfg.regenerate and not regenerated:
         raise DataError("data.regenerate: true, but no --regenerated files were given")
-    tokenizer = load_chat_tokenizer(target, trust)
-    traits = template_traits(tokenizer)
+    tpl = ChatTemplate.load(target, trust, cfg.chat_template_kwargs)
+    traits = template_traits(tpl)
     check_mode(traits, cfg.mask_mode, str(target))
     log.info(
         "tokenizing %d file(s) with the chat template of %s (max_seq_len=%d, mask_mode=%s: %s)",
@@ -381,17 +400,17 @@ def tokenize(
         cfg.mask_mode,
         "prefix-stable" if traits.prefix_stable else "not prefix-stable",
     )
-    tally = collect_records(tokenizer, inputs, cfg)
+    tally = collect_records(tpl, inputs, cfg)
     _require_enough(tally, cfg)
     held_out, shards = split_records(tally.records, cfg, tally)
     if regenerated:
         regen = read_regenerated(regenerated)
-        shards = regenerated_shards(tokenizer, shards, regen, cfg, tally)
+        shards = regenerated_shards(tpl, shards, regen, cfg, tally)
     split = Split(held_out, shards)
     report = _report(target, tally, cfg, split, traits)
     report["provenance"] = provenance(settings)
     report["regenerated"] = _regenerated_summary(split, tally) if regenerated else None
-    prompts = [prompt_ids(tokenizer, r.conv) for r in held_out]
+    prompts = [prompt_ids(tpl, r.conv) for r in held_out]
     _write_outputs(out_dir, split, prompts, report)
     _log_summary(report, out_dir)
     _warn(report)
@@ -419,7 +438,10 @@ def _report(target, tally: Tally, cfg: DataSettings, split: Split, traits) -> di
             "samples": sum(len(r.examples) for r in kept),
             "samples_dropped_after_truncation": sum(r.dropped_samples for r in kept),
             "train_reasoning": cfg.train_reasoning,
-            "reasoning_not_rendered": sum(r.reasoning_not_rendered for r in kept),
+            "reasoning_not_rendered": sum(r.turns.get("reasoning_not_rendered", 0) for r in kept),
+            "turns": {k: sum(r.turns.get(k, 0) for r in kept) for k in TURN_COUNTS},
+            "dropped_by_template_rule": tally.by_rule(),
+            "chat_template_kwargs": cfg.chat_template_kwargs,
             "non_text_parts_dropped": sum(r.conv.dropped_parts for r in kept),
         },
         "eval": {"file": "eval.parquet", **_stats([r.examples[0] for r in split.held_out])},
@@ -498,10 +520,22 @@ def _warn(report: dict) -> None:
     masks = report["masks"]
     if masks["reasoning_not_rendered"]:
         log.warning(
-            "%d assistant turn(s) carry reasoning that the chat template does not render "
-            "(it is not in the trained text); use the target's own template or drop the field",
+            "%d assistant turn(s) carry reasoning that the chat template renders nowhere (not as "
+            "the last turn, not in progress): it is not trained, as the target, prompted through "
+            "this template, does not generate it; set data.chat_template_kwargs if the template "
+            "has a thinking switch (e.g. {thinking: true}), or drop the field",
             masks["reasoning_not_rendered"],
         )
+    if masks["turns"]["without_stop_token"]:
+        log.warning(
+            "%d assistant turn(s) end without a stop token: the template writes none after them "
+            "and none of the target's eos tokens (%s) follows; add the token the model stops on "
+            "to generation_config.json's eos_token_id",
+            masks["turns"]["without_stop_token"],
+            ", ".join(masks["template"]["stop_tokens"]) or "none",
+        )
+    for rule, n in masks["dropped_by_template_rule"].items():
+        log.warning("%d record(s) dropped: the chat template's rule %s (report.json)", n, rule)
     if masks["non_text_parts_dropped"]:
         log.warning(
             "%d non-text content part(s) left out (data.non_text: keep_text)",

@@ -105,18 +105,18 @@ def _check_index(index: Path, headers: dict, check: Check) -> None:
                 )
 
 
-def check_tokenizer(path: Path, trust_remote_code: bool, check: Check) -> tuple[str, dict] | None:
-    """The tokenizer's hash and what its chat template does (the mask mode `auto` picks for a
-    multi-turn conversation with reasoning); None with a problem if it cannot train anything."""
+def check_tokenizer(
+    path: Path, trust_remote_code: bool, check: Check, kwargs: dict | None = None
+) -> tuple[str, dict] | None:
+    """The tokenizer's hash and what its chat template does with `kwargs`
+    (data.chat_template_kwargs): the mask mode `auto` picks for a multi-turn conversation with
+    reasoning, the tool-argument form, the stop tokens; None with a problem if it cannot train
+    anything."""
     from transformers import AutoTokenizer
 
-    from eyrie.data.chat import (
-        MaskSettings,
-        masked_samples,
-        template_traits,
-        tokenizer_files_problem,
-    )
+    from eyrie.data.chat import ChatTemplate, tokenizer_files_problem
     from eyrie.data.records import Conversation, _one_line
+    from eyrie.data.turns import MaskSettings, masked_samples, template_traits
 
     problem = tokenizer_files_problem(path, trust_remote_code)
     if problem:
@@ -135,11 +135,16 @@ def check_tokenizer(path: Path, trust_remote_code: bool, check: Check) -> tuple[
             f"{path}: tokenizer has no chat template; add chat_template.jinja to the target folder"
         )
         return None
+    try:
+        tpl = ChatTemplate.of(tok, kwargs, _eos(path))
+    except EyrieError as exc:
+        check.problem(str(exc))
+        return None
     traits = None
     for i, messages in enumerate(SAMPLE_CONVERSATIONS):
         try:
-            masked = masked_samples(tok, Conversation(messages), MaskSettings())
-            traits = traits or template_traits(tok)
+            masked = masked_samples(tpl, Conversation(messages), MaskSettings())
+            traits = traits or template_traits(tpl)
         except EyrieError as exc:
             check.problem(f"{path}: chat template fails on sample conversation {i}: {exc}")
             continue
@@ -150,6 +155,17 @@ def check_tokenizer(path: Path, trust_remote_code: bool, check: Check) -> tuple[
                 "text can be located (docs/data.md#the-loss-mask)"
             )
     return tokenizer_hash(path), (traits.as_dict() if traits else None)
+
+
+def _eos(path: Path):
+    """generation_config.json's eos ids (else config.json's); None where neither can be read:
+    read_target reports those files."""
+    from eyrie.data.chat import generation_eos
+
+    try:
+        return generation_eos(path)
+    except EyrieError:
+        return None
 
 
 @dataclass(frozen=True)

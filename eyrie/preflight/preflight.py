@@ -103,7 +103,8 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
         vllm_report = got["report"]
     tok_hash, template = None, None
     if not (info.needs_remote_code and not trust):
-        tok_hash, template = check_tokenizer(target, trust, check) or (None, None)
+        kwargs = (loaded.get("data") or {}).get("chat_template_kwargs")
+        tok_hash, template = check_tokenizer(target, trust, check, kwargs) or (None, None)
     storage = None
     if tokenize_report is not None:
         tokens = training_tokens(tokenize_report, check)

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyrie.data.chat import load_chat_tokenizer
+from eyrie.data.chat import end_token_ids, generation_eos, load_chat_tokenizer
 from eyrie.data.regeneration import (
     CHUNK_RECORDS,
     Generated,
@@ -24,8 +24,6 @@ from eyrie.data.regeneration import (
     ShardPaths,
     StoredShard,
     add_shard_arguments,
-    end_token_ids,
-    generation_eos,
     regenerate_shard,
     split_at_end,
     target_context,
