@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -76,8 +77,8 @@ def many(n: int, **assistant) -> list[dict]:
 
 
 def test_reasoning_tool_calls_and_tool_results_reach_the_template():
-    conv = to_conversation(CASES["tool_call"])
-    call, result = conv.messages[1], conv.messages[2]
+    conv = to_conversation(CASES["tool_call_string"])
+    call, result = conv.messages[2], conv.messages[3]
     assert call["reasoning_content"] == "Ask the tool." and call["content"] == ""
     assert call["tool_calls"][0]["function"]["name"] == "get_weather"
     assert result == {
@@ -86,7 +87,7 @@ def test_reasoning_tool_calls_and_tool_results_reach_the_template():
         "tool_call_id": "functions.get_weather:0",
         "name": "get_weather",
     }
-    assert conv.tools == CASES["tool_call"]["tools"]
+    assert conv.tools == CASES["tool_call_string"]["tools"]
     assert to_conversation(conv.to_record()) == conv
     # the other names reasoning goes by; blank reasoning is no reasoning
     for name in ("reasoning", "thinking"):
@@ -125,8 +126,9 @@ def test_non_text_parts_follow_the_policy():
     assert err.value.reason == "non_text_content" and "data.non_text: keep_text" in str(
         records_mod.REASONS[err.value.reason]
     )
+    # the text parts joined with "\\n", as vLLM joins them
     kept = to_conversation(record, non_text="keep_text")
-    assert kept.messages[0]["content"] == "Describe this." and kept.dropped_parts == 1
+    assert kept.messages[0]["content"] == "Describe \nthis." and kept.dropped_parts == 1
 
 
 # ----------------------------------------------------------------------------- mask modes
@@ -158,6 +160,7 @@ GENERATION_LLAMA = (
 def test_generation_mode_uses_the_template_markers():
     tok = family_tokenizer("llama3")
     conv = to_conversation(CASES["multi_turn"])
+    tok.chat_template = re.sub(r"\{% (end)?generation %\}", "", GENERATION_LLAMA)
     prefix = masked_samples(tok, conv, MaskSettings("prefix"))
     tok.chat_template = GENERATION_LLAMA
     assert template_traits(tok).generation_marks

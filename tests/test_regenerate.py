@@ -1,5 +1,5 @@
 """The regenerate stage: shard assignment, the round loop (turns all/last, tool-call turns kept,
-cut and failed records counted, the thinking switch), the Hugging Face backend on a tiny target,
+cut and failed records counted, the template switches), the Hugging Face backend on a tiny target,
 the vLLM entry's CPU side, and the workflow's DAG with data.regenerate on and off."""
 
 from __future__ import annotations
@@ -68,13 +68,14 @@ TOOL_RECORD = {
 }
 
 
-def settings(**regen) -> dict:
+def settings(kwargs=None, **regen) -> dict:
     base = {"num_shards": 1, "max_new_tokens": 16, "batch_size": 4}
-    return {"regenerate": {**base, **regen}}
+    data = {"data": {"chat_template_kwargs": kwargs}} if kwargs is not None else {}
+    return {"regenerate": {**base, **regen}, **data}
 
 
-def cfg(**regen) -> RegenSettings:
-    return RegenSettings.from_settings(settings(**regen))
+def cfg(kwargs=None, **regen) -> RegenSettings:
+    return RegenSettings.from_settings(settings(kwargs, **regen))
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +149,11 @@ def test_split_at_end_drops_the_end_token_and_padding():
 def test_settings_are_schema_checked():
     with pytest.raises(DataError, match="regenerate.turns"):
         RegenSettings.from_settings(settings(turns="first"))
-    assert cfg().non_text == "drop" and cfg().template_kwargs is None
-    assert cfg(thinking="off").template_kwargs == {"enable_thinking": False}
+    assert cfg().non_text == "drop" and cfg().chat_template_kwargs == {}
+    off = {"enable_thinking": False}
+    assert cfg(off).chat_template_kwargs == off
+    with pytest.raises(DataError, match="regenerate.thinking: replaced by data.chat_template_kw"):
+        RegenSettings.from_settings(settings(thinking="off"))
 
 
 # ----------------------------------------------------------------------------- the rounds
@@ -229,13 +233,15 @@ THINK_TEMPLATE = CHAT_TEMPLATE.replace(
 )
 
 
-@pytest.mark.parametrize("thinking, tail", [("auto", "assistant\n"), ("off", "<think></think>")])
-def test_thinking_switch_reaches_the_template(tok, thinking, tail):
+@pytest.mark.parametrize(
+    "kwargs, tail", [({}, "assistant\n"), ({"enable_thinking": False}, "<think></think>")]
+)
+def test_template_switches_reach_the_template(tok, kwargs, tail):
     think_tok = build_chat_tokenizer(TEXTS, vocab_size=400)
     think_tok.chat_template = THINK_TEMPLATE
     backend = Scripted(think_tok)
     (job,) = jobs_of(SINGLE)
-    run_rounds(backend, [job], cfg(thinking=thinking), Stats())
+    run_rounds(backend, [job], cfg(kwargs), Stats())
     assert backend.prompts[0].endswith(tail)
 
 
@@ -244,7 +250,7 @@ def test_thinking_on_response_inside_the_opened_block(tok):
     think_tok.chat_template = THINK_TEMPLATE
     backend = Scripted(think_tok, answer=lambda p: "reasoning</think> call the tool")
     (job,) = jobs_of(SINGLE)
-    run_rounds(backend, [job], cfg(thinking="on"), Stats())
+    run_rounds(backend, [job], cfg({"enable_thinking": True}), Stats())
     assert backend.prompts[0].endswith("<think>")
     assert job.messages[1] == {
         "role": "assistant",

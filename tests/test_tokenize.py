@@ -314,13 +314,13 @@ def parts(*texts):
 
 
 def test_text_content_parts_are_joined(tok):
-    joined = openai(("system", SYSTEM), ("user", Q1), ("assistant", A1 + A2))
+    joined = openai(("system", SYSTEM), ("user", Q1), ("assistant", A1 + "\n" + A2))  # as vLLM
     as_parts = openai(("system", parts(SYSTEM)), ("user", parts(Q1)), ("assistant", parts(A1, A2)))
     assert to_messages(as_parts) == to_messages(joined)
     assert render_with_mask(tok, to_messages(as_parts)) == render_with_mask(
         tok, to_messages(joined)
     )
-    as_sharegpt = sharegpt(("human", parts("", Q1)), ("gpt", parts(A1)))
+    as_sharegpt = sharegpt(("human", parts(Q1)), ("gpt", parts(A1)))
     assert to_messages(as_sharegpt) == to_messages(openai(("user", Q1), ("assistant", A1)))
     with pytest.raises(RecordError) as err:
         to_messages(openai(("user", parts(" ", "")), ("assistant", A1)))

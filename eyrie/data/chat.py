@@ -153,6 +153,10 @@ def _probe_call(arguments: object) -> list[dict]:
 
 ARGUMENT_FORMS = ("object", "string")
 
+# the names beside reasoning_content templates read a turn's reasoning by: `reasoning` (vLLM
+# passes the reasoning under both), `thinking` (gpt-oss)
+REASONING_ALIASES = ("reasoning", "thinking")
+
 
 def _arguments(value: object, form: str) -> object:
     """Tool-call arguments as the template takes them: parsed from JSON text (vLLM's
@@ -220,12 +224,13 @@ class ChatTemplate:
 
     def view(self, messages: list[dict]) -> list[dict]:
         """Messages as the template receives them: tool-call arguments in the template's form,
-        the reasoning also under `thinking` (the name some templates read)."""
+        the reasoning also under REASONING_ALIASES."""
         out = []
         for message in messages:
             message = dict(message)
-            if "reasoning_content" in message and "thinking" not in message:
-                message["thinking"] = message["reasoning_content"]
+            if "reasoning_content" in message:
+                for alias in REASONING_ALIASES:
+                    message.setdefault(alias, message["reasoning_content"])
             if message.get("tool_calls"):
                 message["tool_calls"] = [
                     _call(c, self.tool_arguments) for c in message["tool_calls"]

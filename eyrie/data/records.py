@@ -134,7 +134,8 @@ class Conversation:
 
 
 def _text_content(content: object, where: str, keep_text: bool) -> tuple[object, int]:
-    """A content-part list as its text parts joined with "" and the number of other parts
+    """A content-part list as its text parts joined with "\\n" (as vLLM joins them for a
+    template that takes text) and the number of other parts
     (refused unless keep_text); any other content as is."""
     if not isinstance(content, list):
         return content, 0
@@ -150,7 +151,7 @@ def _text_content(content: object, where: str, keep_text: bool) -> tuple[object,
                 "non_text_content",
                 f"{where}[{j}] is a {kind!r} part; only text parts are supported",
             )
-    return "".join(texts), dropped
+    return "\n".join(texts), dropped
 
 
 def _tool_calls(calls: object, where: str) -> list[dict]:

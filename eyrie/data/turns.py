@@ -112,7 +112,7 @@ def turn_of(tpl: ChatTemplate, conv: Conversation, i: int) -> Turn:
         progress = _in_progress_text(tpl, conv, i, prompt)
         if progress is not None and reasoning in progress:
             text, in_progress = progress, True
-    _check_calls(messages[i], text, i)
+    _check_calls(tpl, conv, i, prompt, text)
     text, end, stop = _with_stop(tpl, conv, i, prompt, text)
     state = "" if not reasoning else ("rendered" if reasoning in text else "not_rendered")
     return Turn(i, prompt, text, end, state, in_progress, stop)
@@ -121,7 +121,8 @@ def turn_of(tpl: ChatTemplate, conv: Conversation, i: int) -> Turn:
 def _final_text(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str) -> str:
     """Turn `i` as the template renders it as the last message: what follows the prompt, or,
     where the turn also changes the history (gpt-oss drops a call's analysis once an answer
-    exists), what follows the generation prompt in front of the turn's first own character."""
+    exists, Kimi-K2-Thinking an earlier call's reasoning), what follows the generation prompt
+    in front of the turn's first own character."""
     messages, tools = conv.messages, conv.tools
     upto = tpl.render(messages[: i + 1], tools=tools)
     if upto.startswith(prompt):
@@ -154,52 +155,69 @@ def _in_progress_text(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str
     placeholder tool call (a turn in progress) up to the end of its content, then what the
     template writes after a final answer's content. None unless the two renderings agree on
     the turn without its reasoning (then only the reasoning differs)."""
-    message = conv.messages[i]
+    message, before = conv.messages[i], conv.messages[:i]
     if message.get("tool_calls"):
         return None
 
-    def after_prompt(m: dict) -> str | None:
+    def final(m: dict) -> str | None:
         try:
-            text = tpl.render([*conv.messages[:i], m], tools=conv.tools)
+            return _final_text(tpl, Conversation([*before, m], conv.tools), i, prompt)
         except RecordError:
             return None
-        return text[len(prompt) :] if text.startswith(prompt) else None
 
     def composed(m: dict) -> str | None:
         marked = _marked(m, front=False)
-        head = after_prompt({**marked, "tool_calls": [PLACEHOLDER_CALL]})
-        tail = after_prompt(marked)
-        if head is None or tail is None or SENTINEL not in head or SENTINEL not in tail:
+        try:
+            head = tpl.render(
+                [*before, {**marked, "tool_calls": [PLACEHOLDER_CALL]}], tools=conv.tools
+            )
+        except RecordError:
+            return None
+        head = head[len(prompt) :] if head.startswith(prompt) else ""
+        tail = final(marked) or ""
+        if SENTINEL not in head or SENTINEL not in tail:
             return None
         return head[: head.index(SENTINEL)] + tail[tail.index(SENTINEL) + 1 :]
 
     bare = {k: v for k, v in message.items() if k not in ("reasoning_content", "thinking")}
-    if composed(bare) != after_prompt(bare):
+    if composed(bare) is None or composed(bare) != final(bare):
         return None
     return composed(message)
 
 
-def _function(call: dict) -> dict:
-    return call["function"] if isinstance(call.get("function"), dict) else call
-
-
-def _check_calls(message: dict, text: str, i: int) -> None:
-    """Every tool call of the turn in its text, or the record is dropped (template_rule)."""
+def _check_calls(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str, text: str) -> None:
+    """Every tool call of the turn shows in its text (the text changes when the call is left
+    out), or the record is dropped (template_rule)."""
+    message = conv.messages[i]
     calls = message.get("tool_calls") or []
-    names = [_function(c)["name"] for c in calls]
-    shown = sum(min(text.count(n), names.count(n)) for n in set(names))
-    if shown < len(names):
+    shown = 0
+    for j in range(len(calls)):
+        rest = calls[:j] + calls[j + 1 :]
+        fewer = {**message, "tool_calls": rest} if rest else _without(message, "tool_calls")
+        try:
+            other = _final_text(
+                tpl, Conversation([*conv.messages[:i], fewer], conv.tools), i, prompt
+            )
+        except RecordError:
+            other = None  # the template refuses the turn without it: the call counts
+        shown += other != text
+    if shown < len(calls):
         raise RecordError(
             "template_rule",
-            f"tool_calls_not_rendered: the template renders {shown} of the {len(names)} tool "
+            f"tool_calls_not_rendered: the template renders {shown} of the {len(calls)} tool "
             f"calls of assistant turn {i} (it leaves out parallel calls)",
         )
+
+
+def _without(message: dict, *keys: str) -> dict:
+    return {k: v for k, v in message.items() if k not in keys}
 
 
 def _with_stop(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str, text: str):
     """The turn's text ending with its stop token, the generated length, and whether a stop
     token was found: the template's own end of turn, else the first stop token the template
-    writes after the turn (GLM ends a turn with the next role's <|user|> or <|observation|>)."""
+    writes after the turn's own text when a message follows it (GLM ends a turn with the next
+    role's <|user|> or <|observation|>)."""
     generated = text.rstrip()
     if any(generated.endswith(s) for s in tpl.stops):
         return text, len(generated), True
@@ -208,12 +226,15 @@ def _with_stop(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str, text:
     if following is None or following["role"] not in ("user", "tool"):
         following = _placeholder_after(messages[i])
     try:
-        after = tpl.render([*messages[: i + 1], following], tools=conv.tools)
+        after = tpl.render(
+            [*messages[:i], _marked(messages[i], front=False), following], tools=conv.tools
+        )
     except RecordError:
         return text, len(generated), False
-    found = [(after.find(s, len(prompt)), s) for s in tpl.stops if s]
-    found = sorted((at, s) for at, s in found if at >= 0)
-    if not after.startswith(prompt) or not found:
+    start = after.find(SENTINEL, len(prompt) if after.startswith(prompt) else 0)
+    found = sorted((after.find(s, start), s) for s in tpl.stops if s)
+    found = [(at, s) for at, s in found if at >= 0]
+    if start < 0 or not found:
         return text, len(generated), False
     stop = found[0][1]
     return generated + stop, len(generated) + len(stop), True
@@ -303,7 +324,12 @@ def conversation_samples(tpl: ChatTemplate, conv: Conversation, mode: str) -> tu
     """(samples, the mode that made them, turn counts) of one conversation under `mode`."""
     if mode == "generation":
         return [generation_sample(tpl, conv)], "generation", {}
-    indices = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
+    # a turn with no message before it has no prompt a server renders: context only
+    indices = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant" and i > 0]
+    if not indices:
+        raise RecordError(
+            "no_assistant_turn", "the only assistant turn opens the conversation (no prompt)"
+        )
     turns = [turn_of(tpl, conv, i) for i in indices]
     samples = turn_samples(turns)
     if mode == "prefix" and len(samples) > 1:
