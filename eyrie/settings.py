@@ -30,15 +30,6 @@ SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
 # --settings name of a config key that stages receive outside its section
 SETTINGS_ALIASES = {"target.trust_remote_code": "trust_remote_code"}
 
-# keys that were replaced: what to write instead
-REPLACED = {
-    "regenerate.thinking": (
-        "replaced by data.chat_template_kwargs, which tokenization, regeneration and the "
-        "evaluation prompts all pass to the template: write data.chat_template_kwargs: "
-        "{enable_thinking: true} for on, {enable_thinking: false} for off, nothing for auto"
-    ),
-}
-
 
 def _key(path) -> str:
     return ".".join(str(p) for p in path) or "<top level>"
@@ -77,11 +68,8 @@ def _problems(schema: dict, instance: Any, prefix: Sequence[str] = ()) -> list[s
         if err.validator == "additionalProperties":
             allowed = sorted(err.schema.get("properties", {}))
             for name in sorted(set(err.instance) - set(allowed)):
-                key = _key([*path, name])
                 problems.append(
-                    f"{key}: {REPLACED[key]}"
-                    if key in REPLACED
-                    else f"{key}: unknown key (allowed here: {', '.join(allowed)})"
+                    f"{_key([*path, name])}: unknown key (allowed here: {', '.join(allowed)})"
                 )
         else:
             # a pattern's message is the regular expression: the schema's `fix` says it in words

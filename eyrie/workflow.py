@@ -125,6 +125,7 @@ TABLE = (
             "top_p",
             "seed",
             "turns",
+            "thinking",
             "batch_size",
         )
     ),

@@ -141,7 +141,9 @@ def run_workflow(tree: Path, workdir: Path, config: Path | None) -> Path:
     log = workdir / "snakemake.log"
     workdir.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
-        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        # cwd: `python -m` puts the working directory first on sys.path, before PYTHONPATH
+        run = subprocess.run(cmd, env=env, cwd=workdir, stdout=f, stderr=subprocess.STDOUT)
+        rc = run.returncode
     if rc:
         raise SystemExit(f"parity: the workflow of {tree} failed (exit {rc}); see {log}")
     name = "demo"

@@ -179,7 +179,7 @@ def test_contracts_doc_is_the_generated_table():
 
 # data keys added after db3e96d: left out of params while at their defaults (the configs here)
 NEW_EVAL_KEYS = ("dtype", "prompts")  # added later: in no finished run's params
-NEW_DATA_KEYS = ("mask_mode", "train_reasoning", "non_text", "regenerate")
+NEW_DATA_KEYS = ("mask_mode", "train_reasoning", "non_text", "regenerate", "chat_template_kwargs")
 NEW_TRAIN_KEYS = (
     "report_to",
     "loss",

@@ -11,7 +11,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from template_cases import CASES, family_tokenizer
+from template_cases import CASES, family_tokenizer, standin_target, trained_text
+from transformers import AutoTokenizer
 
 from eyrie import cli as cli
 from eyrie.data import inputs as inputs_mod
@@ -42,13 +43,15 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
-def make_target(folder: Path, family: str) -> Path:
-    from transformers import LlamaConfig
+def make_target(folder: Path, template: str) -> Path:
+    """A target folder with a published template (a template_cases.PUBLISHED name, or "llama3"
+    / "qwen3") over the stand-in vocabulary, and a tiny Llama config."""
+    from template_cases import FAMILY
+    from transformers import AutoTokenizer, LlamaConfig
 
-    tok = family_tokenizer(family)
-    tok.save_pretrained(folder)
+    standin_target(folder, FAMILY.get(template, template))
     LlamaConfig(
-        vocab_size=len(tok),
+        vocab_size=len(AutoTokenizer.from_pretrained(folder)),
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=2,
@@ -104,6 +107,10 @@ def test_reasoning_tool_calls_and_tool_results_reach_the_template():
     [
         ({"content": "", "tool_calls": "get_weather"}, "tool_calls must be a list"),
         ({"content": "", "tool_calls": [{"function": {"arguments": "{}"}}]}, "no function name"),
+        (
+            {"content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{city"}}]},
+            "arguments are not JSON",
+        ),
     ],
 )
 def test_bad_tool_calls_name_the_turn(assistant, detail):
@@ -355,3 +362,142 @@ def test_preflight_reports_what_the_template_needs(tmp_path):
         _, template = pf_checks.check_tokenizer(target, False, check)
         assert check.problems == [] and template["prefix_stable"] is stable
         assert template["auto_mode"] == ("prefix" if stable else "per_turn")
+
+
+# ----------------------------------------------------------------------------- the rule, end to end
+
+
+def _agent(i: int) -> dict:
+    record = json.loads(json.dumps(CASES["agent_reasoning"]))
+    record["messages"][0]["content"] = f"Weather in Oslo for {i + 2} days?"
+    return record
+
+
+def test_report_counts_turns_by_how_they_were_rendered(tmp_path):
+    """Kimi-K2-Thinking: final answers trained with their reasoning, from the in-progress
+    rendering; gpt-oss: records whose parallel calls the template drops are counted by rule."""
+    target = make_target(tmp_path / "kimi", "kimi_k2_thinking")
+    inputs = [write_jsonl(tmp_path / "c.jsonl", [_agent(i) for i in range(6)])]
+    report = tokenize(
+        target,
+        inputs,
+        tmp_path / "out",
+        {"data": {"num_eval": 1, "num_shards": 1, "max_seq_len": 8192}},
+    )
+    turns = report["masks"]["turns"]
+    assert turns["trained"] == 18 and turns["reasoning_rendered"] == 18
+    assert turns["reasoning_in_progress"] == 12 and turns["without_stop_token"] == 0
+    assert report["masks"]["template"]["reasoning_in_progress"] is True
+    oss = make_target(tmp_path / "oss", "gpt_oss")
+    parallel = [json.loads(json.dumps(CASES["parallel_calls"])) for _ in range(3)]
+    for i, record in enumerate(parallel):
+        record["messages"][0]["content"] += f" ({i})"
+    inputs = [write_jsonl(tmp_path / "p.jsonl", [*parallel, *(_agent(i) for i in range(4))])]
+    report = tokenize(
+        oss,
+        inputs,
+        tmp_path / "oss_out",
+        {"data": {"num_eval": 1, "num_shards": 1, "max_seq_len": 8192}},
+    )
+    assert report["masks"]["dropped_by_template_rule"] == {"tool_calls_not_rendered": 3}
+    assert report["dropped_by_reason"]["template_rule"] == 3
+
+
+def test_glm_stop_tokens_come_from_generation_config(tmp_path):
+    target = make_target(tmp_path / "glm", "glm_4_6")
+    inputs = [write_jsonl(tmp_path / "c.jsonl", [_agent(i) for i in range(4)])]
+    out = tmp_path / "out"
+    report = tokenize(
+        target, inputs, out, {"data": {"num_eval": 1, "num_shards": 1, "max_seq_len": 8192}}
+    )
+    assert report["masks"]["turns"]["without_stop_token"] == 0
+    assert report["masks"]["template"]["stop_tokens"] == [
+        "<|endoftext|>",
+        "<|observation|>",
+        "<|user|>",
+    ]
+    tok = AutoTokenizer.from_pretrained(target)
+    rows = pq.read_table(out / "shard_000.parquet").to_pylist()
+    runs = [run for row in rows for run in trained_text(tok, row["input_ids"], row["loss_mask"])]
+    assert all(run.endswith(("<|observation|>", "<|user|>")) for run in runs)
+    (target / "generation_config.json").unlink()  # no stop token after a turn: counted
+    report = tokenize(
+        target,
+        inputs,
+        tmp_path / "out2",
+        {"data": {"num_eval": 1, "num_shards": 1, "max_seq_len": 8192}},
+    )
+    assert report["masks"]["turns"]["without_stop_token"] == 12  # 4 records x 3 turns
+
+
+def test_template_switches_reach_training_and_evaluation_prompts(tmp_path):
+    target = make_target(tmp_path / "qwen3", "qwen3")
+    inputs = [write_jsonl(tmp_path / "c.jsonl", many(6))]
+    off = {"num_eval": 2, "num_shards": 1, "chat_template_kwargs": {"enable_thinking": False}}
+    off["max_seq_len"] = 8192
+    report = tokenize(target, inputs, tmp_path / "out", {"data": off})
+    assert report["masks"]["chat_template_kwargs"] == {"enable_thinking": False}
+    tok = family_tokenizer("qwen3")
+    for row in pq.read_table(tmp_path / "out" / "eval.parquet").to_pylist():
+        assert tok.decode(row["prompt_ids"]).endswith(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        )
+    # the questions of eval.prompts likewise
+    from eyrie.data.chat import ChatTemplate
+    from eyrie.data.questions import question_prompts
+
+    tpl = ChatTemplate.load(target, kwargs={"enable_thinking": False})
+    ((_, ids),) = question_prompts(tpl, [("q:1", "Why?")])
+    assert tok.decode(ids).endswith("<think>\n\n</think>\n\n")
+    with pytest.raises(DataError, match="data.chat_template_kwargs.tools: set by eyrie"):
+        ChatTemplate.load(target, kwargs={"tools": []})
+
+
+def test_parquet_and_datasets_records_keep_only_their_own_keys(tmp_path):
+    """Arrow gives every row every field of a struct column: the nulls it adds never reach the
+    template (Qwen3-Coder would render <parameter=date>None)."""
+    import datasets
+
+    def call_record(i: int, args: dict) -> dict:
+        record = json.loads(json.dumps(CASES["tool_call_object"]))
+        record["messages"][1]["content"] = f"Weather {i}?"
+        record["messages"][2]["tool_calls"][0]["function"]["arguments"] = args
+        return record
+
+    recs = [call_record(0, {"city": "Oslo"}), call_record(1, {"city": "Bergen", "date": "today"})]
+    pq.write_table(pa.Table.from_pylist(recs), tmp_path / "c.parquet")
+    datasets.Dataset.from_list(recs).save_to_disk(str(tmp_path / "ds"))
+    for path in (tmp_path / "c.parquet", tmp_path / "ds"):
+        got = [to_conversation(r.obj) for r in read_records(path)]
+        assert got == [to_conversation(r) for r in recs], path
+    target = make_target(tmp_path / "coder", "qwen3_coder")
+    settings = {"data": {"num_eval": 1, "num_shards": 1, "max_seq_len": 8192}}
+    tokenize(target, [tmp_path / "c.parquet"], tmp_path / "out", settings)
+    tok = AutoTokenizer.from_pretrained(target)
+    rows = pq.read_table(tmp_path / "out" / "eval.parquet").to_pylist()
+    rows += pq.read_table(tmp_path / "out" / "shard_000.parquet").to_pylist()
+    assert not any("None" in tok.decode(row["input_ids"]) for row in rows)
+
+
+# a stand-in for a template that fails on every conversation (as a community port of
+# DeepSeek-V3.2's encoder does)
+BROKEN = "{{ raise_exception('this template needs encoding_dsv32.py: ' + messages[0].role) }}"
+
+
+def test_a_template_that_renders_nothing_stops_at_once(tmp_path):
+    target = make_target(tmp_path / "broken", "llama3")
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "chat_template.jinja").write_text(BROKEN)
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    inputs = [write_jsonl(tmp_path / "c.jsonl", _records(6))]
+    with pytest.raises(DataError) as err:
+        tokenize(
+            target,
+            inputs,
+            tmp_path / "out",
+            {"data": {"num_eval": 1, "num_shards": 1, "max_seq_len": 8192}},
+        )
+    message = str(err.value)
+    assert "cannot render a conversation" in message and "needs encoding_dsv32.py: user" in message
+    assert "use data.mask_mode: auto" not in message and "\n" not in message

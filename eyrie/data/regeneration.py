@@ -62,6 +62,7 @@ class RegenSettings:
     top_p: float
     seed: int
     turns: str
+    thinking: str  # auto only: replaced by chat_template_kwargs, kept for finished runs' params
     batch_size: int
     non_text: str = "drop"
     trust_remote_code: bool = False

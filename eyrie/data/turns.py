@@ -32,6 +32,8 @@ PLACEHOLDER_CALL = {
 }
 PLACEHOLDER_USER = {"role": "user", "content": "Continue."}
 
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
 
 @dataclass(frozen=True)
 class Turn:
@@ -104,7 +106,15 @@ def turn_of(tpl: ChatTemplate, conv: Conversation, i: int) -> Turn:
     render it as generated (template_error, template_rule)."""
     messages, tools = conv.messages, conv.tools
     prompt = tpl.render(messages[:i], add_generation_prompt=True, tools=tools)
-    text = _final_text(tpl, conv, i, prompt)
+    try:
+        text = _final_text(tpl, conv, i, prompt)
+    except RecordError:
+        if not reasoning_of(messages[i]):
+            raise
+        # a prompt that rules reasoning out (a thinking switch off closes an empty block in the
+        # generation prompt): the turn as generated after it has none
+        bare = Conversation([*messages[:i], _without(messages[i], *REASONING_KEYS)], tools)
+        text = _final_text(tpl, bare, i, prompt)
     if not text.strip():
         raise RecordError("template_error", f"assistant turn {i} renders no text")
     reasoning, in_progress = reasoning_of(messages[i]), False
@@ -179,7 +189,7 @@ def _in_progress_text(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str
             return None
         return head[: head.index(SENTINEL)] + tail[tail.index(SENTINEL) + 1 :]
 
-    bare = {k: v for k, v in message.items() if k not in ("reasoning_content", "thinking")}
+    bare = _without(message, *REASONING_KEYS)
     if composed(bare) is None or composed(bare) != final(bare):
         return None
     return composed(message)
