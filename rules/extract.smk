@@ -22,10 +22,12 @@ rule extract_engine:
         target=[ancient(f) for f in TARGET_FILES],
     output:
         service("results/{name}/hidden/engine_{group}.sock"),
+    # No benchmark: file: Snakemake writes it only once a service has exited after its SIGTERM,
+    # and a file still missing after the latency wait (a vLLM engine core takes longer than the
+    # default 5 s to stop) fails the group job, whose good shards Snakemake then deletes. The
+    # engine's log has its load and per-shard times.
     log:
         "logs/{name}/extract_engine/engine_{group}.log",
-    benchmark:
-        "results/{name}/benchmarks/extract_engine/engine_{group}.tsv"
     wildcard_constraints:
         group=r"\d+",
     threads: CORES

@@ -5,6 +5,7 @@ rerun after deleting hidden-state shards (one engine, one model load, only those
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -31,7 +32,7 @@ def write_config(workdir: Path, **overrides) -> Path:
     return path
 
 
-def snakemake(workdir: Path, *args: str, timeout: int = 600) -> str:
+def snakemake(workdir: Path, *args: str, timeout: int = 600, env: dict | None = None) -> str:
     cmd = [
         *SNAKEMAKE,
         "-d",
@@ -42,7 +43,7 @@ def snakemake(workdir: Path, *args: str, timeout: int = 600) -> str:
         "2",
         *args,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in workdir.glob("logs/**/*.log"))
@@ -356,6 +357,39 @@ def test_rerun_after_deleting_two_shards_loads_once_and_builds_only_those(built,
     assert log.count("engine: loaded target") == 1
     assert served_shards(log) == ["shard_001", "shard_003"]
     assert planned(work, *(str(p.relative_to(work)) for p in shards)) == {}
+
+
+# A stand-in for a vLLM engine that is slow to stop: the real `eyrie`, whose extract-engine takes
+# 8 s to exit after Snakemake's SIGTERM, longer than Snakemake's default 5 s latency wait.
+SLOW_STOPPING_ENGINE = """#!/usr/bin/env bash
+if [[ " $* " != *" extract-engine "* ]]; then exec {eyrie} "$@"; fi
+{eyrie} "$@" &
+child=$!
+trap 'kill -TERM $child; wait $child; sleep 8; exit 143' TERM
+wait $child
+"""
+
+
+@pytest.mark.slow
+def test_a_service_slow_to_stop_deletes_no_shard(built, tmp_path):
+    """The engine is a Snakemake service: terminated once its shard jobs are done, and not
+    waited for. The group job must succeed and keep its shard however long the engine takes to
+    exit (with a benchmark: file on the service, Snakemake waited 5 s for it, failed the group
+    with MissingOutputException and deleted the good shard)."""
+    work = tmp_path / "wf"
+    shutil.copytree(built, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    wrapper = shims / "eyrie"
+    wrapper.write_text(SLOW_STOPPING_ENGINE.format(eyrie=Path(sys.executable).parent / "eyrie"))
+    wrapper.chmod(0o755)
+    env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}"}
+    shard = work / "results/tiny/hidden/shard_002.h5"
+    shard.unlink()
+    out = snakemake(work, str(shard.relative_to(work)), env=env)
+    assert job_table(out) == {"extract_engine": 1, "extract_hidden_states": 1}
+    assert shard.is_file() and "MissingOutputException" not in out
+    assert planned(work) == {}
 
 
 @pytest.mark.slow
