@@ -5,7 +5,6 @@ rerun after deleting hidden-state shards (one engine, one model load, only those
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -32,9 +31,10 @@ def write_config(workdir: Path, **overrides) -> Path:
     return path
 
 
-def snakemake(workdir: Path, *args: str, timeout: int = 600, env: dict | None = None) -> str:
+def snakemake(workdir: Path, *args: str, timeout: int = 600, python: Path | None = None) -> str:
     cmd = [
-        *SNAKEMAKE,
+        str(python or sys.executable),
+        *SNAKEMAKE[1:],
         "-d",
         str(workdir),
         "--configfile",
@@ -43,7 +43,7 @@ def snakemake(workdir: Path, *args: str, timeout: int = 600, env: dict | None = 
         "2",
         *args,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in workdir.glob("logs/**/*.log"))
@@ -370,6 +370,19 @@ wait $child
 """
 
 
+def python_with(tmp_path: Path, name: str, script: str) -> Path:
+    """A Python environment over this one whose bin/ also holds `name` (the workflow puts the bin/
+    of the Python running Snakemake first on the PATH of its jobs)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    parent = next(Path(sys.executable).parent.parent.glob("lib/python3*/site-packages"))
+    (site / "parent.pth").write_text(f"import site; site.addsitedir({str(parent)!r})\n")
+    (venv / "bin" / name).write_text(script)
+    (venv / "bin" / name).chmod(0o755)
+    return venv / "bin" / "python"
+
+
 @pytest.mark.slow
 def test_a_service_slow_to_stop_deletes_no_shard(built, tmp_path):
     """The engine is a Snakemake service: terminated once its shard jobs are done, and not
@@ -378,15 +391,12 @@ def test_a_service_slow_to_stop_deletes_no_shard(built, tmp_path):
     with MissingOutputException and deleted the good shard)."""
     work = tmp_path / "wf"
     shutil.copytree(built, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
-    shims = tmp_path / "bin"
-    shims.mkdir()
-    wrapper = shims / "eyrie"
-    wrapper.write_text(SLOW_STOPPING_ENGINE.format(eyrie=Path(sys.executable).parent / "eyrie"))
-    wrapper.chmod(0o755)
-    env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}"}
+    eyrie = Path(sys.executable).parent / "eyrie"
+    python = python_with(tmp_path, "eyrie", SLOW_STOPPING_ENGINE.format(eyrie=eyrie))
     shard = work / "results/tiny/hidden/shard_002.h5"
     shard.unlink()
-    out = snakemake(work, str(shard.relative_to(work)), env=env)
+    shutil.rmtree(work / "results/tiny/benchmarks")  # as in a first run
+    out = snakemake(work, str(shard.relative_to(work)), python=python)
     assert job_table(out) == {"extract_engine": 1, "extract_hidden_states": 1}
     assert shard.is_file() and "MissingOutputException" not in out
     assert planned(work) == {}
