@@ -1,15 +1,17 @@
 """Build a fresh EAGLE-3 draft: speculators' own Eagle3DraftModel for a target folder.
 
-`build_draft` loads the verifier's embeddings, final norm and lm_head from the target folder and
-checks the vocabulary map against its vocab_size; training and evaluation build their drafts with
-it, so an untrained draft has the trained one's shape. Attention is sdpa (CPU and GPU) unless the
+`build_draft` loads the verifier's embeddings, final norm and lm_head from the target folder (a
+rehearsal: random ones of their shapes, no weights read) and checks the vocabulary map against
+its vocab_size; training and evaluation build their drafts with it, so an untrained draft has the
+trained one's shape. Attention is sdpa (CPU and GPU) unless the
 caller asks for speculators' flex attention (GPU training). docs/training.md.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,9 @@ class DraftSpec:
     ttt_steps: int = 3
     attn_impl: str = "sdpa"
     trust_remote_code: bool = False  # to read the target folder's config
+    # a rehearsal (vllm.rehearsal): random embedding, lm_head and norm rows of the target's
+    # shapes instead of its weights, which a rehearsal does not need on disk
+    random_verifier: bool = False
 
 
 def build_draft(
@@ -62,7 +67,8 @@ def build_draft(
         )
     if seed is not None:
         torch.manual_seed(seed)
-    with warnings.catch_warnings():
+    verifier_weights = _random_verifier(verifier) if spec.random_verifier else _as_stored()
+    with warnings.catch_warnings(), verifier_weights:
         warnings.simplefilter("ignore")
         layer_config = create_transformer_layer_config(
             verifier_name_or_path=target_path,
@@ -87,3 +93,38 @@ def build_draft(
             trust_remote_code=spec.trust_remote_code,
         )
     return model
+
+
+@contextmanager
+def _as_stored() -> Iterator[None]:
+    yield
+
+
+# torch.nn.init's normal std for embeddings when a config gives no initializer_range
+INIT_STD = 0.02
+
+
+@contextmanager
+def _random_verifier(verifier) -> Iterator[None]:
+    """speculators reads the verifier's embed_tokens, lm_head and final norm with
+    speculators.utils.loading.load_model_layers: within this block it gets random rows of the
+    target's shapes [vocab_size, hidden_size] (the norm: ones) instead."""
+    import speculators.utils.loading as loading
+
+    vocab, hidden = int(verifier.vocab_size), int(verifier.hidden_size)
+    std = float(getattr(verifier, "initializer_range", None) or INIT_STD)
+
+    def random_layers(names: list[str], model_path: str) -> dict[str, torch.Tensor]:
+        rows = {
+            "embed_tokens.weight": lambda: torch.randn(vocab, hidden) * std,
+            "lm_head.weight": lambda: torch.randn(vocab, hidden) * std,
+            "model.norm.weight": lambda: torch.ones(hidden),
+        }
+        return {name: rows[name]() for name in names if name in rows}
+
+    stored = loading.load_model_layers
+    loading.load_model_layers = random_layers
+    try:
+        yield
+    finally:
+        loading.load_model_layers = stored

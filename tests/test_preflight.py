@@ -157,6 +157,50 @@ def test_pickle_only_weights_refused(target, tmp_path):
         pf.preflight(path, None, tmp_path, {})
 
 
+def test_weights_without_what_training_reads_refused(target, tmp_path):
+    """A checkpoint whose tensors lack the embeddings (or, untied, the lm_head) that training
+    reads from the target: one line in preflight naming the file and the tensor, not a KeyError
+    in training."""
+    from safetensors.torch import load_file, save_file
+
+    path = copy_target(target, tmp_path / "t")
+    tensors = load_file(path / "model.safetensors")
+    save_file(
+        {k: v for k, v in tensors.items() if "embed_tokens" not in k}, path / "model.safetensors"
+    )
+    with pytest.raises(pf_errors.PreflightError) as err:
+        pf.preflight(path, None, tmp_path, {})
+    (line,) = [p for p in str(err.value).splitlines() if "embed_tokens" in p]
+    assert f"{path}: no tensor named *embed_tokens.weight (nor tok_embeddings.weight" in line
+    assert "copy the complete checkpoint" in line and "vllm.rehearsal: true" in line
+    save_file(
+        {k: v for k, v in tensors.items() if k != "lm_head.weight"}, path / "model.safetensors"
+    )
+    with pytest.raises(pf_errors.PreflightError, match="no tensor named \\*lm_head.weight"):
+        pf.preflight(path, None, tmp_path, {})
+    report = pf.preflight(target, None, tmp_path, {})
+    assert report["weights"] == {"files": 1, "bytes": report["weights"]["bytes"], "checked": True}
+
+
+def test_identity_keeps_to_the_template_traits_of_finished_runs(target, tmp_path):
+    """Traits preflight reports since (the tool-argument form, the stop tokens) leave the identity
+    that keys the store and the training run id as it was."""
+    from eyrie.formats.report import identity
+
+    report = pf.preflight(target, None, tmp_path, {})
+    before = {
+        **report,
+        "chat_template": {
+            k: report["chat_template"][k]
+            for k in ("prefix_stable", "generation_marks", "renders_reasoning", "auto_mode")
+        },
+    }
+    assert set(report["chat_template"]) > set(before["chat_template"])
+    assert identity(report) == identity(before)
+    flipped = {**before, "chat_template": {**before["chat_template"], "auto_mode": "per_turn"}}
+    assert identity(flipped) != identity(before)
+
+
 def test_all_zero_loss_mask_template_refused(target, tmp_path):
     path = copy_target(target, tmp_path / "t")
     # A template that drops assistant turns entirely: nothing for the draft to learn.

@@ -30,7 +30,7 @@ from train_helpers import (
 from vllm_helpers import VLLM_ENVS, need_vllm, real_facts, vllm_env, vllm_settings
 
 from eyrie import cli
-from eyrie.errors import ExportError, ExtractError, ShardError
+from eyrie.errors import ExportError, ExtractError, PreflightError, ShardError
 from eyrie.extract import extractor as extractor_mod
 from eyrie.extract.extract import store_key
 from eyrie.extract.extractor import Extractor, HostBatch
@@ -408,6 +408,34 @@ def test_preflight_checks_a_rehearsal_as_a_real_run_and_marks_it(tmp_path, monke
         report.pop("provenance")
     got[True].pop("rehearsal")
     assert got[True] == got[False]
+
+
+@need_vllm
+def test_a_rehearsal_needs_no_weights(world, tmp_path, monkeypatch):
+    """From a folder with config.json and the tokenizer only (the weights still downloading):
+    preflight says it did not check weights and sizes them from the architecture, training takes
+    random embedding and lm_head rows of the target's shapes; a real run stops in preflight."""
+    import shutil
+
+    monkeypatch.setattr(vp, "installed_facts", lambda check: real_facts()["llama"])
+    bare = tmp_path / "bare"
+    shutil.copytree(world["target"], bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    layers = {"layers": {"aux_ids": [1, 2, 3]}}  # the tiny target has 4 layers
+    report = pf.preflight(bare, None, tmp_path, {**vllm_settings(rehearsal=True), **layers})
+    assert (
+        report["weights"]["checked"] is False
+        and "a rehearsal does not read" in (report["weights"]["note"])
+    )
+    memory = report["vllm"]["memory"]
+    assert "the architecture in config.json" in memory["source"] and memory["bytes"] > 0
+    with pytest.raises(PreflightError, match="no \\*.safetensors weights found"):
+        pf.preflight(bare, None, tmp_path, {**vllm_settings(), **layers})
+    out = tmp_path / "train"
+    settings = rehearsal_settings(train_settings(epochs=1, ttt_steps=K))
+    argv = train_argv(world, [world["rehearsal_shard"]], out, settings)
+    argv[argv.index(str(world["target"]))] = str(bare)
+    assert cli.main(argv) == 0
+    assert json.loads((out / "train" / "train.json").read_text())["rehearsal"] is True
 
 
 # ----------------------------------------------------------------------------- the config

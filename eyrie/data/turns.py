@@ -116,7 +116,11 @@ def turn_of(tpl: ChatTemplate, conv: Conversation, i: int) -> Turn:
         bare = Conversation([*messages[:i], _without(messages[i], *REASONING_KEYS)], tools)
         text = _final_text(tpl, bare, i, prompt)
     if not text.strip():
-        raise RecordError("template_error", f"assistant turn {i} renders no text")
+        raise RecordError(
+            "template_error",
+            f"assistant turn {i} renders no text: the template must write each assistant "
+            "turn's text, or no token of it can carry loss (docs/data.md#the-loss-mask)",
+        )
     reasoning, in_progress = reasoning_of(messages[i]), False
     if reasoning and reasoning not in text:
         progress = _in_progress_text(tpl, conv, i, prompt)

@@ -43,6 +43,12 @@ def read_report(path: str | Path, fingerprint: str | None = None) -> dict:
     return report
 
 
+# the chat template's traits an identity hashes: those preflight reported when identities were
+# first kept (traits added since, such as the tool-argument form, would change every finished
+# run's store keys and training run id)
+IDENTITY_TEMPLATE_TRAITS = ("prefix_stable", "generation_marks", "renders_reasoning", "auto_mode")
+
+
 def identity(report: dict) -> str:
     """sha256 of what in a report determines the outputs made under it: the target as content
     (not where it lies), the layer ids, the chat template, the vLLM version and extraction path,
@@ -50,11 +56,14 @@ def identity(report: dict) -> str:
     those alone)."""
     target = {k: v for k, v in (report.get("target") or {}).items() if k != "path"}
     vllm = report.get("vllm") or {}
+    template = report.get("chat_template")
+    if isinstance(template, dict):  # the traits finished runs' identities hashed, no later ones
+        template = {k: v for k, v in template.items() if k in IDENTITY_TEMPLATE_TRAITS}
     kept = {
         "target": target,
         "aux_layer_ids": report.get("aux_layer_ids"),
         "final_layer_id": report.get("final_layer_id"),
-        "chat_template": report.get("chat_template"),
+        "chat_template": template,
         "vllm": {
             "version": vllm.get("version"),
             "adapter": vllm.get("adapter"),

@@ -50,13 +50,18 @@ class Check:
         self.problems.append(text)
 
 
-def check_weights(path: Path, check: Check) -> None:
+def check_weights(path: Path, check: Check, rehearsal: bool = False, tied: bool = False) -> dict:
     """Safetensors weights, each file as long as its header says (a cut copy fails here, in
-    seconds, instead of when the GPU engine loads it), and every file and tensor the index
-    names present."""
+    seconds, instead of when the GPU engine loads it), every file and tensor the index names
+    present, and the tensors training reads from them (the embeddings, and the lm_head unless
+    `tied`). A rehearsal reads no weights: none there is fine, and said so. Returns what was
+    found, for preflight.json's `weights`."""
     index = path / "model.safetensors.index.json"
     files = sorted(path.glob("*.safetensors"))
+    found = {"files": len(files), "bytes": sum(f.stat().st_size for f in files), "checked": True}
     if not files and not index.is_file():
+        if rehearsal:
+            return {**found, "checked": False, "note": REHEARSAL_WITHOUT_WEIGHTS}
         if list(path.glob("*.bin")) or list(path.glob("*.pt")):
             check.problem(
                 f"{path}: weights are only in pickle files (.bin/.pt), which eyrie does not "
@@ -65,28 +70,55 @@ def check_weights(path: Path, check: Check) -> None:
         else:
             check.problem(
                 f"{path}: no *.safetensors weights found; point target.path at a complete "
-                "Hugging Face model folder"
+                "Hugging Face model folder (or set vllm.rehearsal: true to rehearse without them)"
             )
-        return
-    headers = {}
+        return found
+    headers, problems = {}, len(check.problems)
     for f in files:
         problem = safetensors_problem(f)
         if problem:
             check.problem(f"{problem}; copy the file again from its source")
         else:
             headers[f.name] = safetensors_header(f)[1]
+    weight_map = {t: name for name, header in headers.items() for t in header}
     if index.is_file():
-        _check_index(index, headers, check)
+        weight_map = _check_index(index, headers, check) or weight_map
+    if not rehearsal and len(check.problems) == problems:  # a cut file names itself first
+        _check_training_tensors(index if index.is_file() else path, weight_map, tied, check)
+    return found
 
 
-def _check_index(index: Path, headers: dict, check: Check) -> None:
+REHEARSAL_WITHOUT_WEIGHTS = (
+    "weights not checked: no *.safetensors in the folder, which a rehearsal does not read (its "
+    "engines load random weights, its training random embedding and lm_head rows)"
+)
+
+
+def _check_training_tensors(where: Path, weight_map: dict, tied: bool, check: Check) -> None:
+    """The tensors training reads from the target, found as speculators' loader finds them
+    (a name, or one ending in it, or a known alias: speculators.utils.loading)."""
+    from speculators.utils.loading import _WEIGHT_ALIASES, _resolve_key
+
+    wanted = ["embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
+    for name in wanted:
+        if _resolve_key(name, weight_map) is None:
+            aliases = ", ".join(_WEIGHT_ALIASES.get(name, []))
+            check.problem(
+                f"{where}: no tensor named *{name} (nor {aliases}), which training reads from the "
+                f"target; copy the complete checkpoint (the file that holds it), or rehearse "
+                "without weights (vllm.rehearsal: true)"
+            )
+
+
+def _check_index(index: Path, headers: dict, check: Check) -> dict | None:
+    """The index's weight_map (None when unreadable), its files and tensors checked."""
     try:
         weight_map = json.loads(index.read_text()).get("weight_map")
     except (OSError, ValueError, AttributeError) as exc:
         weight_map = exc
     if not isinstance(weight_map, dict):
         check.problem(f"{index}: no readable weight_map ({weight_map}); copy the file again")
-        return
+        return None
     wanted: dict[str, list[str]] = {}
     for tensor, name in weight_map.items():
         wanted.setdefault(name, []).append(tensor)
@@ -103,6 +135,7 @@ def _check_index(index: Path, headers: dict, check: Check) -> None:
                     f"{index.parent / name}: lacks {len(missing)} tensor(s) the index puts "
                     f"there (first: {missing[0]}); copy the file again from its source"
                 )
+    return weight_map
 
 
 def check_tokenizer(

@@ -92,7 +92,8 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
     trust = loaded["trust_remote_code"]
     info = read_target(target, trust, check)
     aux_ids, final_id = layer_ids(aux_setting, info, check)
-    check_weights(target, check)
+    tied = bool(info.text_config.get("tie_word_embeddings"))
+    weights = check_weights(target, check, rehearsal=is_rehearsal(loaded), tied=tied)
     vllm_report = None
     if vllm_uses(loaded):
         # no path is chosen for layer ids that did not resolve (that problem is reported above)
@@ -122,6 +123,7 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
         "aux_layer_ids": aux_ids,
         "final_layer_id": final_id,
         "storage": storage,
+        "weights": weights,
         "chat_template": template,
         "vllm": vllm_report,
         "warnings": check.warnings,
@@ -178,6 +180,8 @@ def run(args) -> int:
         log.warning("%s", warning)
     if report["vllm"] is not None:
         log.info("preflight ok: %s", vllm_preflight.verdict(report["vllm"]))
+    if not report["weights"]["checked"]:
+        log.info("%s: %s", t["path"], report["weights"]["note"])
     if report.get("rehearsal"):
         log.info(
             "rehearsal: the vLLM engines will run %s with random weights (docs/rehearsal.md)",

@@ -264,6 +264,7 @@ class TrainRecipe:
             norm_before_fc=cfg.norm_before_fc,
             ttt_steps=cfg.ttt_steps,
             attn_impl="simple_flex_attention" if self.cuda else "sdpa",
+            random_verifier=self.rehearsal,  # the target's weights need not be on disk yet
         )
         self.model = build_draft(self.paths.target, spec, d2t, t2d, seed=cfg.seed).to(self.device)
         self.model.train()
