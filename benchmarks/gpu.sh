@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu-wheels.sh                 # where pip reaches an index: fills .whl/
 #   bash benchmarks/gpu.sh [extraction] [extraction_vllm] [read_path] [training]
-#                                                 # on the GPU machine; default: all
+#                          [workflow_rehearsal] [workflow_real]
+#                                                 # on the GPU machine; default: the first four
 #
 # Installs .whl/*.whl (speculators 0.9.0 and what the image lacks) into a private folder when
 # present, then runs each benchmark; each prints its table and writes
@@ -35,7 +36,10 @@ for part in "${parts[@]}"; do
     extraction_vllm) "$PY" benchmarks/extraction_vllm.py --shapes llama8b kimi4 kimi4int4 ;;
     read_path)  "$PY" benchmarks/read_path.py --gb 5 --repeats 3 ;;
     training)   "$PY" benchmarks/training_gpu.py --gpus "$gpus" ;;
-    *) echo "gpu.sh: unknown part '$part' (use extraction, extraction_vllm, read_path or training)" >&2
+    # the workflow through Snakemake (needs VLLM_SITE, an unpacked vLLM pack, and .whl/)
+    workflow_rehearsal) bash benchmarks/workflow_gpu.sh rehearsal ;;
+    workflow_real) bash benchmarks/workflow_gpu.sh real ;;
+    *) echo "gpu.sh: unknown part '$part' (use extraction, extraction_vllm, read_path, training, workflow_rehearsal or workflow_real)" >&2
        exit 2 ;;
   esac 2>&1 | tee "$logs/$part.log"
   echo "== $part took $((SECONDS - t0)) s"

@@ -1,0 +1,214 @@
+"""The workflow through Snakemake on one GPU: each job's time and the GPU memory peak.
+
+    python benchmarks/workflow_gpu.py rehearsal --vllm-python PY [--workdir DIR]
+    python benchmarks/workflow_gpu.py real --vllm-python PY [--workdir DIR]
+
+Run by benchmarks/workflow_gpu.sh (which makes the environment). `rehearsal`: a Kimi-K2.5-shaped
+target (full width, 4 layers, all 384 routed experts in int4 with Kimi-K2.5's own
+quantization_config) given as config.json and the demo tokenizer only, no weights, with
+config/rehearsal.yaml's switch: `snakemake -c all` runs preflight, the vLLM extraction of shard
+000, training, export and the vLLM evaluation. `real`: the larger demo target (quality.py's
+`large` preset) with `extract.backend: vllm` and `eval.vllm: true`; then the same command again,
+which must plan nothing, then shard 000 deleted, which must come back from the output store
+without a model load. Writes benchmarks/results/workflow-<part>-<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))
+
+LARGE = {  # benchmarks/quality.py's `large` preset
+    "num_conversations": 4800,
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 1408,
+    "train_steps": 2000,
+    "batch_size": 16,
+    "seq_len": 256,
+    "learning_rate": 1.0e-3,
+    "device": "cuda",
+}
+
+
+class MemoryPeak:
+    """nvidia-smi's memory.used every 200 ms in a thread; `peak` in MiB."""
+
+    def __init__(self):
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self):
+        while not self._stop.wait(0.2):
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+            ).stdout
+            used = [int(x) for x in out.split() if x.isdigit()]
+            self.peak = max([self.peak, *used])
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+STAMP = re.compile(r"^\s*\[(\w{3} \w{3} +\d+ [\d:]+ \d{4})\]\s*$")
+STARTED = re.compile(r"^\s*(?:local)?rule (\w+):\s*$")
+ENDED = re.compile(r"Finished jobid: \d+ \(Rule: (\w+)\)")
+
+
+def job_times(log: str) -> list[dict]:
+    """(rule, seconds) of each job from Snakemake's output: a job starts at the time stamp above
+    its `rule X:` line and ends at the one above `Finished jobid: N (Rule: X)`."""
+    now, started, out = None, {}, []
+    for line in log.splitlines():
+        if m := STAMP.match(line):
+            now = datetime.strptime(" ".join(m[1].split()), "%a %b %d %H:%M:%S %Y")
+        elif (m := STARTED.match(line)) and now is not None:
+            started.setdefault(m[1], []).append(now)
+        elif (m := ENDED.search(line)) and now is not None and started.get(m[1]):
+            began = started[m[1]].pop(0)
+            out.append({"rule": m[1], "s": (now - began).total_seconds()})
+    return out
+
+
+def snakemake(workdir: Path, config: Path, *args: str) -> tuple[str, float]:
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir)]
+    cmd += [*args, "-c", "all", "--configfile", str(config)]  # --configfile takes what follows
+    began = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    took = time.perf_counter() - began
+    out = proc.stdout + proc.stderr
+    (workdir / f"snakemake-{int(time.time())}.log").write_text(out)
+    if proc.returncode:
+        print(out[-8000:], flush=True)
+        raise SystemExit(f"workflow_gpu: snakemake {' '.join(args)} failed ({proc.returncode})")
+    return out, took
+
+
+def conversations(workdir: Path, n: int) -> Path:
+    out = workdir / "convs.jsonl"
+    if not out.is_file():
+        settings = json.dumps({"demo": {"seed": 0, "num_conversations": n}})
+        run = [sys.executable, "-m", "eyrie.cli", "demo-conversations", "--out", str(out)]
+        subprocess.run([*run, "--settings", settings], check=True)
+    return out
+
+
+def rehearsal_target(workdir: Path, convs: Path) -> Path:
+    """config.json of the Kimi-K2.5-shaped int4 target and the demo tokenizer: no weights."""
+    from vllm_gpu_check import rehearsal_config
+
+    from eyrie.demo.tokenizer import build_chat_tokenizer
+
+    target = workdir / "kimi4int4"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(rehearsal_config("kimi_k25_int4"), indent=1))
+    texts = [m["content"] for line in convs.open() for m in json.loads(line)["messages"]]
+    build_chat_tokenizer(texts, 2048).save_pretrained(target)
+    return target
+
+
+def write_config(workdir: Path, config: dict) -> Path:
+    path = workdir / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def rehearsal(workdir: Path, vllm_python: str) -> dict:
+    convs = conversations(workdir, 2400)
+    target = rehearsal_target(workdir, convs)
+    config = write_config(
+        workdir,
+        {
+            "target": {"name": "kimi4", "path": str(target)},
+            "data": {"conversations": [str(convs)]},
+            "layers": {"aux_ids": [1, 2, 3]},  # 4 layers: the default [2, N//2, N-3] repeats
+            "extract": {"backend": "vllm"},
+            "vllm": {"python": vllm_python, "rehearsal": True, "gpu_memory_gib": 139},
+        },
+    )
+    with MemoryPeak() as mem:
+        out, took = snakemake(workdir, config)
+    return {"run_s": round(took, 1), "jobs": job_times(out), "gpu_memory_peak_mib": mem.peak}
+
+
+def real(workdir: Path, vllm_python: str) -> dict:
+    config = write_config(
+        workdir,
+        {
+            "target": {"name": "large"},
+            "demo": LARGE,
+            "extract": {"backend": "vllm"},
+            "train": {"epochs": 1},
+            "eval": {"vllm": True},
+            "vllm": {"python": vllm_python, "gpu_memory_gib": 139},
+        },
+    )
+    result = {}
+    with MemoryPeak() as mem:
+        out, took = snakemake(workdir, config)
+    result["run"] = {"s": round(took, 1), "jobs": job_times(out), "gpu_memory_peak_mib": mem.peak}
+    out, took = snakemake(workdir, config)
+    result["rerun"] = {"s": round(took, 1), "nothing_to_be_done": "Nothing to be done" in out}
+    shard = workdir / "results/large/hidden/shard_000.h5"
+    shard.unlink()
+    engine_log = workdir / "logs/large/extract_engine/engine_000.log"
+    out, took = snakemake(workdir, config, str(shard.relative_to(workdir)))
+    log = engine_log.read_text()
+    result["deleted_shard"] = {
+        "s": round(took, 1),
+        "jobs": job_times(out),
+        "restored": shard.is_file(),
+        "model_loads": log.count("engine: loaded target"),
+        "engine_log_tail": log[-1500:],
+    }
+    ev = json.loads((workdir / "results/large/eval/eval_vllm.json").read_text())
+    result["eval_vllm"] = {k: ev.get(k) for k in ("acceptance_length", "outputs_equal")}
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", choices=["rehearsal", "real"])
+    parser.add_argument("--vllm-python", required=True, help="vllm.python for the runs")
+    parser.add_argument("--workdir", type=Path, help="default: /tmp/eyrie-workflow-<part>")
+    args = parser.parse_args()
+    workdir = args.workdir or Path(f"/tmp/eyrie-workflow-{args.part}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    gpu = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+    ).stdout.split("\n")[0]
+    result = {"part": args.part, "gpu": gpu, "date": time.strftime("%Y-%m-%d")}
+    result.update((rehearsal if args.part == "rehearsal" else real)(workdir, args.vllm_python))
+    print(json.dumps(result, indent=1), flush=True)
+    name = re.sub(r"\W+", "-", gpu.lower()).strip("-")
+    out = REPO / "benchmarks" / "results" / f"workflow-{args.part}-{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
