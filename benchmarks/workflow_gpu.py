@@ -95,7 +95,7 @@ def job_times(log: str) -> list[dict]:
 
 def snakemake(workdir: Path, config: Path, *args: str) -> tuple[str, float]:
     cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir)]
-    cmd += [*args, "-c", "all", "--configfile", str(config)]  # --configfile takes what follows
+    cmd += [*args, "--rerun-incomplete", "-c", "all", "--configfile", str(config)]
     began = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     took = time.perf_counter() - began
@@ -146,6 +146,7 @@ def rehearsal(workdir: Path, vllm_python: str) -> dict:
             "data": {"conversations": [str(convs)]},
             "layers": {"aux_ids": [1, 2, 3]},  # 4 layers: the default [2, N//2, N-3] repeats
             "extract": {"backend": "vllm"},
+            "train": {"epochs": 1},  # a rehearsal checks that training runs
             "vllm": {"python": vllm_python, "rehearsal": True, "gpu_memory_gib": 139},
         },
     )

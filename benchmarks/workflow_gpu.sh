@@ -16,6 +16,10 @@ cd "$(dirname "$0")/.."
 ENV=${EYRIE_GPU_ENV:-${TMPDIR:-/tmp}/eyrie-gpu-env}
 if [ ! -x "$ENV/bin/eyrie" ]; then
   python3 -m venv --system-site-packages --without-pip "$ENV"
+  # the image's own package folders, wherever its python3 finds them (PYTHONPATH, user site)
+  site=$("$ENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  python3 -c 'import sys; print("\n".join(p for p in sys.path if p.endswith("-packages")))' \
+    > "$site/image.pth"
   pip=(python3 -m pip --python "$ENV/bin/python" install -q --no-index --no-deps --no-compile)
   "${pip[@]}" .whl/*.whl
   "${pip[@]}" --no-build-isolation -e .

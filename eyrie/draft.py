@@ -10,8 +10,8 @@ caller asks for speculators' flex attention (GPU training). docs/training.md.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ import torch
 from transformers import AutoConfig
 
 from eyrie.errors import EyrieError
+from eyrie.formats.draft import random_verifier_weights
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def build_draft(
         )
     if seed is not None:
         torch.manual_seed(seed)
-    verifier_weights = _random_verifier(verifier) if spec.random_verifier else _as_stored()
+    verifier_weights = random_verifier_weights(verifier) if spec.random_verifier else nullcontext()
     with warnings.catch_warnings(), verifier_weights:
         warnings.simplefilter("ignore")
         layer_config = create_transformer_layer_config(
@@ -93,38 +94,3 @@ def build_draft(
             trust_remote_code=spec.trust_remote_code,
         )
     return model
-
-
-@contextmanager
-def _as_stored() -> Iterator[None]:
-    yield
-
-
-# torch.nn.init's normal std for embeddings when a config gives no initializer_range
-INIT_STD = 0.02
-
-
-@contextmanager
-def _random_verifier(verifier) -> Iterator[None]:
-    """speculators reads the verifier's embed_tokens, lm_head and final norm with
-    speculators.utils.loading.load_model_layers: within this block it gets random rows of the
-    target's shapes [vocab_size, hidden_size] (the norm: ones) instead."""
-    import speculators.utils.loading as loading
-
-    vocab, hidden = int(verifier.vocab_size), int(verifier.hidden_size)
-    std = float(getattr(verifier, "initializer_range", None) or INIT_STD)
-
-    def random_layers(names: list[str], model_path: str) -> dict[str, torch.Tensor]:
-        rows = {
-            "embed_tokens.weight": lambda: torch.randn(vocab, hidden) * std,
-            "lm_head.weight": lambda: torch.randn(vocab, hidden) * std,
-            "model.norm.weight": lambda: torch.ones(hidden),
-        }
-        return {name: rows[name]() for name in names if name in rows}
-
-    stored = loading.load_model_layers
-    loading.load_model_layers = random_layers
-    try:
-        yield
-    finally:
-        loading.load_model_layers = stored

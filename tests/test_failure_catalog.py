@@ -11,6 +11,7 @@ inspection code (eyrie.vllm.facts.inspect_classes) as vLLM's own classes.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import math
 import re
@@ -30,9 +31,11 @@ from vllm_helpers import (
     LLAMA,
     NO_VLLM,
     REPO,
+    VLLM_ENVS,
     VLLM_PYTHON,
     need_vllm,
     real_facts,
+    vllm_env,
     vllm_settings,
     write_target,
 )
@@ -47,8 +50,8 @@ from eyrie.preflight import preflight as pf
 from eyrie.train.export import export
 from eyrie.vllm.adapters import engine_environment, llama_4_scaling
 from eyrie.vllm.evaluate_vllm import check_draft_config
-from eyrie.vllm.facts import inspect_classes
-from eyrie.vllm.preflight_checks import VllmTarget, vllm_checks
+from eyrie.vllm.facts import VllmFacts, inspect_classes
+from eyrie.vllm.preflight_checks import VllmTarget, facts_for, vllm_checks
 
 # entry -> where it is caught. "preflight": eyrie preflight (CPU, before every GPU job); the
 # others are CPU stages that refuse in their first seconds.
@@ -80,6 +83,8 @@ CATALOG = {
     "model_runner_v2_default": "engine start",
     "draft_without_explicit_aux_ids": "vLLM evaluation stage",
     "quantization_package_missing": "preflight",
+    "quantization_config_unparsable": "preflight",
+    "config_unreadable_by_vllm": "preflight",
 }
 # entries whose test lives in another file: entry -> (file, test)
 ELSEWHERE = {
@@ -92,6 +97,45 @@ SETUP_FIX = "bash scripts/setup-vllm.sh"
 ADAPTER_FIX = "update the adapter in eyrie/arch/registry.py"
 H200 = {"tensor_parallel_size": 8, "gpu_memory_gib": 141}
 KIMI_INT4_GIB = 595  # Kimi-K2.5's published weights (INT4 experts), as stored
+# Kimi-K2.5's published quantization_config (text_config's: compressed-tensors, int4 experts)
+KIMI_INT4 = json.loads((REPO / "tests" / "configs" / "kimi-k2.5-quantization.json").read_text())
+GROUP_0 = KIMI_INT4["config_groups"]["group_0"]
+# an abbreviated copy, as in a user's rehearsal: a config_groups entry without targets
+NO_TARGETS = {
+    **KIMI_INT4,
+    "config_groups": {"group_0": {k: v for k, v in GROUP_0.items() if k != "targets"}},
+}
+
+
+def kimi_quantized(quantization: dict) -> dict:
+    return {
+        **KIMI_K25,
+        "text_config": {**KIMI_K25["text_config"], "quantization_config": quantization},
+    }
+
+
+# configs that vLLM's own config classes parse in the gatherer (eyrie.vllm.facts.parse_config)
+PARSED = {
+    "kimi_int4": kimi_quantized(KIMI_INT4),
+    "kimi_no_targets": kimi_quantized(NO_TARGETS),
+    # a top-level quantization_config, and a second group without targets
+    "llama_no_targets": {
+        **LLAMA,
+        "quantization_config": {
+            **NO_TARGETS,
+            "config_groups": {**NO_TARGETS["config_groups"], "group_1": GROUP_0, "group_2": {}},
+        },
+    },
+    # yarn rope scaling without its factor
+    "llama_yarn": {**LLAMA, "rope_scaling": {"rope_type": "yarn"}},
+}
+
+
+@functools.cache
+def parsed_facts(version: str) -> dict[str, VllmFacts]:
+    """The real facts of vLLM `version` for every PARSED config (one gatherer run)."""
+    got = facts_for(vllm_env(version), list(PARSED.values()))
+    return {name: VllmFacts.from_json(g) for name, g in zip(PARSED, got)}
 
 
 @pytest.fixture(scope="module")
@@ -477,9 +521,9 @@ def test_all_zero_loss_mask(tmp_path):
     pf_checks.check_tokenizer(tmp_path, False, check)
     assert len(check.problems) == 2  # both sample conversations
     assert check.problems[0] == (
-        f"{tmp_path}: chat template yields an all-zero assistant loss mask "
-        "on sample conversation 0; the template must render assistant "
-        "turns so their text can be located (docs/data.md#the-loss-mask)"
+        f"{tmp_path}: chat template fails on sample conversation 0: template_error: assistant "
+        "turn 1 renders no text: the template must write each assistant turn's text, or no "
+        "token of it can carry loss (docs/data.md#the-loss-mask)"
     )
 
 
@@ -585,6 +629,60 @@ def test_quantization_without_method(facts, tmp_path):
         "quant_method": None,
         "where": "text_config.quantization_config",
     }
+
+
+@pytest.mark.parametrize("version", sorted(VLLM_ENVS))
+def test_quantization_config_unparsable(version, tmp_path):
+    # vLLM's CompressedTensorsConfig.from_config reads every config_groups entry's targets: the
+    # abbreviated config failed in the GPU job (KeyError: 'targets'); the gatherer parses it with
+    # the installed vLLM's own class on the CPU
+    facts = parsed_facts(version)
+    published = facts["kimi_int4"].quantization_parse
+    assert published["ok"] is True and published["class"] == "CompressedTensorsConfig"
+    kimi = {"weights_gib": KIMI_INT4_GIB, **H200}
+    got = run_checks(tmp_path / "published", PARSED["kimi_int4"], facts["kimi_int4"], **kimi)
+    assert got["problems"] == [] and got["report"]["quantization"]["parse"]["ok"] is True
+    fix = (
+        "as the checkpoint's publisher ships them (copy quantization_config from the original "
+        "config.json)"
+    )
+    got = run_checks(tmp_path / "no", PARSED["kimi_no_targets"], facts["kimi_no_targets"], **kimi)
+    assert got["problems"] == [
+        "config.json: text_config.quantization_config.config_groups.group_0: "
+        f"vLLM {version}'s CompressedTensorsConfig.from_config fails: KeyError: 'targets'; "
+        f"give every config_groups entry the keys vLLM reads (group_0 lacks 'targets') {fix}"
+    ]
+    got = run_checks(tmp_path / "llama", PARSED["llama_no_targets"], facts["llama_no_targets"])
+    assert one(got["problems"], "from_config") == (
+        "config.json: quantization_config.config_groups: "
+        f"vLLM {version}'s CompressedTensorsConfig.from_config fails: KeyError: 'targets'; "
+        f"give every config_groups entry the keys vLLM reads (group_0, group_2 lack 'targets') "
+        f"{fix}"
+    )
+    # a parse of another config is not used
+    got = run_checks(tmp_path / "other", PARSED["kimi_no_targets"], facts["kimi_int4"], **kimi)
+    assert got["problems"] == [] and "parse" not in got["report"]["quantization"]
+
+
+@pytest.mark.parametrize("version", sorted(VLLM_ENVS))
+def test_config_unreadable_by_vllm(version, tmp_path):
+    # vLLM's ModelConfig (its HF config, architecture, quantization method, context length)
+    # raises at engine start: the gatherer builds it from config.json on the CPU
+    facts = parsed_facts(version)
+    assert facts["kimi_int4"].config_parse["ok"] is True
+    got = run_checks(tmp_path / "yarn", PARSED["llama_yarn"], facts["llama_yarn"])
+    problem = one(got["problems"], "ModelConfig")
+    assert problem.startswith(
+        f"{tmp_path / 'yarn' / 'target' / 'config.json'}: rope_scaling: vLLM {version} cannot "
+        "read it (vllm.config.ModelConfig fails: KeyError: "
+    )
+    assert "{'factor'}" in problem and problem.endswith(
+        "; write rope_scaling as the model's publisher ships it (copy it from the original "
+        "config.json)"
+    )
+    assert len(got["problems"]) == 1
+    # the same facts for a config they were not gathered for say nothing
+    assert run_checks(tmp_path / "llama", LLAMA, facts["llama_yarn"])["problems"] == []
 
 
 def test_vllm_environment_missing(tmp_path):

@@ -160,12 +160,15 @@ def test_golden_mask_sharegpt_multi_turn(tok):
 
 
 def test_conversation_opening_with_assistant(tok):
+    """An assistant turn with no message before it answers no prompt a server renders: it is
+    context for the turns after it, not trained (as SpecForge and speculators treat it)."""
     messages = to_messages(openai(("assistant", A1), ("user", Q1), ("assistant", A2)))
     ids, mask = render_with_mask(tok, messages)
-    assert [tok.decode(ids[a:b]) for a, b in runs(mask)] == [A1 + "<|end|>", A2 + "<|end|>"]
-    assert prompt_ids(tok, messages) == tok.encode(
-        "<|bos|><|start|>assistant\n", add_special_tokens=False
-    )
+    assert [tok.decode(ids[a:b]) for a, b in runs(mask)] == [A2 + "<|end|>"]
+    assert A1 in tok.decode(ids)
+    assert tok.decode(prompt_ids(tok, messages)).endswith(f"{Q1}<|end|>\n<|start|>assistant\n")
+    with pytest.raises(RecordError, match="answers no prompt"):
+        to_messages(openai(("assistant", A1), ("user", Q1)))
 
 
 def test_prompt_ids_is_prefix_before_first_assistant(tok):

@@ -10,6 +10,7 @@ import logging
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,9 +94,33 @@ def test_weight_bytes_from_files_then_config(tmp_path):
     assert w["bytes"] == 2**29 and "1 *.safetensors" in w["source"] and not w["upper_bound"]
     (folder / "model.safetensors").unlink()
     w = vp.weight_bytes(folder, LLAMA)
-    assert w["bytes"] == vp.count_parameters(LLAMA) * 2 and "parameter count" in w["source"]
-    quantized = {**LLAMA, "quantization_config": {"quant_method": "fp8"}}
-    assert vp.weight_bytes(folder, quantized)["upper_bound"] is True
+    assert w["bytes"] == vp.count_parameters(LLAMA) * 2 and "architecture" in w["source"]
+    fp8 = {**LLAMA, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    sized = vp.weight_bytes(folder, fp8)
+    assert not sized["upper_bound"] and sized["bytes"] < vp.count_parameters(LLAMA) * 2
+    unknown = {**LLAMA, "quantization_config": {"quant_method": "someday"}}
+    assert vp.weight_bytes(folder, unknown)["upper_bound"] is True
+
+
+def test_weights_sized_from_the_architecture_and_its_quantization(tmp_path):
+    """Kimi-K2.5 as published: 1.03 T parameters, routed experts in int4 (group 32, bf16 scales),
+    the rest bf16: its 64 files hold 595 GB (554 GiB). Files holding under a tenth of that are a
+    copy in progress: the estimate is used and said so."""
+    config = json.loads(json.dumps(KIMI_K25))
+    quant = json.loads(
+        (Path(__file__).parent / "configs" / "kimi-k2.5-quantization.json").read_text()
+    )
+    config["text_config"]["quantization_config"] = quant
+    folder = write_target(tmp_path / "kimi", config)
+    w = vp.weight_bytes(folder, config)
+    assert 540 < w["bytes"] / vp.GIB < 570 and "compressed-tensors at 4.5 bits" in w["source"]
+    bf16 = vp.weight_bytes(folder, KIMI_K25)["bytes"]
+    assert 1900 < bf16 / vp.GIB < 1930
+    write_target(folder, config, weights_gib=20)  # 20 of 554 GiB downloaded (< 10%)
+    v = {"tensor_parallel_size": 8, "gpu_memory_gib": 140, "gpu_memory_utilization": 0.85}
+    est, problems, warnings = vp.memory_check(folder, config, v)
+    assert problems == [] and est["fits"] and 65 < est["weights_per_gpu_gib"] < 72
+    assert len(warnings) == 1 and "hold 20.0 GiB of the ~55" in warnings[0]
 
 
 def test_memory_budget_and_headroom(tmp_path):

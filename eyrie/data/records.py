@@ -119,9 +119,15 @@ class Conversation:
         text = json.dumps([self.messages, self.tools], sort_keys=True, ensure_ascii=False)
         return hashlib.sha256(text.encode()).hexdigest()
 
+    def first_turn(self) -> int:
+        """The index of the first assistant turn a model generates: one with a message before
+        it (an assistant turn that opens the conversation has no prompt: it is context)."""
+        return next(i for i, m in enumerate(self.messages) if m["role"] == "assistant" and i > 0)
+
     def prompt_key(self) -> str:
-        """Hash of what precedes the first assistant turn (the prompt an evaluation decodes)."""
-        first = next(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
+        """Hash of what precedes the first trained assistant turn (the prompt an evaluation
+        decodes)."""
+        first = self.first_turn()
         text = json.dumps([self.messages[:first], self.tools], sort_keys=True, ensure_ascii=False)
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -264,8 +270,12 @@ def to_conversation(obj: object, non_text: str = "drop") -> Conversation:
         message, lost = _message(turn, i, fm, non_text == "keep_text")
         messages.append(message)
         dropped += lost
-    if not any(m["role"] == "assistant" for m in messages):
-        raise RecordError("no_assistant_turn", f"roles are {[m['role'] for m in messages]}")
+    if not any(m["role"] == "assistant" for m in messages[1:]):
+        raise RecordError(
+            "no_assistant_turn",
+            f"roles are {[m['role'] for m in messages]} (an assistant turn that opens the "
+            "conversation answers no prompt)",
+        )
     tools = obj.get("tools")
     if isinstance(tools, str):  # datasets often keep the tool definitions as JSON text
         try:

@@ -338,12 +338,8 @@ def conversation_samples(tpl: ChatTemplate, conv: Conversation, mode: str) -> tu
     """(samples, the mode that made them, turn counts) of one conversation under `mode`."""
     if mode == "generation":
         return [generation_sample(tpl, conv)], "generation", {}
-    # a turn with no message before it has no prompt a server renders: context only
-    indices = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant" and i > 0]
-    if not indices:
-        raise RecordError(
-            "no_assistant_turn", "the only assistant turn opens the conversation (no prompt)"
-        )
+    first = conv.first_turn()  # a turn with no message before it has no prompt: context only
+    indices = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant" and i >= first]
     turns = [turn_of(tpl, conv, i) for i in indices]
     samples = turn_samples(turns)
     if mode == "prefix" and len(samples) > 1:
@@ -411,11 +407,12 @@ def render_with_mask(template, messages: list[dict]) -> tuple[list[int], list[in
 
 
 def prompt_ids(template, conv: Conversation | list[dict]) -> list[int]:
-    """The messages before the first assistant turn, rendered with the generation prompt."""
+    """The messages before the first trained assistant turn, rendered with the generation
+    prompt."""
     tpl = as_template(template)
     if not isinstance(conv, Conversation):
         conv = Conversation(conv)
-    first = next(i for i, m in enumerate(conv.messages) if m["role"] == "assistant")
+    first = conv.first_turn()
     text = tpl.render(conv.messages[:first], add_generation_prompt=True, tools=conv.tools)
     return list(tpl.tokenizer.encode(text, add_special_tokens=False))
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -156,3 +158,34 @@ def validate_export(folder: Path, reference, ttt_steps: int, expect_config: dict
             f"{folder}: the draft loaded by speculators gives different {differ} "
             "than the trained draft; the export is not written"
         )
+
+
+# torch.nn.init's normal std for embeddings when a config gives no initializer_range
+INIT_STD = 0.02
+
+
+@contextmanager
+def random_verifier_weights(verifier) -> Iterator[None]:
+    """A rehearsal's stand-in for the target's weights, which it need not have on disk:
+    speculators reads the verifier's embed_tokens, lm_head and final norm with
+    speculators.utils.loading.load_model_layers; within this block that gives random rows of
+    `verifier`'s (a text config's) shapes [vocab_size, hidden_size] (the norm: ones) instead."""
+    import speculators.utils.loading as loading
+
+    vocab, hidden = int(verifier.vocab_size), int(verifier.hidden_size)
+    std = float(getattr(verifier, "initializer_range", None) or INIT_STD)
+
+    def random_layers(names: list[str], model_path: str) -> dict[str, torch.Tensor]:
+        rows = {
+            "embed_tokens.weight": lambda: torch.randn(vocab, hidden) * std,
+            "lm_head.weight": lambda: torch.randn(vocab, hidden) * std,
+            "model.norm.weight": lambda: torch.ones(hidden),
+        }
+        return {name: rows[name]() for name in names if name in rows}
+
+    stored = loading.load_model_layers
+    loading.load_model_layers = random_layers
+    try:
+        yield
+    finally:
+        loading.load_model_layers = stored

@@ -23,6 +23,7 @@ from eyrie.formats.draft import (
     UNSERVABLE_FLAGS,
     expected_tensors,
     load_draft,
+    random_verifier_weights,
     validate_export,
 )
 from eyrie.formats.versions import DraftVersions
@@ -149,6 +150,26 @@ def export(
     trained = read_trained(train_dir)
     rehearsal = check_rehearsal(trained, is_rehearsal(settings))
     have_fp = check_target(trained, target)
+    # a rehearsal's target may have no weights yet: random verifier rows of its shapes
+    with _verifier_weights(target, rehearsal):
+        return _export(
+            trained, (target, train_dir, out_dir), K, settings, rehearsal, have_fp, manifest
+        )
+
+
+def _verifier_weights(target: Path, rehearsal: bool):
+    from contextlib import nullcontext
+
+    from transformers import AutoConfig
+
+    if not rehearsal:
+        return nullcontext()
+    config = AutoConfig.from_pretrained(str(target))
+    return random_verifier_weights(getattr(config, "text_config", None) or config)
+
+
+def _export(trained, paths, K, settings, rehearsal, have_fp, manifest) -> dict:
+    target, train_dir, out_dir = paths
     reference = load_draft(trained.draft_dir, verifier=target)
     architectures = configure(reference, target, K)
     expect = expected_config(reference, trained, target, K, architectures)

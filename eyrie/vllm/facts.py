@@ -2,18 +2,23 @@
 
 `gather_facts` imports vLLM and fills a `VllmFacts` (JSON-serialisable) that eyrie.vllm.checks
 compares with the target's adapter (eyrie.arch.registry). The inspectors work on any class, so
-tests run them on classes built to mimic a vLLM release. See docs/vllm.md.
+tests run them on classes built to mimic a vLLM release. `parse_config` reads the target's
+config.json with vLLM's own config classes, so what they would raise at engine start is found on
+the CPU. See docs/vllm.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import json
 import re
 import typing
 from dataclasses import asdict, dataclass, field
 
 from eyrie.arch.registry import VllmAdapter, adapter_for
+from eyrie.arch.target import fingerprint
 from eyrie.errors import VllmAdapterError
 from eyrie.vllm import probe, quantization
 from eyrie.vllm.adapters import (
@@ -68,6 +73,14 @@ class VllmFacts:
     eagle3_default_layers: str | None = None
     # the packages the target's quantization method imports (eyrie.vllm.quantization)
     quantization_packages: dict | None = None
+    # the config read by vLLM's own classes (parse_config): {"ok": True | False | None (not
+    # parsed), "error": "ExcType: message", "how": ..., "parsed": fingerprint of the config};
+    # None: not read (facts from before the field)
+    config_parse: dict | None = None
+    # its quantization_config parsed by the method's config class, the same keys (and "where",
+    # "quant_method", "method", "class": eyrie.vllm.quantization.parse_quantization; "parsed":
+    # fingerprint of the quantization_config); None: not quantized or not read
+    quantization_parse: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -129,9 +142,8 @@ def inspect_helpers(module) -> tuple[dict[str, bool], dict[str, list[str] | None
 def gather_facts(config: dict) -> VllmFacts:
     """Import the installed vLLM and read what it offers for this target config (CPU only).
 
-    Reads only `architectures` and the model_type (text_config's for wrappers) from the config:
-    eyrie.vllm.preflight_checks.facts_config sends just those and caches on them (update it when
-    this reads more)."""
+    Reads the whole config: vLLM's own config classes parse it (parse_config), so
+    eyrie.vllm.preflight_checks.facts_for sends all of it and caches on it."""
     import vllm
 
     text = config.get("text_config") or config
@@ -160,7 +172,71 @@ def gather_facts(config: dict) -> VllmFacts:
     facts.native_chunked_prefill, _ = probe.chunked_prefill_with_connector()
     facts.native_hybrid, facts.native_hybrid_how = probe.hybrid_groups()
     facts.quantization_packages = quantization.required_packages(config)
+    facts.config_parse, facts.quantization_parse = parse_config(config)
     return facts
+
+
+# what vLLM's ModelConfig is given here: no tokenizer, as eyrie's engines run it
+# (eyrie.vllm.backend), and no code from the checkpoint (preflight runs none)
+MODEL_CONFIG_ARGS = {"skip_tokenizer_init": True, "trust_remote_code": False}
+
+
+def parse_config(config: dict) -> tuple[dict, dict | None]:
+    """(config_parse, quantization_parse): the config read as vLLM reads it at engine start,
+    on a CPU: vllm.config.ModelConfig on a folder holding only this config.json (the HF config,
+    architecture, quantization method, context length, dtype), then the quantization_config
+    through the method's class (eyrie.vllm.quantization.parse_quantization). What these raise,
+    vLLM raises in the GPU job; here it is found before any. A config that needs the
+    checkpoint's own code is not parsed (`ok` None): preflight runs none."""
+    import tempfile
+    from pathlib import Path
+
+    from vllm.config import ModelConfig
+
+    params = inspect.signature(ModelConfig).parameters
+    kwargs = {k: v for k, v in MODEL_CONFIG_ARGS.items() if k in params}
+    if config.get("text_config") and "language_model_only" in params:
+        kwargs["language_model_only"] = True  # as the engines run wrappers (adapters.text_only)
+    how = f"vllm.config.ModelConfig(model=<config.json's folder>, {_args(kwargs)})"
+    model_config, parse = None, {"ok": True, "error": None, "how": how}
+    with tempfile.TemporaryDirectory(prefix="eyrie-vllm-config-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        try:
+            with _inspect_in_process():
+                model_config = ModelConfig(model=tmp, tokenizer=tmp, **kwargs)
+        except Exception as exc:  # what vLLM raises at engine start is what preflight reports
+            error = quantization.one_line(exc).replace(f"{tmp}/", "").replace(tmp, "<target>")
+            remote = "trust_remote_code" in error
+            parse = {"ok": None if remote else False, "error": error, "how": how}
+            if remote:
+                parse["how"] += ": the config needs the checkpoint's own code, not run here"
+        quant = quantization.parse_quantization(config, model_config)
+    parse["parsed"] = fingerprint(config)  # the check uses a parse of this very config only
+    if quant is not None:
+        quant["parsed"] = fingerprint(quantization.quantization_config(config)[1])
+    return parse, quant
+
+
+@contextlib.contextmanager
+def _inspect_in_process():
+    """ModelConfig inspects the architecture's class in a fresh Python process (another
+    `import vllm`) unless vLLM's cache holds it for this exact vLLM; gather_facts has imported
+    the class already, so it is inspected in this process instead (same function, same result)."""
+    from vllm.model_executor.models import registry
+
+    original = getattr(registry, "_run_in_subprocess", None)
+    if original is None:  # another vLLM layout: leave it as it is
+        yield
+        return
+    registry._run_in_subprocess = lambda fn: fn()
+    try:
+        yield
+    finally:
+        registry._run_in_subprocess = original
+
+
+def _args(kwargs: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
 
 
 def _read_adapter_classes(facts: VllmFacts, adapter: VllmAdapter) -> None:

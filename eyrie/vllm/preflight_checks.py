@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyrie.arch.registry import adapter_for
-from eyrie.arch.target import TargetInfo, read_config
+from eyrie.arch.target import TargetInfo, fingerprint, read_config
 from eyrie.errors import VllmAdapterError
 from eyrie.settings import vllm_uses
 from eyrie.vllm.adapters import SUPPORTED_VLLM, TESTED_VLLM
@@ -32,7 +33,7 @@ from eyrie.vllm.checks import (
     version_warnings,
 )
 from eyrie.vllm.facts import VllmFacts
-from eyrie.vllm.quantization import missing_packages
+from eyrie.vllm.quantization import missing_packages, parse_problem
 
 FACTS_TIMEOUT_S = 120.0  # far above what `import vllm` takes on a small machine: past it, it hangs
 
@@ -126,32 +127,14 @@ def run_gatherer(python: Path, configs: list[dict], timeout: float = FACTS_TIMEO
     return out
 
 
-def facts_config(config: dict) -> dict:
-    """What eyrie.vllm.facts.gather_facts reads from a config.json: architectures, the model
-    types and the quantization_config (text_config's for wrappers; eyrie.vllm.quantization reads
-    its quant_method). Sending only these makes config variants share facts."""
-    out = {
-        "model_type": config.get("model_type"),
-        "architectures": config.get("architectures") or [],
-    }
-    if config.get("quantization_config"):
-        out["quantization_config"] = config["quantization_config"]
-    text = config.get("text_config")
-    if text:
-        out["text_config"] = {"model_type": text.get("model_type")}
-        if text.get("quantization_config"):
-            out["text_config"]["quantization_config"] = text["quantization_config"]
-    return out
-
-
 def facts_for(python: Path, configs: list[dict], timeout: float = FACTS_TIMEOUT_S) -> list[dict]:
-    """Facts (JSON objects) for each config from the environment of `python`, cached per process:
-    configs asked for before are not asked again, the others in ONE subprocess."""
-    small = [facts_config(c) for c in configs]
-    keys = [(str(python), json.dumps(c, sort_keys=True)) for c in small]
+    """Facts (JSON objects) for each config from the environment of `python`, cached per process
+    and config: configs asked for before are not asked again, the others in ONE subprocess. The
+    whole config.json goes: vLLM's own config classes parse it there (facts.parse_config)."""
+    keys = [(str(python), json.dumps(c, sort_keys=True)) for c in configs]
     todo = sorted({k: i for i, k in enumerate(keys) if k not in _FACTS_CACHE}.values())
     if todo:
-        for i, got in zip(todo, run_gatherer(python, [small[i] for i in todo], timeout)):
+        for i, got in zip(todo, run_gatherer(python, [configs[i] for i in todo], timeout)):
             _FACTS_CACHE[keys[i]] = got
     return [dict(_FACTS_CACHE[k]) for k in keys]
 
@@ -169,10 +152,10 @@ def _moe_layers(text: dict, num_layers: int) -> int:
     )
 
 
-def count_parameters(text: dict) -> int:
-    """Parameters of the language model described by a config (text_config for wrappers):
-    embeddings, attention (MLA when kv_lora_rank is set), dense or expert MLPs. Biases and norms
-    are left out (< 0.1%); vision towers of multimodal wrappers too."""
+def parameter_groups(text: dict) -> dict[str, int]:
+    """Parameters of the language model described by a config (text_config for wrappers), by
+    group: embeddings, lm_head, attention (MLA when kv_lora_rank is set), dense MLPs, routed and
+    shared experts, routers. Biases and norms are left out (< 0.1%); vision towers too."""
     H, L, V = text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]
     nh = text["num_attention_heads"]
     nkv = text.get("num_key_value_heads") or nh
@@ -187,50 +170,150 @@ def count_parameters(text: dict) -> int:
     experts = (
         text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts")
     )
-    dense_mlp = 3 * H * text["intermediate_size"]
     moe = _moe_layers(text, L) if experts else 0
-    if experts:
-        size = text.get("moe_intermediate_size") or text["intermediate_size"]
-        shared = int(text.get("n_shared_experts") or 0)
-        moe_mlp = (experts + shared) * 3 * H * size + H * experts  # + router
-    else:
-        moe_mlp = 0
-    embed = V * H * (1 if text.get("tie_word_embeddings") else 2)
-    return embed + L * attn + moe * moe_mlp + (L - moe) * dense_mlp
+    size = (text.get("moe_intermediate_size") or text["intermediate_size"]) if experts else 0
+    shared = int(text.get("n_shared_experts") or 0)
+    return {
+        "embed_tokens": V * H,
+        "lm_head": 0 if text.get("tie_word_embeddings") else V * H,
+        "attention": L * attn,
+        "dense_mlp": (L - moe) * 3 * H * text["intermediate_size"],
+        "experts": moe * (experts or 0) * 3 * H * size,
+        "shared_experts": moe * shared * 3 * H * size,
+        "router": moe * H * (experts or 0),
+    }
 
 
-def weight_bytes(target: Path, config: dict) -> dict:
-    """Bytes of the weights vLLM loads: the *.safetensors files as stored (quantized ones included),
-    or, when the folder has none, the parameter count from config.json x the dtype's bytes."""
-    files = sorted(Path(target).glob("*.safetensors"))
-    if files:
-        return {
-            "bytes": sum(f.stat().st_size for f in files),
-            "source": f"{len(files)} *.safetensors file(s) in {target}",
-            "upper_bound": False,
-        }
+def count_parameters(text: dict) -> int:
+    """All parameters of parameter_groups."""
+    return sum(parameter_groups(text).values())
+
+
+# a module of each group of Linear layers as checkpoints name them: a quantization config's
+# ignore list (names, or "re:" patterns matched from the start) is tested against these
+GROUP_MODULES = {
+    "lm_head": "lm_head",
+    "attention": "model.layers.3.self_attn.o_proj",
+    "dense_mlp": "model.layers.0.mlp.down_proj",
+    "experts": "model.layers.3.mlp.experts.0.down_proj",
+    "shared_experts": "model.layers.3.mlp.shared_experts.down_proj",
+}
+
+
+def quantized_bits(q: dict) -> tuple[float, list[str]] | None:
+    """Bits per parameter of a checkpoint's quantized Linear weights (their scales included) and
+    the modules left unquantized; None for a method this does not know."""
+    method = q.get("quant_method")
+    if method == "compressed-tensors":
+        group = next(iter((q.get("config_groups") or {}).values()), None) or {}
+        weights = group.get("weights") or {}
+        bits, size = weights.get("num_bits"), weights.get("group_size")
+        if not isinstance(bits, int):
+            return None
+        return bits + (16 / size if size else 0), list(q.get("ignore") or [])
+    if method == "fp8":
+        block = q.get("weight_block_size") or [128, 128]
+        skip = q.get("ignored_layers") or q.get("modules_to_not_convert") or []
+        return 8 + 32 / (block[0] * block[1]), list(skip)
+    if method in ("awq", "gptq", "awq_marlin", "gptq_marlin"):
+        bits, size = q.get("bits") or q.get("w_bit"), q.get("group_size") or q.get("q_group_size")
+        if not isinstance(bits, int):
+            return None
+        return bits + (16 + bits) / size if size else bits, list(
+            q.get("modules_to_not_convert") or []
+        )
+    return None
+
+
+def _ignored(module: str, patterns: list[str]) -> bool:
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], module):
+                return True
+        elif module == pattern or module.endswith("." + pattern):
+            return True
+    return False
+
+
+def architecture_bytes(config: dict) -> dict:
+    """The weights' bytes from the architecture: parameters x bytes per parameter, quantized
+    Linear groups at their quantization's bits (the ignore list's groups and the rest at the
+    checkpoint dtype); `upper_bound` when the quantization method is unknown."""
     text = config.get("text_config") or config
     dtype = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16"
     per = DTYPE_BYTES.get(str(dtype), 2)
-    try:
-        params = count_parameters(text)
-    except (KeyError, TypeError) as exc:
-        return {
-            "bytes": None,
-            "upper_bound": True,
-            "source": f"no *.safetensors in {target} and config.json lacks {exc} to count "
-            "parameters",
-        }
-    quantized = bool(text.get("quantization_config") or config.get("quantization_config"))
-    bound = "; the checkpoint is quantized, so this is an upper bound" if quantized else ""
+    groups = parameter_groups(text)
+    q = text.get("quantization_config") or config.get("quantization_config")
+    quant = quantized_bits(q) if isinstance(q, dict) else None
+    total = 0.0
+    for group, n in groups.items():
+        module = GROUP_MODULES.get(group)
+        if quant is not None and module is not None and not _ignored(module, quant[1]):
+            total += n * quant[0] / 8
+        else:
+            total += n * per
+    params = sum(groups.values())
+    how = f"{params / 1e9:.2f} B parameters, {dtype}"
+    if quant is not None:
+        how += f", {q['quant_method']} at {quant[0]:g} bits"
+    elif q:
+        how += f"; quantized ({q.get('quant_method')}), so this is an upper bound"
     return {
-        "bytes": params * per,
+        "bytes": int(total),
         "parameters": params,
-        "dtype": dtype,
-        "upper_bound": quantized,
-        "source": f"parameter count from config.json ({params / 1e9:.2f} B x {per} bytes, "
-        f"{dtype}{bound})",
+        "how": how,
+        "upper_bound": bool(q) and not quant,
     }
+
+
+# the *.safetensors' bytes against the architecture's: below PARTIAL_SHARE they are taken for a
+# copy in progress (the architecture's figure is used); below COMPLETE_SHARE they are used, with a
+# warning (a partial copy, or a quantization config.json does not declare)
+PARTIAL_SHARE, COMPLETE_SHARE = 0.1, 0.5
+
+
+def weight_bytes(target: Path, config: dict) -> dict:
+    """Bytes of the weights vLLM loads: the *.safetensors files as stored, or, with no files (a
+    rehearsal while the weights download) or far fewer bytes than the architecture needs, the
+    architecture's own figure (architecture_bytes). `mismatch`: a warning when the two disagree."""
+    files = sorted(Path(target).glob("*.safetensors"))
+    stored = sum(f.stat().st_size for f in files)
+    try:
+        arch = architecture_bytes(config)
+    except (KeyError, TypeError) as exc:
+        if not files:
+            return {
+                "bytes": None,
+                "upper_bound": True,
+                "source": f"no *.safetensors in {target} and config.json lacks {exc} to count "
+                "parameters",
+            }
+        arch = None
+    share = stored / arch["bytes"] if arch and arch["bytes"] else 1.0
+    if files and share >= PARTIAL_SHARE:
+        out = {
+            "bytes": stored,
+            "source": f"{len(files)} *.safetensors file(s) in {target}",
+            "upper_bound": False,
+        }
+    else:
+        out = {
+            "bytes": arch["bytes"],
+            "parameters": arch["parameters"],
+            "upper_bound": arch["upper_bound"],
+            "source": f"the architecture in config.json ({arch['how']})",
+        }
+    if arch is not None:
+        out["architecture_bytes"] = arch["bytes"]
+    if files and share < COMPLETE_SHARE and not arch["upper_bound"]:
+        used = "the architecture's" if share < PARTIAL_SHARE else "the files'"
+        out["mismatch"] = (
+            f"{target}: its *.safetensors hold {stored / GIB:.1f} GiB of the "
+            f"~{arch['bytes'] / GIB:.1f} GiB the architecture in config.json needs "
+            f"({arch['how']}): a copy in progress, or a quantization config.json does not "
+            f"declare; the memory check uses {used} figure"
+        )
+    return out
 
 
 def memory_check(
@@ -249,19 +332,21 @@ def memory_check(
             [],
             [f"weight memory not estimated: {w['source']}"],
         )
+    notes = [w["mismatch"]] if w.get("mismatch") else []
     need = max(1, math.ceil(w["bytes"] / (WEIGHT_FRACTION * gib * util * GIB)))
     if info is not None:  # None: no tensor_parallel_size the attention heads allow is enough
         need = next((t for t in range(need, need + 4096) if not parallel_problems(info, t)), None)
     est = {
         **w,
         "weights_gib": round(w["bytes"] / GIB, 3),
+        "weights_per_gpu_gib": round(w["bytes"] / tp / GIB, 3),
         "budget_gib": round(budget / GIB, 3),
         "weight_fraction": WEIGHT_FRACTION,
         "fits": w["bytes"] <= allowed,
         "min_tensor_parallel_size": need,
     }
     if est["fits"]:
-        return est, [], []
+        return est, [], notes
     text = (
         f"{target}: the weights need ~{w['bytes'] / GIB:.1f} GiB ({w['source']}) but "
         f"vllm.tensor_parallel_size={tp} x vllm.gpu_memory_gib={gib:g} x "
@@ -276,7 +361,7 @@ def memory_check(
             "memory (vllm.gpu_memory_gib)"
         )
     )
-    return (est, [], [text]) if w["upper_bound"] else (est, [text], [])
+    return (est, [], [*notes, text]) if w["upper_bound"] else (est, [text], notes)
 
 
 def parallel_problems(info: TargetInfo, tp: int) -> list[str]:
@@ -306,8 +391,9 @@ def quantization_check(
 ) -> tuple[dict | None, list[str], list[str]]:
     """(what the report says about quantization, problems, warnings). A problem only for what
     vLLM cannot load: a quantization_config without quant_method (vLLM reads
-    quant_cfg["quant_method"]), or a package the method imports on a GPU that the vLLM environment
-    cannot import (eyrie.vllm.quantization; `report["packages"]`)."""
+    quant_cfg["quant_method"]), one the method's config class cannot parse (its from_config, run
+    by the gatherer: facts.quantization_parse), or a package the method imports on a GPU that
+    the vLLM environment cannot import (eyrie.vllm.quantization; `report["packages"]`)."""
     text = config.get("text_config") or {}
     where, q = (
         ("config.json: text_config.quantization_config", text["quantization_config"])
@@ -343,19 +429,25 @@ def quantization_check(
                 "recognises the checkpoint"
             ],
         )
+    parse = getattr(facts, "quantization_parse", None)
+    if parse and parse.get("parsed") == fingerprint(q):  # else facts of another config
+        report["parse"] = parse
+    problems = []
+    if "parse" in report and parse["ok"] is False:
+        problems.append(parse_problem(parse, q, facts.version))
     if packages is None:
-        return report, [], []
+        return report, problems, []
     key = f"{where}.quant_method={method!r}"
     if packages.get("modules") is None:
         return (
             report,
-            [],
+            problems,
             [
                 f"{key}: the packages vLLM {facts.version} imports for it are unknown "
                 f"({packages.get('how')}); a missing one fails only on the GPU"
             ],
         )
-    return report, missing_packages(key, packages, facts.version), []
+    return report, problems + missing_packages(key, packages, facts.version), []
 
 
 @dataclass(frozen=True)
@@ -461,6 +553,53 @@ def check_facts(check: VllmCheck, facts: VllmFacts) -> None:
             "EAGLE-3 target (no set_aux_hidden_state_layers, so the draft gets no "
             "hidden states); set eval.vllm: false or use a vLLM that supports it"
         )
+    if facts.architecture_class is not None:  # else reported above, and vLLM fails on it
+        check.problems += config_parse_problems(check, facts)
+
+
+# names vLLM's messages use for a config.json key of another name (transformers 5 reads
+# rope_scaling as rope_parameters)
+KEY_ALIASES = {"rope_parameters": "rope_scaling"}
+
+
+def config_parse_problems(check: VllmCheck, facts: VllmFacts) -> list[str]:
+    """One problem when vLLM's ModelConfig cannot read the config (facts.config_parse, run by
+    the gatherer on this config.json): what vLLM raises at engine start, naming the key when the
+    message does."""
+    parse = getattr(facts, "config_parse", None)
+    if (
+        not parse
+        or parse.get("ok") is not False
+        or parse.get("parsed") != fingerprint(check.config)
+    ):
+        return []
+    key = named_key(check.config, parse["error"])
+    fails = f"vLLM {facts.version} cannot read it (vllm.config.ModelConfig fails: {parse['error']})"
+    if key is None:
+        return [
+            f"{check.target / 'config.json'}: {fails}; compare it with the original "
+            "checkpoint's config.json and restore what differs"
+        ]
+    return [
+        f"{check.target / 'config.json'}: {key}: {fails}; write {key} as the model's publisher "
+        "ships it (copy it from the original config.json)"
+    ]
+
+
+def named_key(config: dict, message: str) -> str | None:
+    """The config.json key (text_config.<key> for wrappers) an error message names, if any: the
+    longest key name among its words, text_config's first."""
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", message))
+    words |= {KEY_ALIASES[w] for w in words if w in KEY_ALIASES}
+    text = config.get("text_config")
+    scopes = [("text_config.", text)] if isinstance(text, dict) else []
+    hits = [
+        (len(k), prefix == "text_config.", prefix + k)
+        for prefix, keys in scopes + [("", config)]
+        for k in keys
+        if k in words and k != "text_config"
+    ]
+    return max(hits)[2] if hits else None
 
 
 PATH_RETURNS = {
@@ -532,5 +671,7 @@ def verdict(report: dict) -> str:
         text += "; evaluation through vLLM"
     mem = report.get("memory") or {}
     if mem.get("bytes") is not None:
-        text += f"; weights ~{mem['weights_gib']:.1f} GiB of {mem['budget_gib']:.1f} GiB"
+        per_gpu = report.get("tensor_parallel_size", 1) > 1
+        per_gpu = f" (~{mem['weights_per_gpu_gib']:.1f} GiB per GPU)" if per_gpu else ""
+        text += f"; weights ~{mem['weights_gib']:.1f} GiB{per_gpu} of {mem['budget_gib']:.1f} GiB"
     return text
