@@ -162,6 +162,8 @@ def validate_export(folder: Path, reference, ttt_steps: int, expect_config: dict
 
 # torch.nn.init's normal std for embeddings when a config gives no initializer_range
 INIT_STD = 0.02
+RANDOM_VERIFIER_SEED = 0
+ROW_ORDER = ("embed_tokens.weight", "lm_head.weight", "model.norm.weight")  # drawn in this order
 
 
 @contextmanager
@@ -176,12 +178,14 @@ def random_verifier_weights(verifier) -> Iterator[None]:
     std = float(getattr(verifier, "initializer_range", None) or INIT_STD)
 
     def random_layers(names: list[str], model_path: str) -> dict[str, torch.Tensor]:
+        # the same rows at every load (training, export, its check): one stand-in target
+        g = torch.Generator().manual_seed(RANDOM_VERIFIER_SEED)
         rows = {
-            "embed_tokens.weight": lambda: torch.randn(vocab, hidden) * std,
-            "lm_head.weight": lambda: torch.randn(vocab, hidden) * std,
+            "embed_tokens.weight": lambda: torch.randn(vocab, hidden, generator=g) * std,
+            "lm_head.weight": lambda: torch.randn(vocab, hidden, generator=g) * std,
             "model.norm.weight": lambda: torch.ones(hidden),
         }
-        return {name: rows[name]() for name in names if name in rows}
+        return {name: rows[name]() for name in ROW_ORDER if name in names}
 
     stored = loading.load_model_layers
     loading.load_model_layers = random_layers
