@@ -273,6 +273,20 @@ def test_store_restores_by_link_and_prunes_oldest_first(tmp_path, capsys):
     assert store.entries() == []
 
 
+def test_a_damaged_entry_is_never_restored(tmp_path, caplog):
+    """An output is a hard link to its store entry: a truncated output cuts the entry too. The
+    entry's recorded sizes catch it: it is removed and the stage computes the output again."""
+    store = Store(tmp_path / "store")
+    out = tmp_path / "out.h5"
+    out.write_bytes(b"states of a shard")
+    store.put("hidden", "ab" * 32, {"shard.h5": out}, {"why": "test"})
+    os.truncate(out, 6)  # a disk error, or `truncate`, on the output
+    with caplog.at_level("WARNING"):
+        assert not store.restore("hidden", "ab" * 32, {"shard.h5": out})
+    assert "is damaged (shard.h5 holds 6 bytes, 17 when stored)" in caplog.text
+    assert store.entries() == []
+
+
 def test_a_missing_target_folder_is_one_line_at_parse_time(tmp_path):
     write_config(tmp_path, target__path=str(tmp_path / "no such model"))
     (tmp_path / "convs.jsonl").touch()

@@ -87,6 +87,11 @@ class Store:
         entry = self.entry(kind, k)
         if not (entry / ENTRY).is_file() or not all((entry / n).is_file() for n in outputs):
             return False
+        damage = _damage(entry, outputs)
+        if damage:  # an output is a link to its entry: truncating one cut both
+            log.warning("store: %s is damaged (%s): removed; computing the output", entry, damage)
+            shutil.rmtree(entry, ignore_errors=True)
+            return False
         try:
             for name, dest in outputs.items():
                 dest = Path(dest)
@@ -160,3 +165,17 @@ class Store:
         """Remove an entry (entry.json first: a half-removed entry is never restored)."""
         (entry.path / ENTRY).unlink(missing_ok=True)
         shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _damage(entry: Path, names) -> str | None:
+    """Why an entry's files are not what was stored (their sizes against entry.json's), or
+    None; an entry.json that cannot be read is damage too."""
+    try:
+        recorded = json.loads((entry / ENTRY).read_text()).get("files") or {}
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"{ENTRY} unreadable: {exc}"
+    for name in names:
+        size, want = os.stat(entry / name).st_size, recorded.get(name)
+        if want is not None and size != want:
+            return f"{name} holds {size:,} bytes, {want:,} when stored"
+    return None
