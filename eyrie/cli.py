@@ -73,15 +73,29 @@ def os_error_line(exc: BaseException, args: argparse.Namespace) -> str | None:
     """One line for an OSError in OS_FIXES: the path (the output, not its temporary; the
     stage's output when the error names none, as a write that fills the disk), what happened
     and the fix; None for any other exception."""
-    if not isinstance(exc, OSError) or exc.errno not in OS_FIXES:
+    number, filename, what = _os_error(exc)
+    if number not in OS_FIXES:
         return None
-    if isinstance(exc.filename, (str, bytes, os.PathLike)):
-        path = TEMPORARY.sub(r"\1\2", os.fsdecode(exc.filename))
+    if isinstance(filename, (str, bytes, os.PathLike)):
+        path = TEMPORARY.sub(r"\1\2", os.fsdecode(filename))
     else:
         out = getattr(args, "out", None) or getattr(args, "out_dir", None)
         path = f"writing {out}" if out else "writing an output"
-    what = exc.strerror or os.strerror(exc.errno)
-    return f"{path}: {what}; {OS_FIXES[exc.errno]}"
+    return f"{path}: {what or os.strerror(number)}; {OS_FIXES[number]}"
+
+
+# safetensors raises its own type for a failed write, the errno only in its message
+OS_ERROR_IN_MESSAGE = re.compile(r"\(os error (\d+)\)")
+
+
+def _os_error(exc: BaseException) -> tuple[int | None, object, str | None]:
+    """(errno, filename, strerror) of an OSError, or of safetensors' SafetensorError."""
+    if isinstance(exc, OSError):
+        return exc.errno, exc.filename, exc.strerror
+    found = OS_ERROR_IN_MESSAGE.search(str(exc))
+    if type(exc).__name__ == "SafetensorError" and found:
+        return int(found[1]), None, None
+    return None, None, None
 
 
 def build_parser(stage: str | None = None) -> argparse.ArgumentParser:

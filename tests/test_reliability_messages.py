@@ -323,6 +323,21 @@ def test_quota_and_not_permitted_name_the_path_and_the_fix():
     assert cli.os_error_line(FileNotFoundError(errno.ENOENT, "gone", "x"), args) is None  # a bug
 
 
+def test_a_full_disk_under_safetensors_is_one_line():
+    """safetensors raises its own type, the errno only in its message: as a checkpoint of a
+    Kimi-sized draft filled an H200 machine's disk (2026-12-04)."""
+    from safetensors import SafetensorError
+
+    full = SafetensorError(
+        "Error while serializing: I/O error: No space left on device (os error 28)"
+    )
+    assert cli.os_error_line(full, Namespace(out_dir="results/k/train")) == (
+        "writing results/k/train: No space left on device; free space on that disk, or run the "
+        "workflow where there is room (snakemake -d)"
+    )
+    assert cli.os_error_line(SafetensorError("header too large"), Namespace()) is None
+
+
 # ----------------------------------------------------------------------------- the tokenizer
 
 
