@@ -47,9 +47,20 @@ CONVERSATIONS = config["data"]["conversations"] or (
     [f"resources/{NAME}/conversations.jsonl"] if DEMO else []
 )
 if not CONVERSATIONS:
-    raise ValueError(
-        "data.conversations: empty; list your conversation files (.jsonl/.json/.parquet)"
+    sys.exit(
+        "eyrie config: error: data.conversations: empty; list your conversation files "
+        "(.jsonl/.json/.parquet)"
     )
+# Every input path, at each parse: Snakemake runs no job whose outputs exist, so a misspelt path
+# in a finished run would pass silently (and a setting changed with it would train on old data).
+_given = [("data.conversations", p) for p in config["data"]["conversations"]]
+_given += [("eval.prompts", config["eval"]["prompts"])] if config["eval"]["prompts"] else []
+for _key, _path in _given:
+    if not os.path.exists(_path):
+        sys.exit(
+            f"eyrie config: error: {_key}: {_path} not found (from {os.getcwd()}); fix the "
+            "path, or give it relative to the working directory (snakemake -d)"
+        )
 SHARDS = [f"{i:03d}" for i in range(config["data"]["num_shards"])]
 # The shards training reads: a rehearsal extracts and trains on shard 000 alone (one engine).
 TRAIN_SHARDS = SHARDS[:1] if REHEARSAL else SHARDS

@@ -268,6 +268,29 @@ def test_edited_conversations_rerun_everything_downstream(built):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ({"data__conversations": ["convs.jsonl", "conv.jsonl"]}, "data.conversations"),
+        ({"eval__prompts": "question.jsnol"}, "eval.prompts"),
+    ],
+)
+def test_a_misspelt_input_after_a_finished_run_is_one_line(built, tmp_path, override, key):
+    """Snakemake runs no job whose outputs exist: a path that does not exist would pass as
+    "Nothing to be done". Every input path is checked at each parse instead."""
+    config = write_config(tmp_path, **override)
+    cmd = [*SNAKEMAKE, "-d", str(built), "--configfile", str(config), "-n"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    missing = next(iter(override.values()))
+    missing = missing[-1] if isinstance(missing, list) else missing
+    assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("eyrie")] == [
+        f"eyrie config: error: {key}: {missing} not found (from {built}); fix the path, or "
+        "give it relative to the working directory (snakemake -d)"
+    ]
+
+
+@pytest.mark.slow
 def test_deleted_shard_rebuilds_alone_with_its_engine(built):
     shard = built / "results/tiny/hidden/shard_000.h5"
     saved = shard.with_suffix(".saved")
