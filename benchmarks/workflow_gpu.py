@@ -146,7 +146,7 @@ def rehearsal(workdir: Path, vllm_python: str) -> dict:
             "data": {"conversations": [str(convs)]},
             "layers": {"aux_ids": [1, 2, 3]},  # 4 layers: the default [2, N//2, N-3] repeats
             "extract": {"backend": "vllm"},
-            "train": {"epochs": 1},  # a rehearsal checks that training runs
+            "train": {"epochs": 1, "checkpoint_every": 1000},  # it checks that training runs
             "vllm": {"python": vllm_python, "rehearsal": True, "gpu_memory_gib": 139},
         },
     )
