@@ -31,20 +31,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
 
-LARGE = {  # benchmarks/quality.py's `large` preset
-    "num_conversations": 4800,
-    "vocab_size": 4096,
-    "hidden_size": 512,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "intermediate_size": 1408,
-    "train_steps": 2000,
-    "batch_size": 16,
-    "seq_len": 256,
-    "learning_rate": 1.0e-3,
-    "device": "cuda",
-}
+from quality import PRESETS  # noqa: E402
+
+LARGE = PRESETS["large"]["demo"]  # the larger demo target of quality.py --preset large
 
 
 class MemoryPeak:

@@ -72,10 +72,6 @@ class Masked:
     mode: str  # the mode that made them: prefix | per_turn | generation
     counts: dict = field(default_factory=dict)  # TURN_COUNTS
 
-    @property
-    def reasoning_not_rendered(self) -> int:
-        return self.counts.get("reasoning_not_rendered", 0)
-
 
 # per record, summed in report.json's masks.turns
 TURN_COUNTS = (
@@ -194,7 +190,8 @@ def _in_progress_text(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str
         return head[: head.index(SENTINEL)] + tail[tail.index(SENTINEL) + 1 :]
 
     bare = _without(message, *REASONING_KEYS)
-    if composed(bare) is None or composed(bare) != final(bare):
+    without = composed(bare)
+    if without is None or without != final(bare):
         return None
     return composed(message)
 
