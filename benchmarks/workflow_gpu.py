@@ -1,7 +1,7 @@
 """The workflow through Snakemake on one GPU: each job's time and the GPU memory peak.
 
-    python benchmarks/workflow_gpu.py rehearsal --vllm-python PY [--workdir DIR]
-    python benchmarks/workflow_gpu.py real --vllm-python PY [--workdir DIR]
+    python benchmarks/workflow_gpu.py rehearsal --vllm-python PY [--workdir DIR] [--until RULE]
+    python benchmarks/workflow_gpu.py real --vllm-python PY [--workdir DIR] [--until RULE]
 
 Run by benchmarks/workflow_gpu.sh (which makes the environment). `rehearsal`: a Kimi-K2.5-shaped
 target (full width, 4 layers, all 384 routed experts in int4 with Kimi-K2.5's own
@@ -10,14 +10,19 @@ config/rehearsal.yaml's switch: `snakemake -c all` runs preflight, the vLLM extr
 000, training, export and the vLLM evaluation. `real`: the larger demo target (quality.py's
 `large` preset) with `extract.backend: vllm` and `eval.vllm: true`; then the same command again,
 which must plan nothing, then shard 000 deleted, which must come back from the output store
-without a model load. Writes benchmarks/results/workflow-<part>-<gpu>.json.
+without a model load. Writes benchmarks/results/workflow-<part>-<gpu>.json. `--until RULE` stops
+the run after that rule (Snakemake's --until) so that a machine whose calls are cut at 10 minutes
+runs a part in two calls on one work folder: the second call finishes the run, and the JSON holds
+both calls' jobs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -89,7 +94,10 @@ def snakemake(workdir: Path, config: Path, *args: str) -> tuple[str, float]:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     took = time.perf_counter() - began
     out = proc.stdout + proc.stderr
-    (workdir / f"snakemake-{int(time.time())}.log").write_text(out)
+    log = workdir / f"snakemake-{int(time.time())}.log"
+    log.write_text(out)
+    if os.environ.get("OUT"):  # a folder the GPU machine's caller brings back
+        shutil.copy(log, os.environ["OUT"])
     if proc.returncode:
         print(out[-8000:], flush=True)
         raise SystemExit(f"workflow_gpu: snakemake {' '.join(args)} failed ({proc.returncode})")
@@ -125,7 +133,32 @@ def write_config(workdir: Path, config: dict) -> Path:
     return path
 
 
-def rehearsal(workdir: Path, vllm_python: str) -> dict:
+def run_jobs(workdir: Path, config: Path, until: str | None) -> dict:
+    """One `snakemake -c all` (to `until` if given) under the memory poll; the jobs of earlier
+    calls on this work folder (runs.json) come first."""
+    done = workdir / "runs.json"
+    runs = json.loads(done.read_text()) if done.is_file() else []
+    with MemoryPeak() as mem:
+        out, took = snakemake(workdir, config, *(["--until", until] if until else []))
+    runs.append(
+        {
+            "until": until,
+            "s": round(took, 1),
+            "jobs": job_times(out),
+            "gpu_memory_peak_mib": mem.peak,
+        }
+    )
+    done.write_text(json.dumps(runs, indent=1))
+    return {
+        "s": round(sum(r["s"] for r in runs), 1),
+        "jobs": [job for r in runs for job in r["jobs"]],
+        "gpu_memory_peak_mib": max(r["gpu_memory_peak_mib"] for r in runs),
+        "calls": len(runs),
+        "finished": until is None,
+    }
+
+
+def rehearsal(workdir: Path, vllm_python: str, until: str | None) -> dict:
     convs = conversations(workdir, 2400)
     target = rehearsal_target(workdir, convs)
     config = write_config(
@@ -139,12 +172,10 @@ def rehearsal(workdir: Path, vllm_python: str) -> dict:
             "vllm": {"python": vllm_python, "rehearsal": True, "gpu_memory_gib": 139},
         },
     )
-    with MemoryPeak() as mem:
-        out, took = snakemake(workdir, config)
-    return {"run_s": round(took, 1), "jobs": job_times(out), "gpu_memory_peak_mib": mem.peak}
+    return {"run": run_jobs(workdir, config, until)}
 
 
-def real(workdir: Path, vllm_python: str) -> dict:
+def real(workdir: Path, vllm_python: str, until: str | None) -> dict:
     config = write_config(
         workdir,
         {
@@ -156,10 +187,9 @@ def real(workdir: Path, vllm_python: str) -> dict:
             "vllm": {"python": vllm_python, "gpu_memory_gib": 139},
         },
     )
-    result = {}
-    with MemoryPeak() as mem:
-        out, took = snakemake(workdir, config)
-    result["run"] = {"s": round(took, 1), "jobs": job_times(out), "gpu_memory_peak_mib": mem.peak}
+    result = {"run": run_jobs(workdir, config, until)}
+    if until:
+        return result
     out, took = snakemake(workdir, config)
     result["rerun"] = {"s": round(took, 1), "nothing_to_be_done": "Nothing to be done" in out}
     shard = workdir / "results/large/hidden/shard_000.h5"
@@ -184,6 +214,7 @@ def main() -> int:
     parser.add_argument("part", choices=["rehearsal", "real"])
     parser.add_argument("--vllm-python", required=True, help="vllm.python for the runs")
     parser.add_argument("--workdir", type=Path, help="default: /tmp/eyrie-workflow-<part>")
+    parser.add_argument("--until", help="stop after this rule; a later call finishes the run")
     args = parser.parse_args()
     workdir = args.workdir or Path(f"/tmp/eyrie-workflow-{args.part}")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -191,12 +222,16 @@ def main() -> int:
         ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
     ).stdout.split("\n")[0]
     result = {"part": args.part, "gpu": gpu, "date": time.strftime("%Y-%m-%d")}
-    result.update((rehearsal if args.part == "rehearsal" else real)(workdir, args.vllm_python))
+    result.update(
+        (rehearsal if args.part == "rehearsal" else real)(workdir, args.vllm_python, args.until)
+    )
     print(json.dumps(result, indent=1), flush=True)
     name = re.sub(r"\W+", "-", gpu.lower()).strip("-")
     out = REPO / "benchmarks" / "results" / f"workflow-{args.part}-{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
+    if os.environ.get("OUT"):
+        shutil.copy(out, os.environ["OUT"])
     return 0
 
 
