@@ -155,7 +155,17 @@ def run_jobs(workdir: Path, config: Path, until: str | None) -> dict:
         "gpu_memory_peak_mib": max(r["gpu_memory_peak_mib"] for r in runs),
         "calls": len(runs),
         "finished": until is None,
+        "eval_vllm": eval_vllm(workdir),
     }
+
+
+def eval_vllm(workdir: Path) -> dict | None:
+    """The vLLM evaluation's acceptance length and output check, once written."""
+    found = sorted(workdir.glob("results/*/eval/eval_vllm.json"))
+    if not found:
+        return None
+    ev = json.loads(found[0].read_text())
+    return {k: ev.get(k) for k in ("acceptance_length", "outputs_equal", "num_prompts")}
 
 
 def rehearsal(workdir: Path, vllm_python: str, until: str | None) -> dict:
@@ -193,7 +203,7 @@ def real(workdir: Path, vllm_python: str, until: str | None) -> dict:
     out, took = snakemake(workdir, config)
     result["rerun"] = {"s": round(took, 1), "nothing_to_be_done": "Nothing to be done" in out}
     shard = workdir / "results/large/hidden/shard_000.h5"
-    shard.unlink()
+    shard.unlink(missing_ok=True)  # already gone where an earlier call was cut here
     engine_log = workdir / "logs/large/extract_engine/engine_000.log"
     out, took = snakemake(workdir, config, str(shard.relative_to(workdir)))
     log = engine_log.read_text()
@@ -204,8 +214,6 @@ def real(workdir: Path, vllm_python: str, until: str | None) -> dict:
         "model_loads": log.count("engine: loaded target"),
         "engine_log_tail": log[-1500:],
     }
-    ev = json.loads((workdir / "results/large/eval/eval_vllm.json").read_text())
-    result["eval_vllm"] = {k: ev.get(k) for k in ("acceptance_length", "outputs_equal")}
     return result
 
 
