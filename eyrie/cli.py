@@ -137,6 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         # One clear line (plus detail lines, when the error carries several): no traceback.
         print(f"eyrie {args.stage}: error: {describe(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the frames of wherever it landed
+        print(
+            f"eyrie {args.stage}: error: interrupted (Ctrl-C); nothing it was writing looks "
+            "complete, and the next snakemake run resumes",
+            file=sys.stderr,
+        )
+        return 130
     except Exception as exc:  # noqa: BLE001 - a bug or an environment failure: type + traceback
         line = os_error_line(exc, args)
         if line:

@@ -16,6 +16,10 @@ from typing import TextIO
 # What eyrie.cli prints: "eyrie <stage>: error: ..." (an EyrieError, an OSError the user fixes)
 # or, in a logging line, "eyrie <stage>: unexpected <Type>: ..." (a bug: its traceback follows).
 ERROR_LINE = re.compile(r"eyrie [a-z-]+: (?:error|unexpected \w+): .*")
+# What bash or sh print when a command cannot start (a missing vllm.python, a script without +x).
+SHELL_ERROR = re.compile(
+    r"^(?:/bin/)?(?:ba)?sh: .*(?:No such file or directory|command not found|Permission denied)$"
+)
 TAIL_BYTES = 256 * 1024  # the error is printed last; a traceback after it fits many times over
 
 
@@ -49,6 +53,18 @@ def error_line(log: str | Path) -> str | None:
     return None
 
 
+def last_line(log: str | Path, limit: int = 300) -> str | None:
+    """The last non-empty line of `log` (at most `limit` characters), or None."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    lines = [line.strip() for line in lines if line.strip()]
+    return lines[-1][:limit] if lines else None
+
+
 def failure_lines(jobs: Iterable[tuple[str, list[str]]]) -> list[str]:
     """One line per failed job, given as (rule, its log files): the rule, eyrie's error and the
     log; a job whose logs hold no eyrie error says so and points at Snakemake's message."""
@@ -59,7 +75,15 @@ def failure_lines(jobs: Iterable[tuple[str, list[str]]]) -> list[str]:
             out += [f"failed rule {rule}: {line} (log: {log})" for log, line in found]
         elif logs:
             missing = [log for log in logs if not Path(log).is_file()]
+            ends = [line for log in logs if (line := last_line(log))]
+            if ends and SHELL_ERROR.search(ends[-1]):  # the command never started
+                out.append(
+                    f"failed rule {rule}: the shell could not run its command: {ends[-1]} "
+                    f"(log: {', '.join(logs)}); fix the path it names"
+                )
+                continue
             what = f"{', '.join(missing)} not written" if missing else "no eyrie error in it"
+            what += f" (it ends: {ends[-1]})" if ends else ""
             out.append(
                 f"failed rule {rule}: {what} (log: {', '.join(logs)}); Snakemake's message "
                 "above says why (e.g. killed, out of memory or time, outputs missing)"

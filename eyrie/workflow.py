@@ -115,7 +115,12 @@ TABLE = (
         other="true: regenerate_responses jobs, whose files tokenize_conversations reads",
     ),
     Row("regenerate.num_shards", REGENERATE, other="one regenerate_responses job per shard"),
-    Row("regenerate.backend", REGENERATE, other="the job's environment and GPUs"),
+    Row(
+        "regenerate.backend",
+        REGENERATE,
+        ("preflight_regenerate?vllm_regenerate",),
+        other="the job's environment and GPUs",
+    ),
     Row("regenerate.device", REGENERATE, other="regenerate_responses's gpu resource"),
     *(
         Row(f"regenerate.{name}", REGENERATE)
@@ -184,7 +189,7 @@ TABLE = (
     Row("eval.vllm", read=VLLM_READ, other="`all` asks for eval_vllm.json"),
     Row(
         "vllm.python",
-        read=(*VLLM_READ, *ENGINE_READ, *VLLM_REGENERATE),
+        read=(*VLLM_READ, *ENGINE_READ, *VLLM_REGENERATE, "preflight_regenerate?vllm_regenerate"),
         other="evaluate_vllm compares it as params.python (another environment: another vLLM)",
     ),
     Row(

@@ -23,7 +23,14 @@ rule preflight:
 
 # The same target checks before regeneration (no tokenize report exists yet): the regenerate jobs
 # load the target, so a broken target fails here in seconds. They take it as ancient() input:
-# a rerun of this check (layers.aux_ids changed) reruns no regeneration.
+# a rerun of this check (layers.aux_ids changed) reruns no regeneration. With
+# regenerate.backend: vllm it also runs the vLLM environment (--runtime; only then in the text).
+_REGENERATE_RUNTIME = runtime_settings(config, "preflight_regenerate")
+PREFLIGHT_REGENERATE_RUNTIME = (
+    f" --runtime {shlex.quote(settings_json(_REGENERATE_RUNTIME))}" if _REGENERATE_RUNTIME else ""
+)
+
+
 rule preflight_regenerate:
     input:
         target=TARGET_FILES,
@@ -36,4 +43,4 @@ rule preflight_regenerate:
         target=target_dir,
     shell:
         "eyrie --threads {threads} preflight --target {params.target} --out {output}"
-        " --settings {params.settings:q} > {log} 2>&1"
+        " --settings {params.settings:q}{PREFLIGHT_REGENERATE_RUNTIME} > {log} 2>&1"

@@ -92,6 +92,7 @@ KEPT_LINTS = {
     # Read at run time but not compared: a change of the vLLM environment or GPU memory must
     # rerun nothing (params are compared by the rerun trigger).
     ("preflight", OUTSIDE.format("PREFLIGHT_RUNTIME")): "runtime only",
+    ("preflight_regenerate", OUTSIDE.format("PREFLIGHT_REGENERATE_RUNTIME")): "runtime only",
     ("extract_hidden_states", OUTSIDE.format("config")): "engine_wait_s: runtime only",
     ("evaluate_vllm", OUTSIDE.format("config")): "gpu_memory_utilization: runtime only",
     # The engine is a service: any params of its own would plan it without its shard jobs

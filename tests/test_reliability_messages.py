@@ -96,6 +96,7 @@ def test_failure_lines_give_each_jobs_eyrie_error_and_log(tmp_path):
             "Traceback (most recent call last):\n  File \"a.py\", line 1, in f\nKeyError: 'x'\n"
         ),
         "killed": "step 10 loss 1.5\nstep 20 loss 1.2\n",
+        "shell": "bash: line 1: /no/venv/bin/python: No such file or directory\n",
     }
     for name, text in logs.items():
         (tmp_path / f"{name}.log").write_text(text)
@@ -108,8 +109,12 @@ def test_failure_lines_give_each_jobs_eyrie_error_and_log(tmp_path):
         "/m: no *.safetensors weights found; point target.path at a model folder (+1 more in "
         f"the log) (log: {tmp_path}/several.log)",
         f"failed rule bug: eyrie train: unexpected KeyError: 'x' (log: {tmp_path}/bug.log)",
-        f"failed rule killed: no eyrie error in it (log: {tmp_path}/killed.log); Snakemake's "
-        "message above says why (e.g. killed, out of memory or time, outputs missing)",
+        f"failed rule killed: no eyrie error in it (it ends: step 20 loss 1.2) (log: "
+        f"{tmp_path}/killed.log); Snakemake's message above says why (e.g. killed, out of "
+        "memory or time, outputs missing)",
+        "failed rule shell: the shell could not run its command: bash: line 1: "
+        f"/no/venv/bin/python: No such file or directory (log: {tmp_path}/shell.log); fix the "
+        "path it names",
         f"failed rule extract_hidden_states: {tmp_path}/never.log not written (log: "
         f"{tmp_path}/never.log); Snakemake's message above says why (e.g. killed, out of "
         "memory or time, outputs missing)",
@@ -196,6 +201,16 @@ def test_invalid_yaml_names_file_line_and_column(tmp_path, capsys):
         "(while scanning for the next token); fix the syntax there (indent with spaces, never "
         "tabs; close every bracket and quote)"
     )
+
+
+def test_an_empty_aux_ids_list_says_what_to_give():
+    with pytest.raises(ConfigError) as err:
+        validate_config({**TINY, "layers": {"aux_ids": []}})
+    assert str(err.value).splitlines()[1:] == [
+        "  layers.aux_ids: [] is not allowed; give the target layers whose hidden states the "
+        "draft reads, as a list of integers (EAGLE-3 reads 3, e.g. [2, 16, 29]), or leave the key "
+        "out for the default [2, N//2, N-3] of an N-layer target"
+    ]
 
 
 def test_short_packs_warn_at_parse_time_naming_both_keys(capsys):
@@ -365,3 +380,95 @@ def test_tokenizer_files_found_by_pattern_or_left_to_trusted_code(tmp_path):
     assert tokenizer_files_problem(folder, trust_remote_code=True) is None
     (folder / "tiktoken.model").write_bytes(b"")  # Kimi-K2's tiktoken ranks
     assert tokenizer_files_problem(folder) is None
+
+
+def test_a_config_json_that_is_not_json_is_named_not_the_tokenizer(tmp_path):
+    from train_helpers import save_chat_target
+
+    folder = save_chat_target(tmp_path / "model", ["hello there, how are you?"] * 10)
+    (folder / "config.json").write_text('{"model_type": "llama",')
+    with pytest.raises(Exception) as err:
+        load_chat_tokenizer(folder)
+    message = str(err.value)
+    assert message.startswith(f"{folder / 'config.json'}: not valid JSON (")
+    assert message.endswith("; re-save the model's config")
+    assert "trust_remote_code" not in message and "tokenizer" not in message
+
+
+# ----------------------------------------------------------------------------- the data
+
+
+def test_a_cut_or_fake_gzip_input_is_one_line_naming_the_file(tmp_path):
+    import gzip
+
+    from eyrie.data.inputs import read_records
+
+    lines = "".join(
+        json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n" for i in range(3000)
+    ).encode()
+    data = gzip.compress(lines)
+    cut, fake = tmp_path / "cut.jsonl.gz", tmp_path / "fake.jsonl.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    fake.write_bytes(b"plain text, not gzip\n")
+    for path, why in ((cut, "Compressed file ended"), (fake, "Not a gzipped file")):
+        with pytest.raises(DataError) as err:
+            list(read_records(path))
+        message = str(err.value)
+        assert message.startswith(f"{path}: cannot be read") and why in message, message
+        assert message.endswith("the file is cut short or is not gzip; copy or compress it again")
+
+
+def test_records_all_cut_by_max_seq_len_offer_raising_it(tmp_path):
+    from types import SimpleNamespace
+
+    from eyrie.data.inputs import RawRecord
+    from eyrie.data.records import RecordError
+    from eyrie.data.tokenize import Tally, _require_enough
+
+    tally = Tally(records_read=10)
+    for i in range(10):
+        err = RecordError("no_assistant_tokens_after_truncation", "the first assistant token ...")
+        tally.drop(RawRecord("c.jsonl", i + 1, {}), err)
+    cfg = SimpleNamespace(num_eval=4, num_shards=4, max_seq_len=64)
+    with pytest.raises(DataError) as err:
+        _require_enough(tally, cfg)
+    assert "raise data.max_seq_len (now 64): 10 records have no assistant token within it" in str(
+        err.value
+    )
+
+
+def test_regenerating_through_vllm_without_its_environment_fails_preflight(tmp_path):
+    from train_helpers import save_chat_target
+
+    from eyrie.errors import PreflightError
+    from eyrie.preflight.preflight import preflight
+
+    folder = save_chat_target(tmp_path / "model", ["hello there, how are you?"] * 10)
+    settings = {"regenerate": {"backend": "vllm"}, "vllm": {"python": str(tmp_path / "none")}}
+    with pytest.raises(PreflightError) as err:
+        preflight(folder, None, tmp_path, settings)
+    assert (
+        f"regenerate.backend: vllm, but vllm.python={str(tmp_path / 'none')!r} is no vLLM "
+        f"environment ({tmp_path / 'none'} is not an executable file); run bash "
+        "scripts/setup-vllm.sh" in str(err.value)
+    )
+
+
+def test_ctrl_c_is_one_line_and_the_next_run_redoes_incomplete_jobs(monkeypatch, capsys):
+    from eyrie.data import vocab
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vocab, "run", interrupted)
+    assert (
+        cli.main(["vocab", "--target", "t", "--shards", "s", "--out", "o", "--settings", "{}"])
+        == 130
+    )
+    assert capsys.readouterr().err.splitlines() == [
+        "eyrie vocab: error: interrupted (Ctrl-C); nothing it was writing looks complete, and "
+        "the next snakemake run resumes"
+    ]
+    # the engine socket of a stopped run is marked incomplete: redone, not IncompleteFilesException
+    profile = yaml.safe_load((REPO / "profiles" / "default" / "config.yaml").read_text())
+    assert profile["rerun-incomplete"] is True

@@ -65,6 +65,8 @@ def load_chat_tokenizer(target: str | Path, trust_remote_code: bool = False):
     chat template."""
     from transformers import AutoTokenizer
 
+    from eyrie.arch.target import read_config
+
     target = Path(target)
     if not target.is_dir():
         raise DataError(
@@ -73,6 +75,8 @@ def load_chat_tokenizer(target: str | Path, trust_remote_code: bool = False):
     problem = tokenizer_files_problem(target, trust_remote_code)
     if problem:
         raise DataError(problem)
+    if (target / "config.json").is_file():
+        read_config(target)  # a config.json that is not JSON is named as such, not as the tokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:

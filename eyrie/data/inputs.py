@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -198,22 +199,37 @@ class _LineReader:
 
 def _jsonl_records(path: Path, kind: str) -> Iterator[RawRecord]:
     name = str(path)
-    for lineno, data in enumerate(_jsonl_lines(path, kind), start=1):
-        if data is None:
-            error = RecordError("record_too_large", f"line is longer than {MAX_RECORD_BYTES} bytes")
-            yield RawRecord(name, lineno, error=error)
-            continue
-        try:
-            text = data.decode("utf-8-sig" if lineno == 1 else "utf-8")
-        except UnicodeDecodeError as exc:
-            yield RawRecord(name, lineno, error=RecordError("bad_encoding", _bad_byte(exc)))
-            continue
-        if not text.strip():
-            continue
-        try:
-            yield RawRecord(name, lineno, json.loads(text))
-        except json.JSONDecodeError as exc:
-            yield RawRecord(name, lineno, error=RecordError("bad_json", str(exc)))
+    lineno = 0
+    try:
+        for lineno, data in enumerate(_jsonl_lines(path, kind), start=1):
+            yield from _jsonl_record(name, lineno, data)
+    except (EOFError, gzip.BadGzipFile, zlib.error, pa.ArrowException, OSError) as exc:
+        if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile) and exc.errno:
+            raise  # a read error of the disk: its own line (cli)
+        codec = {".jsonl.gz": "gzip", ".jsonl.zst": "zstd"}.get(kind, "text")
+        raise DataError(
+            f"{name}: cannot be read{f' past line {lineno}' if lineno else ''} "
+            f"({_one_line(exc) or type(exc).__name__}): the file is cut short or is not {codec}; "
+            "copy or compress it again"
+        ) from exc
+
+
+def _jsonl_record(name: str, lineno: int, data: bytes | None) -> Iterator[RawRecord]:
+    if data is None:
+        error = RecordError("record_too_large", f"line is longer than {MAX_RECORD_BYTES} bytes")
+        yield RawRecord(name, lineno, error=error)
+        return
+    try:
+        text = data.decode("utf-8-sig" if lineno == 1 else "utf-8")
+    except UnicodeDecodeError as exc:
+        yield RawRecord(name, lineno, error=RecordError("bad_encoding", _bad_byte(exc)))
+        return
+    if not text.strip():
+        return
+    try:
+        yield RawRecord(name, lineno, json.loads(text))
+    except json.JSONDecodeError as exc:
+        yield RawRecord(name, lineno, error=RecordError("bad_json", str(exc)))
 
 
 def _bad_byte(exc: UnicodeDecodeError) -> str:

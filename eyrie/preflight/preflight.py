@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
-from eyrie.arch.target import inspect_target, resolve_layer_ids
+from eyrie.arch.target import inspect_target, read_config, resolve_layer_ids
 from eyrie.errors import PreflightError, TargetError
 from eyrie.io import provenance, write_json
 from eyrie.preflight.checks import (
@@ -82,6 +83,23 @@ def target_entry(target: Path, info, tokenizer_hash: str | None) -> dict:
     }
 
 
+def check_regenerate_env(loaded: dict, config: dict, check: Check) -> None:
+    """regenerate.backend: vllm: the vLLM environment runs and imports vLLM (its jobs would fail
+    only after their start, as the shell's "No such file or directory")."""
+    given = (loaded.get("vllm") or {}).get("python") or schema_default("vllm.python")
+    python = vllm_preflight.resolve_python(given)
+    if not (python.is_file() and os.access(python, os.X_OK)):
+        check.problem(
+            f"regenerate.backend: vllm, but vllm.python={given!r} is no vLLM environment "
+            f"({python} is not an executable file); {vllm_preflight.SETUP_FIX}"
+        )
+        return
+    try:
+        vllm_preflight.facts_for(python, [config])
+    except vllm_preflight.VllmEnvError as exc:
+        check.problem(f"regenerate.backend: vllm: {exc}")
+
+
 def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, settings: dict) -> dict:
     """Every check, all problems at once (PreflightError); returns preflight.json's content."""
     check = Check([], [])
@@ -102,6 +120,8 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
         check.problems += got["problems"]
         check.warnings += got["warnings"]
         vllm_report = got["report"]
+    if (loaded.get("regenerate") or {}).get("backend") == "vllm":
+        check_regenerate_env(loaded, read_config(target), check)
     tok_hash, template = None, None
     if not (info.needs_remote_code and not trust):
         kwargs = (loaded.get("data") or {}).get("chat_template_kwargs")
