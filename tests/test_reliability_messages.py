@@ -472,3 +472,17 @@ def test_ctrl_c_is_one_line_and_the_next_run_redoes_incomplete_jobs(monkeypatch,
     # the engine socket of a stopped run is marked incomplete: redone, not IncompleteFilesException
     profile = yaml.safe_load((REPO / "profiles" / "default" / "config.yaml").read_text())
     assert profile["rerun-incomplete"] is True
+
+
+def test_an_unwritable_tensorboard_folder_is_one_line_before_training():
+    script = (
+        "$PY -c 'import os; from pathlib import Path; from eyrie.train.curves import _TensorBoard; "
+        '_TensorBoard(Path(os.environ["DIR"]) / "run" / "tensorboard", 2)\'\n'
+    )
+    proc = in_mount_namespace("ro,size=1m", script)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (
+        "eyrie.errors.EyrieError: /tmp/eyrie-mnt-{}/run/tensorboard: TensorBoard cannot write "
+        "its event files there (Read-only file system); fix the folder's permissions or free "
+        "space, or leave tensorboard out of train.report_to"
+    ).format(last.split("eyrie-mnt-")[1].split("/")[0]), proc.stderr[-2000:]

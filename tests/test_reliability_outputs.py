@@ -353,3 +353,60 @@ def test_a_shard_and_a_draft_are_fsynced_before_their_names_publish_them(
     synced = [p for kind, p in events[:published] if kind == "fsync"]
     assert any(p.endswith("model.safetensors") for p in synced)
     assert ("fsync", str(tmp_path)) in events[published:]
+
+
+def test_an_entry_overwritten_in_place_is_never_restored(tmp_path, caplog):
+    """The same size, other bytes (a disk error, a tool writing in place): the sampled digest
+    recorded at keep time catches it."""
+    store = Store(tmp_path / "store")
+    out = tmp_path / "out.h5"
+    out.write_bytes(bytes(range(256)) * 64)
+    store.put("hidden", "cd" * 32, {"shard.h5": out}, {"why": "test"})
+    with open(out, "r+b") as f:
+        f.seek(len(out.read_bytes()) - 100)
+        f.write(b"\0" * 10)
+    with caplog.at_level("WARNING"):
+        assert not store.restore("hidden", "cd" * 32, {"shard.h5": out})
+    assert "shard.h5: its sampled content differs from when it was stored" in caplog.text
+    assert store.entries() == []
+
+
+def test_two_runs_restoring_one_entry_never_touch_each_others_outputs(tmp_path):
+    """Run a's output links the entry; run b's restore gets a copy of its own, so the time it
+    sets is not a's (Snakemake would replan what follows a's output)."""
+    store = Store(tmp_path / "store")
+    a, b = tmp_path / "a" / "shard.h5", tmp_path / "b" / "shard.h5"
+    a.parent.mkdir()
+    a.write_bytes(b"states" * 1000)
+    store.put("hidden", "ef" * 32, {"shard.h5": a}, {"why": "test"})
+    os.utime(a, (1_000_000_000, 1_000_000_000))
+    assert store.restore("hidden", "ef" * 32, {"shard.h5": b})
+    assert a.stat().st_mtime == 1_000_000_000 and b.stat().st_mtime > 1_000_000_000
+    assert b.stat().st_ino != a.stat().st_ino and b.read_bytes() == a.read_bytes()
+    # with no other output linking it, a restore links the entry again (no extra disk)
+    a.unlink()
+    assert store.restore("hidden", "ef" * 32, {"shard.h5": a})
+    assert a.stat().st_nlink == 2
+
+
+def test_what_a_killed_engine_left_beside_a_shard_goes_when_the_shard_is_restored(
+    tmp_path, monkeypatch
+):
+    """A killed engine's temporary shard (`.shard_000.h5.tmp-<pid>`) is removed by the shard's
+    next job, also when that job restores the shard from the store and writes nothing."""
+    from argparse import Namespace
+
+    from eyrie.extract import extract
+
+    out = tmp_path / "hidden" / "shard_000.h5"
+    out.parent.mkdir()
+    out.write_bytes(b"states")
+    Store(tmp_path / "store").put("hidden", "12" * 32, {"shard.h5": out}, {"why": "test"})
+    out.unlink()
+    stale = out.with_name(".shard_000.h5.tmp-4242")
+    stale.write_bytes(b"half a shard")
+    monkeypatch.setenv("EYRIE_STORE", str(tmp_path / "store"))
+    monkeypatch.setattr(extract, "store_key", lambda *a: ("12" * 32, {}))
+    args = Namespace(out=str(out), shard="s", preflight="p", settings={}, engine="sock")
+    assert extract.run(args) == 0
+    assert out.read_bytes() == b"states" and not stale.exists()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from eyrie.extract import protocol
 from eyrie.formats import report
+from eyrie.io import remove_stale_temporaries
 from eyrie.store import store
 
 
@@ -64,6 +65,9 @@ def store_key(shard: str, preflight: str, settings: dict) -> tuple[str, dict]:
 
 
 def run(args) -> int:
+    # what a killed engine left beside the shard: no writer of this shard runs yet, and a
+    # restore from the store would leave it for good
+    remove_stale_temporaries(args.out)
     kept = store.Store.from_env()
     if kept is not None:
         key, material = store_key(args.shard, args.preflight, args.settings)

@@ -7,7 +7,11 @@ material, when it was stored), renamed into place complete. The key is the sha25
 canonical JSON of everything that determines the output (`key`). Files are hard links to the
 output where the store shares its filesystem (no extra disk while the output exists; the store
 keeps the old bytes alive once Snakemake deletes or replaces it), copies otherwise. Every
-writer publishes by rename, never in place, so a link is never changed under the store.
+writer publishes by rename, never in place, so a link is never changed under the store. An
+entry records each file's size and sampled digest; a restore checks them and drops a damaged
+entry (a truncated output cuts its linked entry too). A restore links an entry to one output at
+most: where another output (another run name) links it already, it gets a copy of its own (a
+reflink where the filesystem has them), so that the time a restore sets is never that output's.
 The workflow sets the root in EYRIE_STORE (config `store.path`); unset, nothing is stored.
 Standard library only: the shard client and the vLLM environment use it. docs/store.md.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -33,6 +38,8 @@ ENV = "EYRIE_STORE"
 # Bumped when a kind's output for the same key material changes (its writer changed).
 VERSIONS = {"hidden": 1, "regenerated": 1}
 ENTRY = "entry.json"
+SAMPLE_BLOCKS, SAMPLE_BYTES = 16, 4096  # sampled_digest: what a restore reads to check an entry
+FICLONE = 0x40049409  # Linux's ioctl for a reflink (btrfs, XFS, bcachefs)
 
 
 def key(kind: str, material: dict) -> str:
@@ -55,7 +62,33 @@ def _link_or_copy(src: Path, dest: Path) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
             raise
+        _clone_or_copy(src, dest)
+
+
+def _clone_or_copy(src: Path, dest: Path) -> None:
+    """A copy of its own: a reflink (copy-on-write: no extra disk) where the filesystem has
+    them, else the bytes."""
+    try:
+        with open(src, "rb") as fin, open(dest, "wb") as fout:
+            fcntl.ioctl(fout.fileno(), FICLONE, fin.fileno())
+        shutil.copystat(src, dest)
+    except OSError:
         shutil.copy2(src, dest)
+
+
+def sampled_digest(path: str | Path) -> str:
+    """sha256 of a file's size and SAMPLE_BLOCKS blocks spread over it (first and last
+    included): reads ~64 KiB however large the file, and catches a file cut short, extended or
+    overwritten in a sampled block."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(size.to_bytes(8, "little"))
+        last = max(size - SAMPLE_BYTES, 0)
+        for i in range(SAMPLE_BLOCKS):
+            f.seek(last * i // (SAMPLE_BLOCKS - 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -99,7 +132,12 @@ class Store:
                 tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
                 with contextlib.suppress(FileNotFoundError):
                     tmp.unlink()
-                _link_or_copy(entry / name, tmp)
+                if os.stat(entry / name).st_nlink > 1:
+                    # another output (another run name) links the entry: the time set below
+                    # would be its time too, and Snakemake would replan what follows it there
+                    _clone_or_copy(entry / name, tmp)
+                else:
+                    _link_or_copy(entry / name, tmp)
                 os.utime(tmp)  # new to Snakemake: older than its inputs, it would rerun again
                 os.replace(tmp, dest)
             os.utime(entry / ENTRY)  # last used: what `eyrie store --prune` keeps
@@ -124,6 +162,7 @@ class Store:
                 _link_or_copy(Path(src), tmp / name)
             record = {"kind": kind, "key": k, "material": material, "stored": time.time()}
             record["files"] = {n: os.stat(tmp / n).st_size for n in outputs}
+            record["sampled_sha256"] = {n: sampled_digest(tmp / n) for n in outputs}
             (tmp / ENTRY).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
             for name in (*outputs, ENTRY):
                 sync_path(tmp / name)
@@ -171,11 +210,14 @@ def _damage(entry: Path, names) -> str | None:
     """Why an entry's files are not what was stored (their sizes against entry.json's), or
     None; an entry.json that cannot be read is damage too."""
     try:
-        recorded = json.loads((entry / ENTRY).read_text()).get("files") or {}
+        meta = json.loads((entry / ENTRY).read_text())
+        recorded, digests = meta.get("files") or {}, meta.get("sampled_sha256") or {}
     except (OSError, ValueError, AttributeError) as exc:
         return f"{ENTRY} unreadable: {exc}"
     for name in names:
         size, want = os.stat(entry / name).st_size, recorded.get(name)
         if want is not None and size != want:
             return f"{name} holds {size:,} bytes, {want:,} when stored"
+        if name in digests and sampled_digest(entry / name) != digests[name]:
+            return f"{name}: its sampled content differs from when it was stored"
     return None

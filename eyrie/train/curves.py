@@ -16,6 +16,8 @@ import shutil
 import uuid
 from pathlib import Path
 
+from eyrie.errors import EyrieError
+
 TENSORBOARD_DIR = "tensorboard"  # beside metrics.jsonl in the run folder, and in the output folder
 WANDB_ID = "wandb_run_id"  # in the run folder: the W&B run that a resumed run continues
 
@@ -47,6 +49,21 @@ class Scalars:
         return out
 
 
+def writable(folder: Path) -> None:
+    """Refuse, in one line, a TensorBoard folder this process cannot write event files in."""
+    probe = folder / f".eyrie-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise EyrieError(
+            f"{folder}: TensorBoard cannot write its event files there ({exc.strerror or exc}); "
+            "fix the folder's permissions or free space, or leave tensorboard out of "
+            "train.report_to"
+        ) from exc
+
+
 class _TensorBoard:
     """Event files in `folder`; `first_step` > 1 hides an earlier attempt's events from that step
     on (TensorBoard's purge_step: the steps a resumed run trains again)."""
@@ -56,6 +73,7 @@ class _TensorBoard:
 
         if first_step <= 1:  # a fresh start: no earlier attempt's curves
             shutil.rmtree(folder, ignore_errors=True)
+        writable(folder)  # SummaryWriter fails in its own thread, training on without curves
         # the steps before first_step are there (else: a run resumed with report_to changed)
         self.has_history = any(folder.glob("events.out.tfevents.*"))
         purge = first_step if self.has_history else None
