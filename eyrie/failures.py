@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TextIO
 
+from eyrie.io import LAST_GOOD
+
 # What eyrie.cli prints: "eyrie <stage>: error: ..." (an EyrieError, an OSError the user fixes)
 # or, in a logging line, "eyrie <stage>: unexpected <Type>: ..." (a bug: its traceback follows).
 ERROR_LINE = re.compile(r"eyrie [a-z-]+: (?:error|unexpected \w+): .*")
@@ -69,28 +71,41 @@ def failure_lines(jobs: Iterable[tuple[str, list[str]]]) -> list[str]:
     """One line per failed job, given as (rule, its log files): the rule, eyrie's error and the
     log; a job whose logs hold no eyrie error says so and points at Snakemake's message."""
     out = []
-    for rule, logs in jobs:
+    for rule, logs, *outputs in jobs:
+        kept = last_good(outputs[0] if outputs else [])
         found = [(log, line) for log in logs if (line := error_line(log))]
         if found:
-            out += [f"failed rule {rule}: {line} (log: {log})" for log, line in found]
+            out += [f"failed rule {rule}: {line} (log: {log}){kept}" for log, line in found]
         elif logs:
             missing = [log for log in logs if not Path(log).is_file()]
             ends = [line for log in logs if (line := last_line(log))]
             if ends and SHELL_ERROR.search(ends[-1]):  # the command never started
                 out.append(
                     f"failed rule {rule}: the shell could not run its command: {ends[-1]} "
-                    f"(log: {', '.join(logs)}); fix the path it names"
+                    f"(log: {', '.join(logs)}); fix the path it names{kept}"
                 )
                 continue
             what = f"{', '.join(missing)} not written" if missing else "no eyrie error in it"
             what += f" (it ends: {ends[-1]})" if ends else ""
             out.append(
                 f"failed rule {rule}: {what} (log: {', '.join(logs)}); Snakemake's message "
-                "above says why (e.g. killed, out of memory or time, outputs missing)"
+                f"above says why (e.g. killed, out of memory or time, outputs missing){kept}"
             )
         else:
-            out.append(f"failed rule {rule}: no log; Snakemake's message above says why")
+            out.append(f"failed rule {rule}: no log; Snakemake's message above says why{kept}")
     return out
+
+
+def last_good(outputs: list[str]) -> str:
+    """ "; the last good X: PATH" for each output the failed job's rerun took away (Snakemake
+    deletes a job's outputs before it runs) whose last good copy eyrie kept (io.keep_last_good)."""
+    kept = []
+    for output in outputs:
+        path = Path(output)
+        copy = path.parent / LAST_GOOD / path.name
+        if not path.exists() and copy.is_file():
+            kept.append(f"; the last good {path.name} is kept as {copy}")
+    return "".join(kept)
 
 
 def failed_jobs(workflow) -> list[tuple[str, list[str]]]:
@@ -100,7 +115,9 @@ def failed_jobs(workflow) -> list[tuple[str, list[str]]]:
     out = []
     for job in workflow.scheduler.failed:
         members = sorted(job.jobs, key=str) if job.is_group() else [job]
-        entries = [(m.rule.name, [str(f) for f in m.log]) for m in members]
+        entries = [
+            (m.rule.name, [str(f) for f in m.log], [str(f) for f in m.output]) for m in members
+        ]
         with_error = [e for e in entries if any(error_line(f) for f in e[1])]
         out += [e for e in with_error or entries if e not in out]
     return sorted(out, key=lambda e: (e[1], e[0]))

@@ -103,6 +103,26 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+LAST_GOOD = ".last-good"  # beside an output: its last good copy (keep_last_good)
+
+
+def keep_last_good(path: str | Path) -> Path:
+    """Link a just-written output to `.last-good/<name>` beside it: Snakemake deletes a job's
+    outputs before the job runs, so a rerun that fails would leave the user without the last
+    good report; the failure lines name this copy (eyrie.failures)."""
+    path = Path(path)
+    keep = path.parent / LAST_GOOD / path.name
+    keep.parent.mkdir(exist_ok=True)
+    tmp = keep.with_name(f".{keep.name}.tmp-{os.getpid()}")
+    _remove(tmp)
+    try:
+        os.link(path, tmp)
+    except OSError:
+        shutil.copy2(path, tmp)
+    os.replace(tmp, keep)
+    return keep
+
+
 def write_json(path: str | Path, obj) -> None:
     """`obj` as indented JSON with sorted keys, written atomically."""
     with atomic_path(path) as tmp:

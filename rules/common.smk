@@ -1,6 +1,7 @@
 # The validated config, the paths every rule uses, and the helpers that build params from
 # eyrie.workflow's settings table (docs/contracts.md).
 
+import json
 import os
 import shlex
 import sys
@@ -60,6 +61,20 @@ for _key, _path in _given:
         sys.exit(
             f"eyrie config: error: {_key}: {_path} not found (from {os.getcwd()}); fix the "
             "path, or give it relative to the working directory (snakemake -d)"
+        )
+# The draft draft.json names, deleted by hand: Snakemake sees draft.json and plans nothing.
+_manifest = f"{RESULTS}/draft.json"
+if os.path.isfile(_manifest):
+    try:
+        with open(_manifest) as _f:
+            _version = json.load(_f).get("version")
+    except (OSError, ValueError, AttributeError):
+        _version = None  # export_draft's own readers name an unreadable manifest
+    if isinstance(_version, str) and not os.path.isdir(_version):
+        print(
+            f"eyrie config: warning: {_manifest} names the draft {_version}, which is gone; "
+            "export it again with snakemake --forcerun export_draft",
+            file=sys.stderr,
         )
 SHARDS = [f"{i:03d}" for i in range(config["data"]["num_shards"])]
 # The shards training reads: a rehearsal extracts and trains on shard 000 alone (one engine).

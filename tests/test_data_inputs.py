@@ -274,6 +274,22 @@ def test_a_file_listed_twice_puts_no_eval_conversation_in_training(tmp_path):
     assert tally.dropped[0]["detail"] == f"the same conversation as {path}:1"
 
 
+def test_a_file_of_an_unknown_schema_stops_the_stage_naming_it(tmp_path):
+    """A parquet file whose columns are not a conversation format contributed 0 of its
+    records with an INFO line only; now the stage stops naming the file and the fix."""
+    tok = family_tokenizer("llama3")
+    good = write_jsonl(tmp_path / "c.jsonl", _records(6))
+    other = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "response": ["c", "d"]}), other)
+    with pytest.raises(DataError) as err:
+        collect_records(tok, [good, other], data(strict=False))
+    assert str(err.value) == (
+        f"{other}: none of its 2 records is usable (unknown_format 2 (e.g. {other}:0: no "
+        "'messages' or 'conversations' key (keys: ['prompt', 'response']))); fix the file "
+        "(docs/data.md#input-files gives the formats read) or remove it from data.conversations"
+    )
+
+
 def test_records_sharing_an_eval_prompt_stay_out_of_training(tmp_path):
     target = make_target(tmp_path / "llama", "llama3")
     recs = _records(6) + [

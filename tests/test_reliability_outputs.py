@@ -410,3 +410,51 @@ def test_what_a_killed_engine_left_beside_a_shard_goes_when_the_shard_is_restore
     args = Namespace(out=str(out), shard="s", preflight="p", settings={}, engine="sock")
     assert extract.run(args) == 0
     assert out.read_bytes() == b"states" and not stale.exists()
+
+
+@pytest.mark.slow
+def test_a_deleted_draft_version_is_named_at_parse_time(user_run, tmp_path):
+    """Before: deleting the version draft.json names left "Nothing to be done" and a draft.json
+    (and a `draft` link) naming a draft that no longer exists."""
+    work = tmp_path / "wf"
+    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    version = json.loads((work / "results/tiny/draft.json").read_text())["version"]
+    shutil.rmtree(work / version)
+    proc = subprocess.run(
+        [
+            *[sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")],
+            *["-d", str(work), "--configfile", str(work / "config.yaml"), "-n"],
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("eyrie")] == [
+        f"eyrie config: warning: results/tiny/draft.json names the draft {version}, which is "
+        "gone; export it again with snakemake --forcerun export_draft"
+    ]
+
+
+@pytest.mark.slow
+def test_a_failed_rerun_names_where_the_last_good_report_is(user_run, tmp_path):
+    """Snakemake deletes a job's outputs before it runs: a preflight that now fails took
+    preflight.json away. Its last good copy is kept beside it and the failure line names it."""
+    work = tmp_path / "wf"
+    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    good = (work / "results/tiny/preflight.json").read_text()
+    write_config(work, target__path="my target", layers__aux_ids=[1, 2, 40])
+    proc = subprocess.run(
+        [
+            *[sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")],
+            *["-d", str(work), "--configfile", str(work / "config.yaml"), "--cores", "2"],
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("failed rule preflight:")]
+    assert line.endswith(
+        "; the last good preflight.json is kept as results/tiny/.last-good/preflight.json"
+    ), line
+    assert not (work / "results/tiny/preflight.json").exists()
+    assert (work / "results/tiny/.last-good/preflight.json").read_text() == good

@@ -38,7 +38,7 @@ from eyrie.data.turns import (
 )
 from eyrie.errors import DataError, TargetError
 from eyrie.formats.tokenized import EVAL_SCHEMA, SHARD_SCHEMA
-from eyrie.io import atomic_path, provenance
+from eyrie.io import atomic_path, keep_last_good, provenance
 from eyrie.settings import load_settings
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,24 @@ def collect_records(tpl: ChatTemplate, inputs: list[str | Path], cfg: DataSettin
             "sha256": _sha256(path),
         }
         log.info("%s: %d records, %d usable", path, read, used)
+        _require_some(path, read, used, tally)
     return tally
+
+
+def _require_some(path, read: int, used: int, tally: Tally) -> None:
+    """A file none of whose records is usable (an unknown schema, say) stops the stage: its
+    counts in report.json alone would train silently without it. Copies of conversations
+    already read (a file listed twice) are not a mistake."""
+    if not read or used:
+        return
+    own = Tally(dropped=[d for d in tally.dropped if d["file"] == str(path)])
+    if all(d["reason"] == "duplicate" for d in own.dropped):
+        return
+    raise DataError(
+        f"{path}: none of its {read} records is usable ({own.top_reasons(TOP_REASONS)}); fix "
+        "the file (docs/data.md#input-files gives the formats read) or remove it from "
+        "data.conversations"
+    )
 
 
 def _usable(tpl: ChatTemplate, raw: RawRecord, cfg: DataSettings, seen: dict[str, str]) -> Record:
@@ -412,6 +429,8 @@ def tokenize(
     report["regenerated"] = _regenerated_summary(split, tally) if regenerated else None
     prompts = [prompt_ids(tpl, r.conv) for r in held_out]
     _write_outputs(out_dir, split, prompts, report)
+    for name in ("report.json", "eval.parquet"):
+        keep_last_good(Path(out_dir) / name)
     _log_summary(report, out_dir)
     _warn(report)
     return report

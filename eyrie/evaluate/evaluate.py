@@ -25,7 +25,7 @@ from eyrie.evaluate.specdec import (
 from eyrie.formats.report import read_report
 from eyrie.formats.tokenized import read_prompts
 from eyrie.formats.vocab import read_vocab
-from eyrie.io import atomic_path, provenance, write_json
+from eyrie.io import atomic_path, keep_last_good, provenance, write_json
 from eyrie.rehearsal import draft_is_rehearsal, refusal
 from eyrie.runtime import auto_device, auto_dtype
 from eyrie.settings import load_settings
@@ -419,6 +419,7 @@ def evaluate(paths: EvalPaths, settings: dict) -> dict:
     }
     plot(paths.plot, report)
     write_json(paths.out, report)
+    keep_last_good(paths.out)
     log.info(
         "acceptance length: trained %s, untrained %s -> %s",
         report["trained"]["acceptance_length"],

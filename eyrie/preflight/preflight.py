@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eyrie.arch.target import inspect_target, read_config, resolve_layer_ids
 from eyrie.errors import PreflightError, TargetError
-from eyrie.io import provenance, write_json
+from eyrie.io import keep_last_good, provenance, write_json
 from eyrie.preflight.checks import (
     Check,
     HiddenVolume,
@@ -177,6 +177,7 @@ def run(args) -> int:
     settings = merge_settings(args.settings, args.runtime)
     report = preflight(args.target, args.tokenize_report, args.out.parent, settings)
     write_json(args.out, report)
+    keep_last_good(args.out)
     t = report["target"]
     log.info(
         "preflight ok: %s (%s, %d layers, hidden %d), aux ids %s + final %d",

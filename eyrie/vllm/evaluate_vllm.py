@@ -26,7 +26,7 @@ from eyrie.errors import EvaluateError, TargetError
 from eyrie.evaluate.specdec import SpecStats
 from eyrie.formats.draft import DRAFT_ARCHS, UNSERVABLE_FLAGS
 from eyrie.formats.tokenized import read_prompts
-from eyrie.io import provenance, write_json
+from eyrie.io import keep_last_good, provenance, write_json
 from eyrie.rehearsal import (
     DRAFT_LOAD_CONFIG,
     draft_is_rehearsal,
@@ -646,6 +646,7 @@ def evaluate_vllm(
     differ = check_outputs_equal(plan, base, spec)
     report = build_report(plan, spec, differ)
     write_json(paths.out, report)
+    keep_last_good(paths.out)
     log.info(
         "acceptance length: vLLM %s, Hugging Face %s; %d/%d outputs equal -> %s%s",
         report["acceptance_length"],
