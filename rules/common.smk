@@ -9,7 +9,7 @@ import sys
 from eyrie.errors import TargetError
 from eyrie.rehearsal import run_name
 from eyrie.settings import config_file, settings_json, workflow_config
-from eyrie.store.fingerprint import track_target
+from eyrie.store.fingerprint import ComparedAs, track_target
 from eyrie.workflow import engine_sockets, prepare, runtime_settings, settings_param
 
 
@@ -90,6 +90,9 @@ VLLM_PYTHON = os.path.join(workflow.basedir, config["vllm"]["python"])
 # Paths that reach a shell command from the config: quoted (a space must not split them).
 VLLM_PYTHON_ARG = shlex.quote(VLLM_PYTHON)
 TARGET_ARG = shlex.quote(TARGET)
+# The rules' params.target: the folder now for the shell, compared as the path its content was
+# first given as, so a symlink or a copy of the same folder reruns nothing.
+TARGET_PARAM = TARGET_ARG if DEMO else ComparedAs(TARGET_ARG, shlex.quote(_tracked["given"]))
 
 # The rules' `eyrie` on the PATH and the engine socket placeholders (eyrie.workflow.prepare).
 prepare(
@@ -129,7 +132,7 @@ def gpus(device: str, count: int = 1) -> int:
 # values (a function of input or output would leave the params trigger), as for the plain strings.
 def target_dir(wildcards) -> str:
     """The target folder, quoted for the shell (its files stand for it in the inputs)."""
-    return TARGET_ARG
+    return TARGET_PARAM
 
 
 def tokenized_dir(wildcards) -> str:

@@ -458,3 +458,21 @@ def test_a_failed_rerun_names_where_the_last_good_report_is(user_run, tmp_path):
     ), line
     assert not (work / "results/tiny/preflight.json").exists()
     assert (work / "results/tiny/.last-good/preflight.json").read_text() == good
+
+
+@pytest.mark.slow
+def test_the_same_target_under_another_path_reruns_nothing(user_run, tmp_path):
+    """Before: target.path switched to a symlink or a copy of the same folder replanned the 8
+    jobs whose params hold the path. Now the params compare the path the content was first
+    given as; the shell gets the folder as it is now. Changed content still reruns."""
+    work = tmp_path / "wf"
+    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    (work / "link").symlink_to(work / "my target")
+    shutil.copytree(work / "my target", work / "copy")
+    for path in ("link", "copy", str(work / "copy")):
+        write_config(work, target__path=path)
+        assert planned(work) == {}, path
+    (work / "copy/tokenizer_config.json").write_text(
+        (work / "copy/tokenizer_config.json").read_text().replace("}", ', "x": 1}', 1)
+    )
+    assert "tokenize_conversations" in planned(work)

@@ -164,7 +164,8 @@ def _write(path: Path, record: dict, keep_mtime_ns: int | None) -> None:
 
 
 def track_target(target: str | Path, out_dir: str | Path) -> dict[str, str]:
-    """Write out_dir/<group>.json for each group of GROUPS; their paths, by group.
+    """Write out_dir/<group>.json for each group of GROUPS; their paths, by group, and under
+    "given" the target.path the current content was first given as.
 
     A file is rewritten only when its group's digest changed (its mtime then moves), or with its
     old mtime kept when only the files' mtimes did (so the next parse reads nothing again).
@@ -180,18 +181,25 @@ def track_target(target: str | Path, out_dir: str | Path) -> dict[str, str]:
             f"target.path {target}: no config.json; set it to a Hugging Face model folder"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
+    paths, records = {}, {}
     for group, patterns in GROUPS.items():
-        path = out_dir / f"{group}.json"
-        old = _read(path)
+        old = _read(out_dir / f"{group}.json")
         files = _describe(tracked_files(target, patterns), old.get("files") or {})
-        record = {
+        records[group] = old, {
             "format": FORMAT,
             "target": str(target.resolve()),
             "group": group,
             "digest": _group_digest(files),
             "files": files,
         }
+    # target.path as given when this content was first seen: the rules compare it (their
+    # params), so a symlink or a copy of the same folder reruns nothing (target_param)
+    same = all(old.get("digest") == new["digest"] for old, new in records.values())
+    given = records["weights"][0].get("given") if same else None
+    for group, (old, record) in records.items():
+        path = out_dir / f"{group}.json"
+        record["given"] = given or str(target)
+        files = record["files"]
         if record != old:
             if old.get("digest") == record["digest"] and path.is_file():
                 keep = path.stat().st_mtime_ns  # same content: not changed for the rules
@@ -201,7 +209,22 @@ def track_target(target: str | Path, out_dir: str | Path) -> dict[str, str]:
                 keep = None
             _write(path, record, keep)
         paths[group] = str(path)
+    paths["given"] = given or str(target)
     return paths
+
+
+class ComparedAs(str):
+    """A rule's param: its text (what the shell gets) is the target folder now, while
+    Snakemake's params trigger compares repr(), which is `compared`: the path the same content
+    was first given as (track_target's "given")."""
+
+    def __new__(cls, text: str, compared: str):
+        obj = super().__new__(cls, text)
+        obj.compared = compared
+        return obj
+
+    def __repr__(self) -> str:
+        return repr(self.compared)
 
 
 def content_digest(target: str | Path) -> str:
