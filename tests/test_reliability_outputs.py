@@ -476,3 +476,43 @@ def test_the_same_target_under_another_path_reruns_nothing(user_run, tmp_path):
         (work / "copy/tokenizer_config.json").read_text().replace("}", ', "x": 1}', 1)
     )
     assert "tokenize_conversations" in planned(work)
+
+
+def test_store_verify_removes_the_damaged_entries_a_full_check_reads_shards_whole(tmp_path, capsys):
+    """`eyrie store --verify` makes the check a restore makes on every entry; `--verify full`
+    also reads each hidden-state shard whole, which catches a NaN written in place between the
+    sampled blocks (same size, same sampled bytes)."""
+    import h5py
+
+    from eyrie.store.store import SAMPLE_BLOCKS, SAMPLE_BYTES
+
+    world = build_world(tmp_path / "world", num_conversations=160, shards=1)
+    store = Store(tmp_path / "store")
+    good, cut, nan = (tmp_path / f"{n}.h5" for n in ("good", "cut", "nan"))
+    for i, path in enumerate((good, cut, nan)):
+        shutil.copy(world["shards"][0], path)
+        store.put("hidden", f"{i}" * 64, {"shard.h5": path}, {"why": "test"})
+    os.truncate(cut, cut.stat().st_size - 1)
+    size = nan.stat().st_size
+    sampled = [(size - SAMPLE_BYTES) * k // (SAMPLE_BLOCKS - 1) for k in range(SAMPLE_BLOCKS)]
+    with h5py.File(nan, "r+") as f:  # in place, as a tool or a disk error would
+        data = f["aux_hidden"]
+        row_bytes = data.shape[1] * data.dtype.itemsize
+        row = next(  # a row no sampled block reads
+            r
+            for r in range(data.shape[0])
+            if all(
+                not (a < data.id.get_offset() + (r + 1) * row_bytes)
+                or not (data.id.get_offset() + r * row_bytes < a + SAMPLE_BYTES)
+                for a in sampled
+            )
+        )
+        data[row] = 0x7FC0  # NaN in bfloat16
+    assert cli_main(["store", "--path", str(store.root), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert f"{store.entry('hidden', '1' * 64)}: damaged (" in out
+    assert len(store.entries()) == 2  # the NaN is between the sampled blocks
+    assert cli_main(["store", "--path", str(store.root), "--verify", "full"]) == 0
+    out = capsys.readouterr().out
+    assert f"{store.entry('hidden', '2' * 64)}: damaged (" in out and "removed" in out
+    assert [e.key for e in store.entries()] == ["0" * 64]

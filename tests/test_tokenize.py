@@ -542,6 +542,7 @@ def test_cli_end_to_end(tok, target, tmp_path):
     assert run_cli(target, inputs, out) == 0
     names = sorted(p.name for p in out.iterdir())
     assert names == [
+        ".last-good",  # report.json and eval.parquet, linked: a failed rerun keeps them
         "eval.parquet",
         "report.json",
         "shard_000.parquet",
@@ -636,15 +637,15 @@ def test_cli_errors_are_one_line(target, tmp_path, capsys):
     broken = tmp_path / "in" / "broken.jsonl"
     bad = ["bad_encoding"] * 3 + ["bad_json"] * 2 + ["unknown_role", "no_assistant_turn"]
     write_lines(broken, [BAD[r] for r in bad])
+    # a file none of whose records is usable stops the stage, naming it and its reasons
     assert run_cli(target, [broken, inputs[0]], tmp_path / "none", num_eval=16) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("eyrie tokenize: error: only 8 usable records of 16 read (dropped: ")
-    assert f"(dropped: bad_encoding 3 (e.g. {broken}:1: " in err  # the first one's detail
+    assert err.startswith(f"eyrie tokenize: error: {broken}: none of its 7 records is usable (")
+    assert f"(bad_encoding 3 (e.g. {broken}:1: " in err  # the first one's detail
     assert (
         f"bad_json 2 (e.g. {broken}:4), "
-        f"unknown_role 2 (e.g. {broken}:6), and 1 more reason(s)); need at least"
+        f"unknown_role 1 (e.g. {broken}:6), and 1 more reason(s)); fix the file"
     ) in err
-    assert "fix the dropped records" in err
 
     missing = tmp_path / "in" / "nope.jsonl"
     assert run_cli(target, [inputs[0], missing], tmp_path / "m") == 2

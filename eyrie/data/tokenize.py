@@ -160,7 +160,7 @@ def tokenize_conversation(
     tpl: ChatTemplate, raw: RawRecord, conv: Conversation, cfg: DataSettings
 ) -> Record:
     """One conversation -> its samples cut to max_seq_len; RecordError if none is usable."""
-    masked = masked_samples(tpl, conv, cfg.mask)
+    masked = masked_samples(tpl, conv, cfg.mask, max_tokens=cfg.max_seq_len)
     many = len(masked.samples) > 1
     record = Record(raw, conv, [], masked.mode, turns=masked.counts)
     for k, (ids, mask) in enumerate(masked.samples):

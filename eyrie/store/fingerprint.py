@@ -185,13 +185,16 @@ def track_target(target: str | Path, out_dir: str | Path) -> dict[str, str]:
     for group, patterns in GROUPS.items():
         old = _read(out_dir / f"{group}.json")
         files = _describe(tracked_files(target, patterns), old.get("files") or {})
-        records[group] = old, {
-            "format": FORMAT,
-            "target": str(target.resolve()),
-            "group": group,
-            "digest": _group_digest(files),
-            "files": files,
-        }
+        records[group] = (
+            old,
+            {
+                "format": FORMAT,
+                "target": str(target.resolve()),
+                "group": group,
+                "digest": _group_digest(files),
+                "files": files,
+            },
+        )
     # target.path as given when this content was first seen: the rules compare it (their
     # params), so a symlink or a copy of the same folder reruns nothing (target_param)
     same = all(old.get("digest") == new["digest"] for old, new in records.values())

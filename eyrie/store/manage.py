@@ -3,8 +3,9 @@
 `eyrie store [--path results/store]` lists the entries by kind with their size and the part only
 the store holds (an entry whose files are still linked from an output costs no extra disk);
 `--prune --older-than-days D` and/or `--max-gib G` remove the entries used longest ago until
-both hold (`--dry-run` says what would go). Removing an entry never touches an output: a rerun
-that needs it computes it again.
+both hold (`--dry-run` says what would go). `--verify [sampled|full]` checks every entry (as a
+restore does, or also reading every shard whole) and removes the damaged ones. Removing an entry
+never touches an output: a rerun that needs it computes it again.
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prune: the oldest-used entries until what only the store holds fits",
     )
     parser.add_argument("--dry-run", action="store_true", help="prune: only say what would go")
+    parser.add_argument(
+        "--verify",
+        nargs="?",
+        const="sampled",
+        choices=["sampled", "full"],
+        default=None,
+        help="check every entry and remove the damaged ones: `sampled` (default) as a restore "
+        "does (sizes and sampled digests), `full` also reads every hidden-state shard whole "
+        "(structure, ids, finite values)",
+    )
 
 
 def prune_plan(store: Store, older_than_days: float | None, max_gib: float | None) -> list:
@@ -57,6 +68,23 @@ def prune_plan(store: Store, older_than_days: float | None, max_gib: float | Non
     return drop
 
 
+def _damaged(store: Store, entry, full: bool) -> bool:
+    """Check one entry; a damaged one is removed with one line saying why."""
+    problem = store.damage(entry)
+    if problem is None and full and entry.kind == "hidden":
+        from eyrie.formats.hidden import validate_shard
+
+        try:
+            validate_shard(entry.path / "shard.h5", check_values=True)
+        except (EyrieError, OSError) as exc:
+            problem = str(exc)
+    if problem is None:
+        return False
+    print(f"{entry.path}: damaged ({problem}); removed: a rerun that needs it computes it again")
+    store.remove(entry)
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     store = Store(args.path)
     if not store.root.is_dir():
@@ -64,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     if args.prune and args.older_than_days is None and args.max_gib is None:
         raise EyrieError("--prune needs --older-than-days D and/or --max-gib G")
     entries = store.entries()
+    if args.verify:
+        entries = [e for e in entries if not _damaged(store, e, args.verify == "full")]
     for kind in sorted({e.kind for e in entries}):
         mine = [e for e in entries if e.kind == kind]
         print(

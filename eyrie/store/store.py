@@ -200,6 +200,11 @@ class Store:
             )
         return sorted(out, key=lambda e: e.used)
 
+    def damage(self, entry: Entry) -> str | None:
+        """Why `entry` is not what was stored (the check a restore makes), or None."""
+        names = [p.name for p in entry.path.iterdir() if p.is_file() and p.name != ENTRY]
+        return _damage(entry.path, names)
+
     def remove(self, entry: Entry) -> None:
         """Remove an entry (entry.json first: a half-removed entry is never restored)."""
         (entry.path / ENTRY).unlink(missing_ok=True)
