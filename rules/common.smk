@@ -9,7 +9,7 @@ import sys
 from eyrie.errors import TargetError
 from eyrie.rehearsal import run_name
 from eyrie.settings import config_file, settings_json, workflow_config
-from eyrie.store.fingerprint import ComparedAs, track_target
+from eyrie.store.fingerprint import ComparedAs, demo_weights_changed, track_target
 from eyrie.workflow import engine_sockets, prepare, runtime_settings, settings_param
 
 
@@ -37,6 +37,9 @@ if DEMO:
         f"{TARGET}/config.json",
         f"{TARGET}/tokenizer_config.json",
     ]
+    _changed = demo_weights_changed(TARGET)
+    if _changed:
+        print(f"eyrie config: warning: {_changed}", file=sys.stderr)
 else:
     try:
         _tracked = track_target(TARGET, f"{RESULTS}/fingerprint")

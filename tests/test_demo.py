@@ -185,6 +185,26 @@ def test_settings_errors(tmp_path, conversations_file):
 # ----------------------------------------------------------------------------- target
 
 
+def test_weights_replaced_by_hand_in_the_demo_target_are_named(tiny_target, tmp_path):
+    """The demo target is tracked by its config files; build_demo_target records its weights'
+    digest, and each parse warns when model.safetensors is no longer that file."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eyrie.store.fingerprint import demo_weights_changed
+
+    folder = shutil.copytree(tiny_target, tmp_path / "target")
+    assert demo_weights_changed(folder) is None
+    tensors = {k: v + 0.01 for k, v in load_file(folder / "model.safetensors").items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert demo_weights_changed(folder) == (
+        f"{folder / 'model.safetensors'} is not the file build_demo_target wrote (its content "
+        "changed), and nothing reruns for it; rebuild it with snakemake --forcerun "
+        "build_demo_target, or give your own model folder as target.path"
+    )
+
+
 def test_tiny_target_trains_and_loads(tiny_target):
     summary = json.loads((tiny_target / "demo_training.json").read_text())
     losses = [p["loss"] for p in summary["loss_curve"]]

@@ -344,10 +344,20 @@ def train_target(conversations_path: str | Path, out_dir: str | Path, settings: 
     with atomic_path(out_dir) as tmp:
         model.save_pretrained(tmp)  # config.json, generation_config.json, model.safetensors
         tokenizer.save_pretrained(tmp)  # tokenizer.json, tokenizer_config.json, chat template
+        # what the workflow checks at each parse: weights replaced by hand are named
+        summary["weights_digest"] = weights_digest(tmp)
         write_json(tmp / "demo_training.json", summary)
         _validate_folder(tmp, model)
     log.info("saved the demo target to %s", out_dir)
     return summary
+
+
+def weights_digest(folder: Path) -> str:
+    """model.safetensors by content (eyrie.store.fingerprint's digest: sampled when large)."""
+    from eyrie.store.fingerprint import file_digest
+
+    path = Path(folder) / "model.safetensors"
+    return file_digest(path, path.stat().st_size)
 
 
 def _validate_folder(path: Path, model) -> None:

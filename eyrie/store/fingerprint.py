@@ -234,3 +234,23 @@ def content_digest(target: str | Path) -> str:
     """One digest of every tracked file of `target`, read now (preflight records it)."""
     patterns = tuple(dict.fromkeys(p for group in GROUPS.values() for p in group))
     return _group_digest(_describe(tracked_files(Path(target), patterns), {}))
+
+
+def demo_weights_changed(folder: str | Path) -> str | None:
+    """Why the demo target's weights are not the ones build_demo_target wrote (the digest it
+    recorded in demo_training.json), or None. The workflow tracks the demo target by its
+    config files only: weights replaced by hand would rerun nothing."""
+    folder = Path(folder)
+    weights, summary = folder / "model.safetensors", folder / "demo_training.json"
+    try:
+        recorded = json.loads(summary.read_text()).get("weights_digest")
+        size = weights.stat().st_size
+    except (OSError, ValueError, AttributeError):
+        return None  # not built yet, or by an eyrie that recorded no digest
+    if recorded is None or file_digest(weights, size) == recorded:
+        return None
+    return (
+        f"{weights} is not the file build_demo_target wrote (its content changed), and nothing "
+        "reruns for it; rebuild it with snakemake --forcerun build_demo_target, or give your "
+        "own model folder as target.path"
+    )
