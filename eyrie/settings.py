@@ -314,6 +314,11 @@ def schema_default(key: str) -> Any:
     return key_schema(key)["default"]
 
 
+def vllm_setting(v: dict, name: str) -> Any:
+    """vllm.<name> from a stage's `vllm` section, else the schema's default (not restated)."""
+    return v[name] if name in v else schema_default(f"vllm.{name}")
+
+
 def value_problems(key: str, value: Any, name: str | None = None) -> list[str]:
     """The schema's problems with one value of `key`, named `name` (a CLI flag) or the key."""
     return _problems(key_schema(key), value, [name or key])

@@ -56,6 +56,22 @@ def test_defaults_filled():
     assert cfg["train"]["ttt_steps"] == 3 and cfg["extract"]["storage_dtype"] == "bfloat16"
 
 
+def test_config_yaml_gives_the_schemas_defaults():
+    """One fact in one place: every value config/config.yaml writes out is the schema's default
+    (a stage called without a key gets the same value as the workflow); target.name has none."""
+    from eyrie.settings import key_schema
+
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    differ = [
+        (f"{section}.{key}", value, key_schema(f"{section}.{key}").get("default"))
+        for section, values in cfg.items()
+        for key, value in values.items()
+        if f"{section}.{key}" != "target.name"
+        and value != key_schema(f"{section}.{key}").get("default")
+    ]
+    assert differ == []
+
+
 def test_all_errors_reported_each_naming_its_key():
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfg["train"]["learning_rate"] = -1

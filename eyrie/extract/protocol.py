@@ -28,7 +28,6 @@ from eyrie.errors import EngineError
 log = logging.getLogger(__name__)
 
 
-DEFAULT_WAIT_S = 3600.0  # extract.engine_wait_s: the engine may still be loading a large target
 READ_TIMEOUT_S = 60.0  # for a client's request line (clients send it right after connecting)
 RETRY_S = 1.0  # client: between attempts to connect
 MAX_LINE = 1 << 20  # bytes of one message
@@ -114,7 +113,7 @@ class EngineSocket:
     in errors)."""
 
     path: str | Path
-    wait_s: float = DEFAULT_WAIT_S
+    wait_s: float  # extract.engine_wait_s (its default: the schema's, given by `eyrie extract`)
     log: str | None = None
 
 

@@ -24,7 +24,7 @@ from eyrie.preflight.checks import (
     check_weights,
 )
 from eyrie.rehearsal import is_rehearsal, mark
-from eyrie.settings import load_settings, merge_settings, schema_default, vllm_uses
+from eyrie.settings import load_settings, merge_settings, schema_default, vllm_setting, vllm_uses
 from eyrie.store.fingerprint import content_digest
 from eyrie.vllm import preflight_checks as vllm_preflight
 
@@ -86,7 +86,7 @@ def target_entry(target: Path, info, tokenizer_hash: str | None) -> dict:
 def check_regenerate_env(loaded: dict, config: dict, check: Check) -> None:
     """regenerate.backend: vllm: the vLLM environment runs and imports vLLM (its jobs would fail
     only after their start, as the shell's "No such file or directory")."""
-    given = (loaded.get("vllm") or {}).get("python") or schema_default("vllm.python")
+    given = vllm_setting(loaded.get("vllm") or {}, "python")
     python = vllm_preflight.resolve_python(given)
     if not (python.is_file() and os.access(python, os.X_OK)):
         check.problem(

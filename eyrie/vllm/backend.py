@@ -30,6 +30,7 @@ from eyrie.errors import ExtractError
 from eyrie.extract.extractor import WRITERS, FileBatch, HostBatch, PinnedStaging, StoredBatch
 from eyrie.formats.codecs import HIDDEN, bytes_per_token
 from eyrie.rehearsal import engine_kwargs
+from eyrie.settings import vllm_setting
 from eyrie.vllm.adapters import engine_environment, request_key, text_only
 from eyrie.vllm.checks import ExtractLayers, choose_path, config_problems, version_problems
 from eyrie.vllm.facts import gather_facts
@@ -143,7 +144,7 @@ class VllmBackend:
         """native | capture, as preflight chose; raises if this vLLM cannot extract the target."""
         problems = version_problems(facts) + config_problems(adapter, config)
         layers = ExtractLayers(self.layer_ids, info.num_hidden_layers)
-        requested = self.v.get("extraction_path", "auto")
+        requested = vllm_setting(self.v, "extraction_path")
         path, path_problems = choose_path(requested, adapter, facts, config, layers)
         if problems or path_problems:
             raise ExtractError(
@@ -156,9 +157,9 @@ class VllmBackend:
         """The arguments of vllm.LLM for this path (in a rehearsal, random weights)."""
         kwargs = dict(
             model=str(target),
-            tensor_parallel_size=int(self.v.get("tensor_parallel_size", 1)),
-            gpu_memory_utilization=float(self.v.get("gpu_memory_utilization", 0.85)),
-            enforce_eager=bool(self.v.get("enforce_eager", True)) or self.path == "capture",
+            tensor_parallel_size=int(vllm_setting(self.v, "tensor_parallel_size")),
+            gpu_memory_utilization=float(vllm_setting(self.v, "gpu_memory_utilization")),
+            enforce_eager=bool(vllm_setting(self.v, "enforce_eager")) or self.path == "capture",
             max_model_len=self.v.get("max_model_len"),
             dtype=str(cfg.dtype).removeprefix("torch."),  # extract.dtype, resolved
             trust_remote_code=cfg.trust_remote_code,

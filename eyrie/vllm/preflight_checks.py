@@ -21,8 +21,8 @@ from pathlib import Path
 
 from eyrie.arch.registry import adapter_for
 from eyrie.arch.target import TargetInfo, fingerprint, read_config
-from eyrie.errors import VllmAdapterError
-from eyrie.settings import vllm_uses
+from eyrie.errors import EyrieError, VllmAdapterError
+from eyrie.settings import vllm_setting, vllm_uses
 from eyrie.vllm.adapters import SUPPORTED_VLLM, TESTED_VLLM
 from eyrie.vllm.checks import (
     ExtractLayers,
@@ -62,7 +62,7 @@ REPO = Path(__file__).resolve().parents[2]
 _FACTS_CACHE: dict[tuple[str, str], dict] = {}
 
 
-class VllmEnvError(Exception):
+class VllmEnvError(EyrieError):
     """The vLLM environment could not answer (message names vllm.python and the fix)."""
 
 
@@ -321,8 +321,9 @@ def memory_check(
 ) -> tuple[dict, list[str], list[str]]:
     """(estimate, problems, warnings): weights against WEIGHT_FRACTION of the GPUs' budget. The
     suggested tensor_parallel_size is the smallest that fits and that the heads allow (`info`)."""
-    tp = int(v.get("tensor_parallel_size", 1))
-    gib, util = float(v.get("gpu_memory_gib", 80)), float(v.get("gpu_memory_utilization", 0.85))
+    tp = int(vllm_setting(v, "tensor_parallel_size"))
+    gib = float(vllm_setting(v, "gpu_memory_gib"))
+    util = float(vllm_setting(v, "gpu_memory_utilization"))
     w = weight_bytes(target, config)
     budget = tp * gib * util * GIB
     allowed = WEIGHT_FRACTION * budget
@@ -510,7 +511,7 @@ def check_adapter(check: VllmCheck):
 def installed_facts(check: VllmCheck) -> VllmFacts | None:
     """The installed vLLM's facts, asked of the environment at vllm.python."""
     v = check.vllm
-    python = resolve_python(str(v.get("python", ".venv-vllm/bin/python")))
+    python = resolve_python(str(vllm_setting(v, "python")))
     if not (python.is_file() and os.access(python, os.X_OK)):
         check.problems.append(
             f"vllm.python={v.get('python')!r}: no vLLM environment there ({python} "
@@ -611,7 +612,7 @@ PATH_RETURNS = {
 
 def check_extraction_path(check: VllmCheck, adapter, facts: VllmFacts) -> None:
     """The extraction path, chosen exactly as eyrie.vllm.backend will choose it."""
-    requested = str(check.vllm.get("extraction_path", "auto"))
+    requested = str(vllm_setting(check.vllm, "extraction_path"))
     layer_ids = list(check.aux_ids) + [check.final_id]
     num_layers = check.info.num_hidden_layers
     layers = ExtractLayers(layer_ids, num_layers)
@@ -640,7 +641,7 @@ def vllm_checks(target: VllmTarget, settings: dict, *, facts: VllmFacts | None =
     folder, info, aux_ids = target.folder, target.info, target.aux_ids
     used = vllm_uses(settings)
     check = VllmCheck(folder, info, read_config(folder), v, used, aux_ids, target.final_id)
-    tp = int(v.get("tensor_parallel_size", 1))
+    tp = int(vllm_setting(v, "tensor_parallel_size"))
     check.report = base_report(check.used, tp)
     adapter = check_adapter(check)
     if facts is None and adapter is not None:
