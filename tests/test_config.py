@@ -150,6 +150,8 @@ def test_schema_enums_are_the_code_registries():
     from eyrie.extract.extractor import BACKENDS
     from eyrie.formats.codecs import STORAGE_DTYPES
     from eyrie.formats.draft import DRAFT_ARCHS
+    from eyrie.settings import REPORTERS
+    from eyrie.vllm.adapters import PATHS
 
     def enum(key):
         return key_schema(key)["enum"]
@@ -157,6 +159,8 @@ def test_schema_enums_are_the_code_registries():
     assert enum("extract.backend") == list(BACKENDS)
     assert sorted(enum("extract.storage_dtype")) == sorted(STORAGE_DTYPES)
     assert enum("train.draft_arch") == list(DRAFT_ARCHS)
+    assert enum("vllm.extraction_path") == list(PATHS)
+    assert key_schema("train.report_to")["items"]["enum"] == list(REPORTERS)
 
 
 # ----------------------------------------------------------------------------- the settings table
