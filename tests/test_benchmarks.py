@@ -1,6 +1,5 @@
 """Smoke tests of the benchmarks (read_path.py, page_cache_fill.py, extraction_gpu.py --tiny,
-training_gpu.py --tiny):
-small data, on the CPU, each script in a subprocess.
+training_gpu.py --tiny, long_record.py): small data, on the CPU, each script in a subprocess.
 
 Each checks that its script runs end to end and writes JSON with every cell and positive ratios;
 the figures themselves are in BENCHMARKS.md.
@@ -255,3 +254,13 @@ def test_vllm_extraction_benchmark_inputs_are_what_the_extractor_reads(tmp_path,
         settings = bench.settings(path, made["aux"], "float8_e4m3")
         assert is_rehearsal(settings)
         assert parse_settings(settings).storage_dtype == "float8_e4m3"
+
+
+def test_long_record_benchmark_small():
+    """benchmarks/long_record.py on a 0.05 MB record: both ways run and keep the same tokens."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "long_record.py"), "--mb", "0.05"]
+    cmd += ["--max-seq-len", "32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "first 32 tokens and mask equal: True" in proc.stdout
+    assert "| head (now) | 33 |" in proc.stdout
