@@ -29,6 +29,7 @@ from eyrie.evaluate.specdec import (
     speculative_generate,
     target_step,
 )
+from eyrie.io import LAST_GOOD
 
 TEXTS = [
     "the quick brown fox jumps over the lazy dog",
@@ -323,7 +324,7 @@ def test_cli_writes_json_and_png(case, tmp_path):
     assert report["provenance"]["settings"]["eval"]["num_speculative_tokens"] == K
     assert (tmp_path / "eval.png").read_bytes()[:4] == b"\x89PNG"
     # no temporaries left (.last-good: the report kept for a failed rerun, eyrie.io)
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != ".last-good"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != LAST_GOOD]
 
 
 def test_cli_mismatched_aux_ids_one_line_error(case, tmp_path, capsys):

@@ -24,6 +24,7 @@ from eyrie.demo.tokenizer import build_chat_tokenizer
 from eyrie.draft import DraftSpec, build_draft
 from eyrie.errors import EvaluateError
 from eyrie.evaluate.specdec import SpecStats
+from eyrie.io import LAST_GOOD
 from eyrie.train.export import export
 from eyrie.vllm import evaluate_vllm as ev
 
@@ -358,7 +359,8 @@ def test_requests_and_report(world, tmp_path, monkeypatch):
     assert report["hf"]["engine"] == {"name": "hf", "dtype": "float32", "device": "cpu"}
     assert report["provenance"]["settings"]["vllm"]["enforce_eager"] is True
     assert not stale.exists()  # a diagnostic from an earlier failed run is removed
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    # no temporaries left (.last-good: the report kept for a failed rerun, eyrie.io)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != LAST_GOOD]
 
 
 def test_differing_output_fails_with_diagnostic(world, tmp_path, monkeypatch, capsys):
