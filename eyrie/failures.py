@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TextIO
 
-from eyrie.io import LAST_GOOD
+from eyrie.io import last_good_path
 
 # What eyrie.cli prints: "eyrie <stage>: error: ..." (an EyrieError, an OSError the user fixes)
 # or, in a logging line, "eyrie <stage>: unexpected <Type>: ..." (a bug: its traceback follows).
@@ -29,12 +29,7 @@ def error_line(log: str | Path) -> str | None:
     """eyrie's error in `log` as one line: the first error line, its first detail line (an
     error listing several problems has one per line) and how many more there are; None if the
     log holds no eyrie error (the job was killed, or Snakemake failed it: its message says)."""
-    try:
-        with open(log, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - TAIL_BYTES))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return None
+    lines = _tail(log, TAIL_BYTES) or []
     for i, line in enumerate(lines):
         found = ERROR_LINE.search(line)
         if not found:
@@ -55,15 +50,19 @@ def error_line(log: str | Path) -> str | None:
     return None
 
 
-def last_line(log: str | Path, limit: int = 300) -> str | None:
-    """The last non-empty line of `log` (at most `limit` characters), or None."""
+def _tail(log: str | Path, size: int) -> list[str] | None:
+    """The lines of the last `size` bytes of `log`; None when it cannot be read."""
     try:
         with open(log, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - 4096))
-            lines = f.read().decode("utf-8", "replace").splitlines()
+            f.seek(max(0, f.seek(0, 2) - size))
+            return f.read().decode("utf-8", "replace").splitlines()
     except OSError:
         return None
-    lines = [line.strip() for line in lines if line.strip()]
+
+
+def last_line(log: str | Path, limit: int = 300) -> str | None:
+    """The last non-empty line of `log` (at most `limit` characters), or None."""
+    lines = [line.strip() for line in _tail(log, 4096) or [] if line.strip()]
     return lines[-1][:limit] if lines else None
 
 
@@ -101,8 +100,7 @@ def last_good(outputs: list[str]) -> str:
     deletes a job's outputs before it runs) whose last good copy eyrie kept (io.keep_last_good)."""
     kept = []
     for output in outputs:
-        path = Path(output)
-        copy = path.parent / LAST_GOOD / path.name
+        path, copy = Path(output), last_good_path(output)
         if not path.exists() and copy.is_file():
             kept.append(f"; the last good {path.name} is kept as {copy}")
     return "".join(kept)

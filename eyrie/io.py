@@ -106,12 +106,17 @@ def _remove(path: Path) -> None:
 LAST_GOOD = ".last-good"  # beside an output: its last good copy (keep_last_good)
 
 
+def last_good_path(path: str | Path) -> Path:
+    """Where keep_last_good keeps `path`'s last good copy."""
+    path = Path(path)
+    return path.parent / LAST_GOOD / path.name
+
+
 def keep_last_good(path: str | Path) -> Path:
     """Link a just-written output to `.last-good/<name>` beside it: Snakemake deletes a job's
     outputs before the job runs, so a rerun that fails would leave the user without the last
     good report; the failure lines name this copy (eyrie.failures)."""
-    path = Path(path)
-    keep = path.parent / LAST_GOOD / path.name
+    keep = last_good_path(path)
     keep.parent.mkdir(exist_ok=True)
     tmp = keep.with_name(f".{keep.name}.tmp-{os.getpid()}")
     _remove(tmp)
