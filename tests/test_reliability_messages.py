@@ -448,8 +448,8 @@ def test_regenerating_through_vllm_without_its_environment_fails_preflight(tmp_p
     with pytest.raises(PreflightError) as err:
         preflight(folder, None, tmp_path, settings)
     assert (
-        f"regenerate.backend: vllm, but vllm.python={str(tmp_path / 'none')!r} is no vLLM "
-        f"environment ({tmp_path / 'none'} is not an executable file); run bash "
+        f"regenerate.backend: vllm: vllm.python={str(tmp_path / 'none')!r}: no vLLM environment "
+        f"there ({tmp_path / 'none'} is not an executable file); run bash "
         "scripts/setup-vllm.sh" in str(err.value)
     )
 

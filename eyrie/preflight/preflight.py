@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from eyrie.arch.target import inspect_target, read_config, resolve_layer_ids
@@ -24,7 +23,7 @@ from eyrie.preflight.checks import (
     check_weights,
 )
 from eyrie.rehearsal import is_rehearsal, mark
-from eyrie.settings import load_settings, merge_settings, schema_default, vllm_setting, vllm_uses
+from eyrie.settings import load_settings, merge_settings, schema_default, vllm_uses
 from eyrie.store.fingerprint import content_digest
 from eyrie.vllm import preflight_checks as vllm_preflight
 
@@ -86,16 +85,8 @@ def target_entry(target: Path, info, tokenizer_hash: str | None) -> dict:
 def check_regenerate_env(loaded: dict, config: dict, check: Check) -> None:
     """regenerate.backend: vllm: the vLLM environment runs and imports vLLM (its jobs would fail
     only after their start, as the shell's "No such file or directory")."""
-    given = vllm_setting(loaded.get("vllm") or {}, "python")
-    python = vllm_preflight.resolve_python(given)
-    if not (python.is_file() and os.access(python, os.X_OK)):
-        check.problem(
-            f"regenerate.backend: vllm, but vllm.python={given!r} is no vLLM environment "
-            f"({python} is not an executable file); {vllm_preflight.SETUP_FIX}"
-        )
-        return
     try:
-        vllm_preflight.facts_for(python, [config])
+        vllm_preflight.facts_for(vllm_preflight.vllm_python(loaded.get("vllm") or {}), [config])
     except vllm_preflight.VllmEnvError as exc:
         check.problem(f"regenerate.backend: vllm: {exc}")
 

@@ -508,18 +508,23 @@ def check_adapter(check: VllmCheck):
     return adapter
 
 
-def installed_facts(check: VllmCheck) -> VllmFacts | None:
-    """The installed vLLM's facts, asked of the environment at vllm.python."""
-    v = check.vllm
+def vllm_python(v: dict) -> Path:
+    """The Python of the vLLM environment a `vllm` section names; VllmEnvError when that is not
+    an executable file."""
     python = resolve_python(str(vllm_setting(v, "python")))
     if not (python.is_file() and os.access(python, os.X_OK)):
-        check.problems.append(
+        raise VllmEnvError(
             f"vllm.python={v.get('python')!r}: no vLLM environment there ({python} "
             f"is not an executable file); {SETUP_FIX}"
         )
-        return None
-    check.report["python"] = str(python)
+    return python
+
+
+def installed_facts(check: VllmCheck) -> VllmFacts | None:
+    """The installed vLLM's facts, asked of the environment at vllm.python."""
     try:
+        python = vllm_python(check.vllm)
+        check.report["python"] = str(python)
         got = facts_for(python, [check.config])[0]
     except VllmEnvError as exc:
         check.problems.append(str(exc))
