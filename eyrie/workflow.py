@@ -276,6 +276,20 @@ def settings_param(config: dict, rule: str) -> str:
 # ----------------------------------------------------------------------------- parse-time setup
 
 
+class ComparedAs(str):
+    """A rule's param whose text (what the shell gets) differs from what Snakemake's params
+    trigger compares (its repr(): `compared`): the target folder now, compared as the path the
+    same content was first given as (eyrie.store.fingerprint.track_target's "given")."""
+
+    def __new__(cls, text: str, compared: str):
+        obj = super().__new__(cls, text)
+        obj.compared = compared
+        return obj
+
+    def __repr__(self) -> str:
+        return repr(self.compared)
+
+
 def engine_sockets(results: str, shards: list[str], group_size: int) -> list[str]:
     """The engine socket of every group of shards (shard i is in group i // group_size)."""
     groups = sorted({int(s) // group_size for s in shards})

@@ -9,8 +9,8 @@ import sys
 from eyrie.errors import TargetError
 from eyrie.rehearsal import run_name
 from eyrie.settings import config_file, settings_json, workflow_config
-from eyrie.store.fingerprint import ComparedAs, demo_weights_changed, track_target
-from eyrie.workflow import engine_sockets, prepare, runtime_settings, settings_param
+from eyrie.store.fingerprint import demo_weights_changed, track_target
+from eyrie.workflow import ComparedAs, engine_sockets, prepare, runtime_settings, settings_param
 
 
 configfile: config_file(os.path.join(workflow.basedir, "config", "config.yaml"))

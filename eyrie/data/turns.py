@@ -375,12 +375,13 @@ def _encode_head(tokenizer, text: str, spans: list, max_tokens: int | None) -> t
     otherwise C doubles, up to the whole text. Every id returned past max_tokens is a real
     token of the text, so a sample is still counted as cut."""
     cut = HEAD_CHARS_PER_TOKEN * max_tokens if max_tokens else len(text)
+    head = None
     while 2 * cut < len(text):
-        ids, mask = _encode_with_offsets(tokenizer, text[:cut], _clipped(spans, cut))
-        longer, _ = _encode_with_offsets(tokenizer, text[: 2 * cut], _clipped(spans, 2 * cut))
-        if len(ids) > max_tokens and ids[:max_tokens] == longer[:max_tokens]:
+        ids, mask = head or _encode_with_offsets(tokenizer, text[:cut], _clipped(spans, cut))
+        head = _encode_with_offsets(tokenizer, text[: 2 * cut], _clipped(spans, 2 * cut))
+        if len(ids) > max_tokens and ids[:max_tokens] == head[0][:max_tokens]:
             return ids[: max_tokens + 1], mask[: max_tokens + 1]
-        cut *= 2
+        cut *= 2  # the longer head, encoded already, is the next one tried
     return _encode_with_offsets(tokenizer, text, spans)
 
 

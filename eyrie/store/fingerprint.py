@@ -196,7 +196,7 @@ def track_target(target: str | Path, out_dir: str | Path) -> dict[str, str]:
             },
         )
     # target.path as given when this content was first seen: the rules compare it (their
-    # params), so a symlink or a copy of the same folder reruns nothing (target_param)
+    # params, eyrie.workflow.ComparedAs), so a symlink or a copy of the same folder reruns nothing
     same = all(old.get("digest") == new["digest"] for old, new in records.values())
     given = records["weights"][0].get("given") if same else None
     for group, (old, record) in records.items():
@@ -214,20 +214,6 @@ def track_target(target: str | Path, out_dir: str | Path) -> dict[str, str]:
         paths[group] = str(path)
     paths["given"] = given or str(target)
     return paths
-
-
-class ComparedAs(str):
-    """A rule's param: its text (what the shell gets) is the target folder now, while
-    Snakemake's params trigger compares repr(), which is `compared`: the path the same content
-    was first given as (track_target's "given")."""
-
-    def __new__(cls, text: str, compared: str):
-        obj = super().__new__(cls, text)
-        obj.compared = compared
-        return obj
-
-    def __repr__(self) -> str:
-        return repr(self.compared)
 
 
 def content_digest(target: str | Path) -> str:

@@ -123,7 +123,7 @@ class Store:
         damage = _damage(entry, outputs)
         if damage:  # an output is a link to its entry: truncating one cut both
             log.warning("store: %s is damaged (%s): removed; computing the output", entry, damage)
-            shutil.rmtree(entry, ignore_errors=True)
+            _remove_entry(entry)
             return False
         try:
             for name, dest in outputs.items():
@@ -206,9 +206,13 @@ class Store:
         return _damage(entry.path, names)
 
     def remove(self, entry: Entry) -> None:
-        """Remove an entry (entry.json first: a half-removed entry is never restored)."""
-        (entry.path / ENTRY).unlink(missing_ok=True)
-        shutil.rmtree(entry.path, ignore_errors=True)
+        _remove_entry(entry.path)
+
+
+def _remove_entry(folder: Path) -> None:
+    """Remove an entry's folder, entry.json first: a half-removed entry is never restored."""
+    (folder / ENTRY).unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _damage(entry: Path, names) -> str | None:
