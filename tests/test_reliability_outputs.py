@@ -48,6 +48,13 @@ def _same_mtime_copy(src_bytes: bytes, dest: Path) -> None:
     os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def run_snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    """The workflow on `workdir`'s config.yaml, failing or not (the tests read its output)."""
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir)]
+    cmd += ["--configfile", str(workdir / "config.yaml"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
 @pytest.fixture(scope="module")
 def user_run(tmp_path_factory):
     """The tiny workflow, run to completion against a user target (the demo target copied into
@@ -150,15 +157,7 @@ def test_a_failed_export_keeps_the_draft_vllm_serves(user_run, tmp_path):
     broken = json.loads(summary.read_text())
     broken["target"]["fingerprint"] = "0" * 16
     summary.write_text(json.dumps(broken))
-    proc = subprocess.run(
-        [
-            *[sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")],
-            *["-d", str(work), "--configfile", str(work / "config.yaml"), "--cores", "2"],
-            *["-f", "results/tiny/draft.json"],
-        ],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_snakemake(work, "--cores", "2", "-f", "results/tiny/draft.json")
     assert proc.returncode != 0
     assert "the draft was trained for target fingerprint" in proc.stdout + proc.stderr
     assert not (work / "results/tiny/draft.json").exists()
@@ -290,14 +289,7 @@ def test_a_damaged_entry_is_never_restored(tmp_path, caplog):
 def test_a_missing_target_folder_is_one_line_at_parse_time(tmp_path):
     write_config(tmp_path, target__path=str(tmp_path / "no such model"))
     (tmp_path / "convs.jsonl").touch()
-    proc = subprocess.run(
-        [
-            *[sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")],
-            *["-d", str(tmp_path), "--configfile", str(tmp_path / "config.yaml"), "-n"],
-        ],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_snakemake(tmp_path, "-n")
     eyrie = [ln for ln in proc.stderr.splitlines() if ln.startswith("eyrie")]
     assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
     assert eyrie == [
@@ -420,14 +412,7 @@ def test_a_deleted_draft_version_is_named_at_parse_time(user_run, tmp_path):
     shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
     version = json.loads((work / "results/tiny/draft.json").read_text())["version"]
     shutil.rmtree(work / version)
-    proc = subprocess.run(
-        [
-            *[sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")],
-            *["-d", str(work), "--configfile", str(work / "config.yaml"), "-n"],
-        ],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_snakemake(work, "-n")
     assert proc.returncode == 0
     assert [ln for ln in proc.stderr.splitlines() if ln.startswith("eyrie")] == [
         f"eyrie config: warning: results/tiny/draft.json names the draft {version}, which is "
@@ -443,14 +428,7 @@ def test_a_failed_rerun_names_where_the_last_good_report_is(user_run, tmp_path):
     shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
     good = (work / "results/tiny/preflight.json").read_text()
     write_config(work, target__path="my target", layers__aux_ids=[1, 2, 40])
-    proc = subprocess.run(
-        [
-            *[sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")],
-            *["-d", str(work), "--configfile", str(work / "config.yaml"), "--cores", "2"],
-        ],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_snakemake(work, "--cores", "2")
     assert proc.returncode != 0
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("failed rule preflight:")]
     assert line.endswith(
