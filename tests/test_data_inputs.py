@@ -266,7 +266,7 @@ def test_a_long_record_is_tokenized_by_its_head_to_the_same_tokens(monkeypatch):
     """A record far longer than max_seq_len: only a head of its text is tokenized (a whole
     60 MB record took 24 GB and 3.5 minutes to keep 256 tokens), and the tokens and mask kept
     are those of the whole text cut to max_seq_len. Short texts are encoded whole."""
-    from eyrie.data import turns
+    from eyrie.data import encoding, turns
 
     tok = family_tokenizer("llama3")
     words = " ".join(f"w{i % 97}x{i % 13}" for i in range(20000))
@@ -277,14 +277,14 @@ def test_a_long_record_is_tokenized_by_its_head_to_the_same_tokens(monkeypatch):
         conv = to_conversation({"messages": messages})
         (whole,) = turns.masked_samples(tok, conv, MaskSettings("prefix")).samples
         encoded = []
-        real = turns._encode_with_offsets
+        real = encoding.encode_with_offsets
         monkeypatch.setattr(
-            turns,
-            "_encode_with_offsets",
+            encoding,
+            "encode_with_offsets",
             lambda t, text, spans: encoded.append(len(text)) or real(t, text, spans),
         )
         (head,) = turns.masked_samples(tok, conv, MaskSettings("prefix"), max_tokens=64).samples
-        monkeypatch.setattr(turns, "_encode_with_offsets", real)
+        monkeypatch.setattr(encoding, "encode_with_offsets", real)
         assert head[0] == whole[0][:65] and head[1] == whole[1][:65]
         assert max(encoded) < len(words) // 10  # never the whole text
 

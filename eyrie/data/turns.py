@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 
 from eyrie.data.chat import ChatTemplate
+from eyrie.data.encoding import encode_head
 from eyrie.data.records import Conversation, RecordError
 from eyrie.errors import DataError
 
@@ -355,73 +356,13 @@ def masked_samples(
 ) -> Masked:
     """The training samples of one conversation under `settings.mode`, encoded with their loss
     masks; RecordError if the template fails (or, mode prefix, is not prefix-stable for it).
-    With `max_tokens`, a sample's tokens past it may be left out (see _encode_head)."""
+    With `max_tokens`, a sample's tokens past it may be left out (eyrie.data.encoding)."""
     tpl = as_template(template)
     samples, mode, counts = conversation_samples(tpl, conv, settings.mode)
     if not settings.train_reasoning:
         samples = [_reasoning_excluded(s, conv) for s in samples]
-    encoded = [_encode_head(tpl.tokenizer, s.text, s.spans, max_tokens) for s in samples]
+    encoded = [encode_head(tpl.tokenizer, s.text, s.spans, max_tokens) for s in samples]
     return Masked(encoded, mode, counts)
-
-
-HEAD_CHARS_PER_TOKEN = 16  # the first cut of a long text: this many characters per token kept
-
-
-def _encode_head(tokenizer, text: str, spans: list, max_tokens: int | None) -> tuple:
-    """`_encode_with_offsets` of `text`, or, when `text` is far longer than `max_tokens` tokens
-    can be, of a head of it: tokenizing a whole 60 MB record took 24 GB of memory to keep 2,048
-    tokens. A head of C characters is used when its first max_tokens ids equal those of the
-    head of 2C characters (a cut changes only the tokens near it) and there are more of them;
-    otherwise C doubles, up to the whole text. Every id returned past max_tokens is a real
-    token of the text, so a sample is still counted as cut."""
-    cut = HEAD_CHARS_PER_TOKEN * max_tokens if max_tokens else len(text)
-    head = None
-    while 2 * cut < len(text):
-        ids, mask = head or _encode_with_offsets(tokenizer, text[:cut], _clipped(spans, cut))
-        head = _encode_with_offsets(tokenizer, text[: 2 * cut], _clipped(spans, 2 * cut))
-        if len(ids) > max_tokens and ids[:max_tokens] == head[0][:max_tokens]:
-            return ids[: max_tokens + 1], mask[: max_tokens + 1]
-        cut *= 2  # the longer head, encoded already, is the next one tried
-    return _encode_with_offsets(tokenizer, text, spans)
-
-
-def _clipped(spans: list, end: int) -> list:
-    return [(a, min(b, end)) for a, b in spans if a < end]
-
-
-def _encode_with_offsets(
-    tokenizer, text: str, spans: list[tuple[int, int]]
-) -> tuple[list[int], list[int]]:
-    """Token ids of `text` and, per token, 1 when the token starts inside one of `spans`."""
-    if getattr(tokenizer, "is_fast", False):
-        enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
-        ids = list(enc["input_ids"])
-        starts = [start for start, _ in enc["offset_mapping"]]
-        mask, k = [], 0
-        for start in starts:  # spans are sorted and disjoint; starts are non-decreasing
-            while k < len(spans) and start >= spans[k][1]:
-                k += 1
-            mask.append(int(k < len(spans) and spans[k][0] <= start))
-        return ids, mask
-    # Slow tokenizers (tiktoken-based remote code) give no offsets: encode the pieces between span
-    # boundaries, valid only when they join to the whole text's encoding.
-    ids, mask, pos = [], [], 0
-    for a, b in spans:
-        for piece, bit in ((text[pos:a], 0), (text[a:b], 1)):
-            piece_ids = tokenizer.encode(piece, add_special_tokens=False) if piece else []
-            ids += piece_ids
-            mask += [bit] * len(piece_ids)
-        pos = b
-    tail = tokenizer.encode(text[pos:], add_special_tokens=False) if text[pos:] else []
-    ids += tail
-    mask += [0] * len(tail)
-    if ids != list(tokenizer.encode(text, add_special_tokens=False)):
-        raise RecordError(
-            "template_error",
-            "tokenizer gives no offsets and a token crosses an assistant "
-            "span boundary; use a fast tokenizer (tokenizer.json)",
-        )
-    return ids, mask
 
 
 def render_with_mask(template, messages: list[dict]) -> tuple[list[int], list[int]]:
