@@ -23,6 +23,6 @@ rule all:
 
 # A failed run ends with one line per failed job: its rule, eyrie's error line and the log.
 onerror:
-    from eyrie.failures import report_failures
+    from eyrie.core.failures import report_failures
 
     report_failures(workflow)

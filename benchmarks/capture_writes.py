@@ -1,6 +1,6 @@
 """The capture path's last leg on the host, side by side in one run: request files in /dev/shm
-(written by eyrie.vllm.requestfile, as the capture worker writes them) into an HDF5 shard on
-local disk, by the extractor's writer threads (extractor._Writers), three ways:
+(written by eyrie.extract.requestfile, as the capture worker writes them) into an HDF5 shard on
+local disk, by the extractor's writer threads (batches.Writers), three ways:
 
   (a) the disk's raw write rate for the same bytes (pwrite threads from one buffer);
   (b) "mapped": each call's files mapped and written as one batch by one writer
@@ -36,8 +36,8 @@ def make_files(scratch: Path, lengths: list[int], n_aux: int, H: int, storage: s
     """One request file per prompt, of random finite states in their stored representation."""
     import torch
 
+    from eyrie.extract.requestfile import request_path, write_request
     from eyrie.formats.codecs import stored_tensors
-    from eyrie.vllm.requestfile import request_path, write_request
 
     paths, g = [], torch.Generator().manual_seed(0)
     for n, T in enumerate(lengths):
@@ -52,7 +52,7 @@ def make_files(scratch: Path, lengths: list[int], n_aux: int, H: int, storage: s
 
 def mapped(path: Path) -> dict[str, np.ndarray]:
     """(b)'s reader: the file's arrays as views of its mapping."""
-    from eyrie.vllm.requestfile import RequestFile
+    from eyrie.extract.requestfile import RequestFile
 
     f = RequestFile(path)
     m = mmap.mmap(f.fd, 0, prot=mmap.PROT_READ)
@@ -66,10 +66,10 @@ def mapped(path: Path) -> dict[str, np.ndarray]:
 
 def run(kind: str, root: Path, lengths: list[int], n_aux: int, H: int, storage: str) -> float:
     """Seconds to write every prompt's files into a new shard, `kind` mapped | sendfile."""
-    from eyrie.extract.extractor import WRITERS, FileBatch, StagedBatch, _Writers
+    from eyrie.extract.batches import WRITERS, FileBatch, StagedBatch, Writers
+    from eyrie.extract.requestfile import BAD, TOKEN_IDS, RequestFile
+    from eyrie.extract.vllm_backend import _CloseWithLast, _parts
     from eyrie.formats.hidden import ShardMeta, ShardWriter
-    from eyrie.vllm.backend import _CloseWithLast, _parts
-    from eyrie.vllm.requestfile import BAD, TOKEN_IDS, RequestFile
 
     scratch = Path(tempfile.mkdtemp(dir="/dev/shm"))
     paths = make_files(scratch, lengths, n_aux, H, storage)
@@ -86,7 +86,7 @@ def run(kind: str, root: Path, lengths: list[int], n_aux: int, H: int, storage: 
     shard = root / f"{kind}.h5"
     t0 = time.perf_counter()
     with ShardWriter(shard, meta, [str(j) for j in range(len(lengths))], ids, ids) as w:
-        with _Writers(w) as writers:
+        with Writers(w) as writers:
             for call in calls:
                 if kind == "mapped":
                     got = [mapped(paths[j]) for j in call]

@@ -128,7 +128,7 @@ def sync(device: str) -> None:
 
 def bare_forward(model, ids: list[np.ndarray], max_tokens: int, device: str) -> float:
     """(a): the same length-sorted padded batches as eyrie's, forward only."""
-    from eyrie.extract.extractor import plan_batches
+    from eyrie.extract.batches import plan_batches
 
     batches = plan_batches([len(x) for x in ids], max_tokens)
     sync(device)
@@ -301,7 +301,7 @@ def run_shape(shape: str, args, device: str, work: Path) -> dict:
     )
     row["eyrie_vs_bare"] = row["eyrie_tok_s"] / row["bare_tok_s"]
     row["eyrie_vs_naive"] = row["eyrie_tok_s"] / row["naive_tok_s"]
-    from eyrie.extract.extractor import WRITERS
+    from eyrie.extract.batches import WRITERS
 
     # (d) right after (b), like (b)'s second pass: into a page cache holding (b)'s dirty pages
     raw_s = raw_writes(work / shape / "raw.bin", row["shard_bytes"], WRITERS)

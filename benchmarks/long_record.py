@@ -4,8 +4,8 @@ encodes against the whole text (what tokenization did before), time and peak mem
     python benchmarks/long_record.py [--mb 6] [--max-seq-len 256]
 
 Each way runs in its own process (peak RSS from getrusage), on a tiny chat target of
-tests/train_helpers (character-level tokens: the worst case per byte) and a record whose user
-turn is `--mb` MB of text; both must keep the same tokens and mask. Prints the table for
+tests/support/train_helpers (character-level tokens: the worst case per byte) and a record whose
+user turn is `--mb` MB of text; both must keep the same tokens and mask. Prints the table for
 BENCHMARKS.md ("A very long record").
 """
 
@@ -53,8 +53,8 @@ def main() -> int:
     parser.add_argument("--mb", type=float, default=6.0)
     parser.add_argument("--max-seq-len", type=int, default=256)
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO / "tests"))
-    from train_helpers import save_chat_target
+    sys.path.insert(0, str(REPO))
+    from tests.support.train_helpers import save_chat_target
 
     with tempfile.TemporaryDirectory() as tmp:
         target = save_chat_target(

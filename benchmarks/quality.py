@@ -149,7 +149,7 @@ class Run:
     """One workflow folder: where its outputs are, and the settings its rules compared."""
 
     def __init__(self, workdir: Path, cfg: dict):
-        from eyrie.settings import validate_config
+        from eyrie.config.schema import validate_config
 
         self.workdir, self.cfg = workdir, validate_config(cfg)
         self.name = cfg["target"]["name"]
@@ -164,7 +164,7 @@ class Run:
         return sorted((self.res / "hidden").glob("shard_*.h5"))
 
     def settings(self, rule: str, K: int) -> str:
-        from eyrie.workflow import settings_param
+        from eyrie.config.rules import settings_param
 
         cfg = json.loads(json.dumps(self.cfg))
         cfg["eval"]["num_speculative_tokens"] = K

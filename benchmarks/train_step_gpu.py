@@ -68,8 +68,9 @@ def setup():
 
 
 def build(shape, d2t, t2d, attn: str):
-    """The draft as `eyrie train` builds it (eyrie.draft.build_draft, seed 0), on the device."""
-    from eyrie.draft import DraftSpec, build_draft
+    """The draft as `eyrie train` builds it (eyrie.arch.draft.build_draft, seed 0), on the
+    device."""
+    from eyrie.arch.draft import DraftSpec, build_draft
 
     spec = DraftSpec(shape["aux"], num_layers=1, ttt_steps=3, attn_impl=attn)
     model = build_draft(WORK / "target", spec, d2t, t2d, seed=0)

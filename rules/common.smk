@@ -1,16 +1,16 @@
 # The validated config, the paths every rule uses, and the helpers that build params from
-# eyrie.workflow's settings table (docs/contracts.md).
+# eyrie.config.rules's settings table (docs/contracts.md).
 
 import json
 import os
 import shlex
 import sys
 
-from eyrie.errors import TargetError
-from eyrie.rehearsal import run_name
-from eyrie.settings import config_file, settings_json, workflow_config
+from eyrie.core.errors import TargetError
+from eyrie.core.rehearsal import run_name
+from eyrie.config.schema import config_file, settings_json, workflow_config
 from eyrie.store.fingerprint import demo_weights_changed, track_target
-from eyrie.workflow import ComparedAs, engine_sockets, prepare, runtime_settings, settings_param
+from eyrie.config.rules import ComparedAs, engine_sockets, prepare, runtime_settings, settings_param
 
 
 configfile: config_file(os.path.join(workflow.basedir, "config", "config.yaml"))
@@ -97,7 +97,7 @@ TARGET_ARG = shlex.quote(TARGET)
 # first given as, so a symlink or a copy of the same folder reruns nothing.
 TARGET_PARAM = TARGET_ARG if DEMO else ComparedAs(TARGET_ARG, shlex.quote(_tracked["given"]))
 
-# The rules' `eyrie` on the PATH and the engine socket placeholders (eyrie.workflow.prepare).
+# The rules' `eyrie` on the PATH and the engine socket placeholders (eyrie.config.rules.prepare).
 prepare(
     workflow.basedir,
     sys.executable,

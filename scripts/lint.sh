@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The lint gates of the test suite (tests/test_lint.py, tests/test_layout.py), runnable alone:
+# The lint gates of the test suite (tests/house/test_lint.py, tests/house/test_layout.py), runnable alone:
 # ruff check and ruff format (settings in pyproject.toml), snakefmt over the Snakefile and rules/,
-# `snakemake --lint` (less the lints tests/test_lint.py keeps) and a dry run of the tiny config (.test/config.yaml), the import boundaries.
+# `snakemake --lint` (less the lints tests/house/test_lint.py keeps) and a dry run of the tiny config (.test/config.yaml), the import boundaries.
 # Every gate runs; the exit status is 1 if any failed.
 #   bash scripts/lint.sh         check
 #   bash scripts/lint.sh --fix   first rewrite what the formatters can (ruff --fix, ruff format,
@@ -27,9 +27,9 @@ gate "ruff check" $PY -m ruff check --output-format concise .
 gate "ruff format" $PY -m ruff format --check .
 gate "snakefmt" $PY -m snakefmt --check --compact-diff Snakefile rules/
 # snakemake --lint exits 1 while any lint is left: the test keeps the reasoned ones (KEPT_LINTS)
-gate "snakemake --lint" $PY -m pytest -q -p no:cacheprovider tests/test_lint.py -k snakemake_lint
+gate "snakemake --lint" $PY -m pytest -q -p no:cacheprovider tests/house/test_lint.py -k snakemake_lint
 gate "dry run of .test/config.yaml" "${smk[@]}" -n --quiet
-gate "import boundaries" $PY -m pytest -q -p no:cacheprovider tests/test_layout.py
+gate "import boundaries" $PY -m pytest -q -p no:cacheprovider tests/house/test_layout.py
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'lint: failed: %s\n' "$(IFS=,; echo "${failed[*]}" | sed 's/,/, /g')"
   exit 1

@@ -1,6 +1,7 @@
 """Count, per published chat template, the assistant turns trained exactly as the model generates
-them: the trained text of every conversation of tests/template_cases.py against the golden text of
-tests/templates/golden.json (the reviewed spec), at this tree and at another revision.
+them: the trained text of every conversation of tests/support/template_cases.py against the
+golden text of tests/templates/golden.json (the reviewed spec), at this tree and at another
+revision.
 
     python scripts/template_turns.py                 # this tree
     python scripts/template_turns.py --rev 105e150   # that revision too (a git worktree)
@@ -30,7 +31,7 @@ TESTS = REPO / "tests"
 
 def trained_runs() -> dict:
     """{template: {case: [trained text runs] or None (dropped)}} by the eyrie on sys.path."""
-    sys.path.insert(0, str(TESTS))
+    sys.path.insert(0, str(TESTS / "support"))
     from template_cases import CASES, PUBLISHED, standin_tokenizer, trained_text
 
     from eyrie.data.records import RecordError, to_conversation

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from eyrie.errors import TargetError, VllmAdapterError
+from eyrie.core.errors import TargetError, VllmAdapterError
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyrie.arch.registry import Architecture, architecture_for
-from eyrie.errors import TargetError
+from eyrie.core.errors import TargetError
 
 # Files whose bytes define the tokenizer (hashed into every shard).
 TOKENIZER_FILES = (

@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eyrie.core.errors import DataError
 from eyrie.data.records import RecordError, _one_line
-from eyrie.errors import DataError
 
 # The files transformers builds a tokenizer from (its tokenizers' vocab_files_names): a fast
 # tokenizer.json, a sentencepiece *.model (tokenizer.model, spiece.model, ...), BPE or WordPiece
@@ -213,7 +213,7 @@ class ChatTemplate:
         cls, target: str | Path, trust_remote_code: bool = False, kwargs: dict | None = None
     ) -> ChatTemplate:
         """The target folder's template (load_chat_tokenizer's checks) with its stop tokens."""
-        from eyrie.errors import TargetError
+        from eyrie.core.errors import TargetError
 
         tokenizer = load_chat_tokenizer(target, trust_remote_code)
         try:

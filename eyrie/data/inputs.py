@@ -18,8 +18,8 @@ from typing import IO, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eyrie.core.errors import DataError
 from eyrie.data.records import REASONS, RawRecord, RecordError, _one_line
-from eyrie.errors import DataError
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet")
 

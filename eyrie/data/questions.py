@@ -16,9 +16,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eyrie.errors import DataError
+from eyrie.core.errors import DataError
+from eyrie.core.io import atomic_path
 from eyrie.formats.tokenized import EVAL_SCHEMA
-from eyrie.io import atomic_path
 
 FORMAT = 'one JSON object a line: {"question_id": ..., "turns": ["first user turn", ...]}'
 
@@ -82,7 +82,7 @@ def write_eval_set(path: str | Path, prompts: list[tuple[str, list[int]]]) -> No
 
 
 def add_arguments(parser) -> None:
-    from eyrie.runtime import settings_arg
+    from eyrie.core.runtime import settings_arg
 
     parser.add_argument("--target", required=True, help="target model folder (its chat template)")
     parser.add_argument("--questions", required=True, help="question.jsonl (MT-Bench format)")

@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from eyrie.errors import EyrieError
+from eyrie.core.errors import EyrieError
 
 # reason -> what the user can do about it
 REASONS = {

@@ -15,6 +15,9 @@ import json
 import logging
 from pathlib import Path
 
+from eyrie.core.errors import DataError
+from eyrie.core.io import provenance
+from eyrie.core.runtime import auto_device
 from eyrie.data.chat import end_token_ids, load_chat_tokenizer
 from eyrie.data.regeneration import (
     Generated,
@@ -26,9 +29,6 @@ from eyrie.data.regeneration import (
     split_at_end,
     target_context,
 )
-from eyrie.errors import DataError
-from eyrie.io import provenance
-from eyrie.runtime import auto_device
 
 log = logging.getLogger(__name__)
 

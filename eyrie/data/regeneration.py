@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Protocol
 
 from eyrie.arch.target import read_config
+from eyrie.config.schema import load_settings, schema_default
+from eyrie.core.errors import DataError
+from eyrie.core.io import atomic_path
 from eyrie.data.chat import ChatTemplate
 from eyrie.data.inputs import read_records
 from eyrie.data.records import (
@@ -30,9 +33,6 @@ from eyrie.data.records import (
     _one_line,
     to_conversation,
 )
-from eyrie.errors import DataError
-from eyrie.io import atomic_path
-from eyrie.settings import load_settings, schema_default
 from eyrie.store import store
 from eyrie.store.fingerprint import content_digest
 
@@ -94,7 +94,7 @@ class RegenSettings:
 
 def add_shard_arguments(parser: argparse.ArgumentParser, settings_help: str) -> None:
     """The arguments both regenerate entries take (the rule's command line)."""
-    from eyrie.runtime import settings_arg
+    from eyrie.core.runtime import settings_arg
 
     parser.add_argument("--target", required=True, help="the target model folder")
     parser.add_argument(

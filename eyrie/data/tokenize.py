@@ -19,6 +19,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eyrie.config.schema import load_settings
+from eyrie.core.errors import DataError, TargetError
+from eyrie.core.io import atomic_path, keep_last_good, provenance
 from eyrie.data.chat import ChatTemplate
 from eyrie.data.inputs import read_records
 from eyrie.data.records import (
@@ -36,10 +39,7 @@ from eyrie.data.turns import (
     prompt_ids,
     template_traits,
 )
-from eyrie.errors import DataError, TargetError
 from eyrie.formats.tokenized import EVAL_SCHEMA, SHARD_SCHEMA
-from eyrie.io import atomic_path, keep_last_good, provenance
-from eyrie.settings import load_settings
 
 log = logging.getLogger(__name__)
 
@@ -569,7 +569,7 @@ def _warn(report: dict) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eyrie.runtime import settings_arg
+    from eyrie.core.runtime import settings_arg
 
     parser.add_argument(
         "--target", required=True, help="Hugging Face model folder with the tokenizer"

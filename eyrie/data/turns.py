@@ -16,10 +16,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from eyrie.core.errors import DataError
 from eyrie.data.chat import ChatTemplate
 from eyrie.data.encoding import encode_head
 from eyrie.data.records import Conversation, RecordError
-from eyrie.errors import DataError
 
 GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 

@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyrie.errors import VocabError
-from eyrie.io import atomic_path, provenance, write_json
+from eyrie.core.errors import VocabError
+from eyrie.core.io import atomic_path, provenance, write_json
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def _coverage(counts: np.ndarray, draft_ids: np.ndarray) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eyrie.runtime import settings_arg
+    from eyrie.core.runtime import settings_arg
 
     parser.add_argument(
         "--target", required=True, help="Hugging Face model folder (config.json vocab_size)"

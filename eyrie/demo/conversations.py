@@ -22,9 +22,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyrie.core.errors import ConversationsError
+from eyrie.core.io import atomic_path, provenance, write_json
 from eyrie.demo.corpus import demo_settings, read_conversations
-from eyrie.errors import ConversationsError
-from eyrie.io import atomic_path, provenance, write_json
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +345,7 @@ def write_conversations(out: str | Path, settings: dict) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eyrie.runtime import settings_arg
+    from eyrie.core.runtime import settings_arg
 
     parser.add_argument("--out", required=True, type=Path, help="conversations.jsonl to write")
     parser.add_argument(

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eyrie.errors import ConversationsError, EyrieError
-from eyrie.settings import load_settings
+from eyrie.config.schema import load_settings
+from eyrie.core.errors import ConversationsError, EyrieError
 
 ROLES = ("system", "user", "assistant")
 

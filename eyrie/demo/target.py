@@ -26,11 +26,11 @@ from transformers import (
     LlamaForCausalLM,
 )
 
+from eyrie.core.errors import EyrieError
+from eyrie.core.io import atomic_path, provenance, write_json
+from eyrie.core.runtime import auto_device
 from eyrie.demo.corpus import demo_settings, read_conversations
 from eyrie.demo.tokenizer import build_chat_tokenizer
-from eyrie.errors import EyrieError
-from eyrie.io import atomic_path, provenance, write_json
-from eyrie.runtime import auto_device
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ def _validate_folder(path: Path, model) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eyrie.runtime import settings_arg
+    from eyrie.core.runtime import settings_arg
 
     parser.add_argument(
         "--conversations",

@@ -14,7 +14,11 @@ from pathlib import Path
 
 import torch
 
-from eyrie.errors import EvaluateError
+from eyrie.config.schema import load_settings
+from eyrie.core.errors import EvaluateError
+from eyrie.core.io import atomic_path, keep_last_good, provenance, write_json
+from eyrie.core.rehearsal import draft_is_rehearsal, refusal
+from eyrie.core.runtime import auto_device, auto_dtype
 from eyrie.evaluate.specdec import (
     Decoding,
     Eagle3Proposer,
@@ -25,10 +29,6 @@ from eyrie.evaluate.specdec import (
 from eyrie.formats.report import read_report
 from eyrie.formats.tokenized import read_prompts
 from eyrie.formats.vocab import read_vocab
-from eyrie.io import atomic_path, keep_last_good, provenance, write_json
-from eyrie.rehearsal import draft_is_rehearsal, refusal
-from eyrie.runtime import auto_device, auto_dtype
-from eyrie.settings import load_settings
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class EvalInputs:
 def check_inputs(paths: EvalPaths, cfg: EvalSettings) -> EvalInputs:
     """Every input checked against the target before any model is loaded."""
     from eyrie.arch.target import inspect_target
-    from eyrie.errors import TargetError
+    from eyrie.core.errors import TargetError
 
     try:
         info = inspect_target(paths.target)
@@ -269,7 +269,7 @@ def build_proposers(target: str | Path, inputs: EvalInputs, device: str, dtype: 
     """{"trained": the exported draft, "untrained": a fresh draft of the same shape (the
     baseline, seeded with UNTRAINED_SEED)} as EAGLE-3 proposers on `device` in `dtype` (the
     target's, as vLLM runs a draft)."""
-    from eyrie.draft import DraftSpec, build_draft
+    from eyrie.arch.draft import DraftSpec, build_draft
 
     draft = inputs.draft
     tl = draft.config.transformer_layer_config
@@ -430,7 +430,7 @@ def evaluate(paths: EvalPaths, settings: dict) -> dict:
 
 
 def add_arguments(parser) -> None:
-    from eyrie.runtime import settings_arg
+    from eyrie.core.runtime import settings_arg
 
     parser.add_argument("--target", required=True, help="target model folder")
     parser.add_argument("--draft", required=True, help="exported draft folder (speculators format)")

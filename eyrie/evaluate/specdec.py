@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from eyrie.arch.hooks import capture_hidden_states
-from eyrie.errors import EvaluateError
+from eyrie.core.errors import EvaluateError
 
 # propose(token_ids [T+1] int64, aux_states [T, A*H] float, k) -> k target token ids.
 # token_ids is the context plus the target's latest (not yet verified-upon) token;

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from eyrie.errors import EngineError
+from eyrie.core.errors import EngineError
 from eyrie.extract.protocol import READ_TIMEOUT_S, error_reply, read_line, send, sun_path
 
 log = logging.getLogger(__name__)
@@ -252,7 +252,7 @@ class Load:
     def extractor(self):
         """The loaded Extractor (the one model load)."""
         if self.torch_threads:
-            from eyrie.runtime import set_torch_threads
+            from eyrie.core.runtime import set_torch_threads
 
             set_torch_threads(self.torch_threads)
         from eyrie.extract.extractor import Extractor
@@ -343,7 +343,7 @@ def _load_and_serve(engine: Engine, load: Load) -> int:
 
 
 def add_arguments(parser) -> None:
-    from eyrie.runtime import settings_arg
+    from eyrie.core.runtime import settings_arg
 
     parser.add_argument(
         "--socket", required=True, help="unix socket to serve (whatever is there is replaced)"

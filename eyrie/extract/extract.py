@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eyrie.core.io import remove_stale_temporaries
 from eyrie.extract import protocol
 from eyrie.formats import report
-from eyrie.io import remove_stale_temporaries
 from eyrie.store import store
 
 
 def add_arguments(parser) -> None:
-    from eyrie.runtime import settings_arg
-    from eyrie.settings import schema_default
+    from eyrie.config.schema import schema_default
+    from eyrie.core.runtime import settings_arg
 
     parser.add_argument("--target", required=True, help="Hugging Face model folder of the target")
     parser.add_argument("--shard", required=True, help="tokenized shard (.parquet)")

@@ -14,17 +14,13 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from eyrie.arch.target import TargetInfo
-from eyrie.errors import ExtractError
-from eyrie.extract.extractor import (
-    ExtractSettings,
-    HostBatch,
-    PinnedStaging,
-    StoredBatch,
-    plan_batches,
-)
+from eyrie.core.errors import ExtractError
+from eyrie.extract.batches import HostBatch, PinnedStaging, StoredBatch, plan_batches
 
 if TYPE_CHECKING:
     import torch
+
+    from eyrie.extract.extractor import ExtractSettings
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from eyrie.errors import EngineError
+from eyrie.core.errors import EngineError
 
 log = logging.getLogger(__name__)
 

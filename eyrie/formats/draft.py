@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from eyrie.errors import ExportError
+from eyrie.core.errors import ExportError
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import h5py
 import numpy as np
 import torch
 
-from eyrie.errors import ShardError
+from eyrie.core.errors import ShardError
+from eyrie.core.io import remove_stale_temporaries, sync_path
 from eyrie.formats.codecs import (
     HIDDEN,
     SCALES,
@@ -29,7 +30,6 @@ from eyrie.formats.codecs import (
     stored_arrays,
 )
 from eyrie.formats.pagecache import _LIBC, map_private
-from eyrie.io import remove_stale_temporaries, sync_path
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,8 @@ class ShardMeta:
     hidden_size: int
     storage_dtype: str = "bfloat16"
     producer: dict = field(default_factory=dict)  # settings + provenance that made the shard
-    # made by a rehearsal (random target weights, eyrie.rehearsal): the attribute `rehearsal` = 1,
-    # absent on a real shard
+    # made by a rehearsal (random target weights, eyrie.core.rehearsal): the attribute
+    # `rehearsal` = 1, absent on a real shard
     rehearsal: bool = False
 
     def __post_init__(self):

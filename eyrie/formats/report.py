@@ -12,8 +12,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from eyrie.errors import EyrieError, PreflightError
-from eyrie.rehearsal import marked
+from eyrie.core.errors import EyrieError, PreflightError
+from eyrie.core.rehearsal import marked
 
 
 def read_report(path: str | Path, fingerprint: str | None = None) -> dict:

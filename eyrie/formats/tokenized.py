@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eyrie.errors import EvaluateError, ExtractError
+from eyrie.core.errors import EvaluateError, ExtractError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from eyrie.io import atomic_path, sync_path
+from eyrie.core.io import atomic_path, sync_path
 from eyrie.store.store import file_sha256
 
 KEEP = 3

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from eyrie.errors import VocabError
+from eyrie.core.errors import VocabError
 
 
 def read_vocab(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyrie.arch.target import tokenizer_hash
-from eyrie.errors import EyrieError
+from eyrie.core.errors import EyrieError
 from eyrie.formats.codecs import bytes_per_token
 from eyrie.store.fingerprint import safetensors_header, safetensors_problem
 

@@ -2,7 +2,7 @@
 
 Every problem is collected (not just the first), each with its fix; the report (preflight.json) is
 written only when there is none, so a failed preflight leaves nothing for later rules to consume.
-When vLLM is used (extract.backend: vllm or eval.vllm: true), eyrie.vllm.preflight_checks adds its
+When vLLM is used (extract.backend: vllm or eval.vllm: true), eyrie.preflight.vllm_checks adds its
 checks of the installed vLLM and the report a `vllm` object (docs/vllm.md, What preflight checks).
 """
 
@@ -13,8 +13,11 @@ import logging
 from pathlib import Path
 
 from eyrie.arch.target import inspect_target, read_config, resolve_layer_ids
-from eyrie.errors import PreflightError, TargetError
-from eyrie.io import keep_last_good, provenance, write_json
+from eyrie.config.schema import load_settings, merge_settings, schema_default, vllm_uses
+from eyrie.core.errors import PreflightError, TargetError
+from eyrie.core.io import keep_last_good, provenance, write_json
+from eyrie.core.rehearsal import is_rehearsal, mark
+from eyrie.preflight import vllm_checks as vllm_preflight
 from eyrie.preflight.checks import (
     Check,
     HiddenVolume,
@@ -22,10 +25,7 @@ from eyrie.preflight.checks import (
     check_tokenizer,
     check_weights,
 )
-from eyrie.rehearsal import is_rehearsal, mark
-from eyrie.settings import load_settings, merge_settings, schema_default, vllm_uses
 from eyrie.store.fingerprint import content_digest
-from eyrie.vllm import preflight_checks as vllm_preflight
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
 
 
 def add_arguments(p) -> None:
-    from eyrie.runtime import settings_arg
+    from eyrie.core.runtime import settings_arg
 
     p.add_argument("--target", type=Path, required=True, help="target model folder")
     p.add_argument("--tokenize-report", type=Path, help="report.json of the tokenize stage")

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 
 from eyrie.arch.target import TOKENIZER_FILES
-from eyrie.errors import TargetError
+from eyrie.core.errors import TargetError
 
 FORMAT = 1
 # Each group: the file name patterns (top level of the target folder) whose content it tracks.
@@ -196,7 +196,8 @@ def track_target(target: str | Path, out_dir: str | Path) -> dict[str, str]:
             },
         )
     # target.path as given when this content was first seen: the rules compare it (their
-    # params, eyrie.workflow.ComparedAs), so a symlink or a copy of the same folder reruns nothing
+    # params, eyrie.config.rules.ComparedAs), so a symlink or a copy of the same folder reruns
+    # nothing
     same = all(old.get("digest") == new["digest"] for old, new in records.values())
     given = records["weights"][0].get("given") if same else None
     for group, (old, record) in records.items():

@@ -15,7 +15,7 @@ import logging
 import time
 from pathlib import Path
 
-from eyrie.errors import EyrieError
+from eyrie.core.errors import EyrieError
 from eyrie.store.store import Store
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyrie.io import sync_path
+from eyrie.core.io import sync_path
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from eyrie.arch.target import fingerprint, read_config
+from eyrie.config.sections import IMPLIED_BEFORE, NOT_IN_RUN_ID, TrainSettings
+from eyrie.core.io import atomic_path
 from eyrie.formats.report import identity, read_report
-from eyrie.io import atomic_path
 from eyrie.store.fingerprint import file_digest
-from eyrie.train.config import IMPLIED_BEFORE, NOT_IN_RUN_ID, TrainSettings
 
 log = logging.getLogger(__name__)
 

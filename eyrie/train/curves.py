@@ -16,7 +16,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from eyrie.errors import EyrieError
+from eyrie.core.errors import EyrieError
 
 TENSORBOARD_DIR = "tensorboard"  # beside metrics.jsonl in the run folder, and in the output folder
 WANDB_ID = "wandb_run_id"  # in the run folder: the W&B run that a resumed run continues

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping
 
-from eyrie.errors import EyrieError
+from eyrie.core.errors import EyrieError
 
 log = logging.getLogger(__name__)
 

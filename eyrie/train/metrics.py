@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from eyrie.io import atomic_path, write_json
-from eyrie.train.config import TrainSettings
+from eyrie.config.sections import TrainSettings
+from eyrie.core.io import atomic_path, write_json
 from eyrie.train.curves import TENSORBOARD_DIR, write_event_files
 
 

@@ -20,7 +20,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from eyrie.errors import EyrieError
+from eyrie.core.errors import EyrieError
 from eyrie.formats.hidden import ShardReader
 
 

@@ -25,13 +25,14 @@ import numpy as np
 import torch
 
 from eyrie.arch.target import fingerprint, read_config, tokenizer_hash
-from eyrie.errors import EyrieError, ShardError
+from eyrie.config.sections import TrainSettings, check_world
+from eyrie.core.errors import EyrieError, ShardError
+from eyrie.core.io import provenance, write_json
+from eyrie.core.rehearsal import is_rehearsal, mark, refusal
+from eyrie.core.runtime import auto_device
 from eyrie.formats.hidden import ShardReader, read_meta, validate_shard
 from eyrie.formats.report import shard_expectation
 from eyrie.formats.vocab import read_vocab
-from eyrie.io import provenance, write_json
-from eyrie.rehearsal import is_rehearsal, mark, refusal
-from eyrie.runtime import auto_device
 from eyrie.train.checkpoint import (
     Checkpoint,
     CheckpointProblem,
@@ -40,7 +41,6 @@ from eyrie.train.checkpoint import (
     run_id,
     truncate_metrics,
 )
-from eyrie.train.config import TrainSettings, check_world
 from eyrie.train.curves import Curves, Scalars
 from eyrie.train.launch import Dist, stop
 from eyrie.train.metrics import fmt, mean, pack_sums, read_pending, write_outputs
@@ -251,7 +251,7 @@ class TrainRecipe:
         """The draft on the device, its AdamW optimizer, LR schedule and loss."""
         from speculators.losses import resolve_loss_config
 
-        from eyrie.draft import DraftSpec, build_draft
+        from eyrie.arch.draft import DraftSpec, build_draft
 
         cfg = self.cfg
         # speculators' flex attention on a GPU (a block mask over the packed documents and TTT

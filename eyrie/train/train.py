@@ -14,7 +14,7 @@ import logging
 import os
 from pathlib import Path
 
-from eyrie.errors import EyrieError
+from eyrie.core.errors import EyrieError
 from eyrie.train.launch import Dist, Workers, relaunch, under_torchrun
 from eyrie.train.recipe import TrainPaths, TrainRecipe
 
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eyrie.runtime import settings_arg
+    from eyrie.core.runtime import settings_arg
 
     parser.add_argument("--target", required=True, type=Path, help="target model folder")
     parser.add_argument("--preflight", required=True, type=Path, help="preflight.json")
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         return relaunch(worker_args(args), workers)
     dist = Dist.from_env()
     if dist.world > 1 and getattr(args, "threads", None):  # --threads is the node's: share it
-        from eyrie.runtime import set_torch_threads
+        from eyrie.core.runtime import set_torch_threads
 
         set_torch_threads(args.threads, share=dist.local_world)
     paths = TrainPaths(

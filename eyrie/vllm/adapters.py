@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 
 from eyrie.arch.registry import VllmAdapter
-from eyrie.errors import VllmAdapterError
+from eyrie.core.errors import VllmAdapterError
 
 # vLLM versions eyrie supports: [low, high). Tested ones and how: docs/vllm.md.
 SUPPORTED_VLLM = ((0, 18, 0), (0, 34, 0))
 
 
 # version -> how eyrie tested it; each is installed by scripts/setup-vllm.sh (envs/vllm*.txt) and
-# its facts are pinned per version by tests/test_vllm_versions.py
+# its facts are pinned per version by tests/vllm/test_vllm_versions.py
 TESTED_VLLM = {
     "0.22.0": "H200: both extraction paths and eagle3 evaluation; CPU: its facts, in CI",
     "0.26.0": "H200: both extraction paths and eagle3 evaluation; CPU: its facts, in CI",

@@ -157,8 +157,8 @@ def native_problems(
     if facts.native_ids is None:
         out.append(
             f"{v}: which ids the {facts.model_type} model's forward returns is unknown "
-            f"({facts.native_ids_how}); run tests/vllm_gpu_check.py on a GPU for this family "
-            "(docs/vllm.md) before using the native path"
+            f"({facts.native_ids_how}); run tests/support/vllm_gpu_check.py on a GPU for this "
+            "family (docs/vllm.md) before using the native path"
         )
     elif facts.native_ids == "none":
         out.append(

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from eyrie.arch.registry import VllmAdapter, adapter_for
 from eyrie.arch.target import fingerprint
-from eyrie.errors import VllmAdapterError
+from eyrie.core.errors import VllmAdapterError
 from eyrie.vllm import probe, quantization
 from eyrie.vllm.adapters import (
     EAGLE3_DEFAULT_LAYERS,
@@ -143,7 +143,7 @@ def gather_facts(config: dict) -> VllmFacts:
     """Import the installed vLLM and read what it offers for this target config (CPU only).
 
     Reads the whole config: vLLM's own config classes parse it (parse_config), so
-    eyrie.vllm.preflight_checks.facts_for sends all of it and caches on it."""
+    eyrie.preflight.vllm_checks.facts_for sends all of it and caches on it."""
     import vllm
 
     text = config.get("text_config") or config
@@ -177,7 +177,7 @@ def gather_facts(config: dict) -> VllmFacts:
 
 
 # what vLLM's ModelConfig is given here: no tokenizer, as eyrie's engines run it
-# (eyrie.vllm.backend), and no code from the checkpoint (preflight runs none)
+# (eyrie.extract.vllm_backend), and no code from the checkpoint (preflight runs none)
 MODEL_CONFIG_ARGS = {"skip_tokenizer_init": True, "trust_remote_code": False}
 
 

@@ -1,0 +1,125 @@
+"""The training settings: the `train` section as a typed, frozen object.
+
+config/schema.yaml checks types, ranges and defaults (eyrie.config.schema.load_settings); this
+module adds only the cross-field rules a schema cannot express. Fields in order make the run id
+(docs/training.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import dataclass
+
+from eyrie.config.schema import load_settings, report_problems
+from eyrie.core.errors import EyrieError
+
+log = logging.getLogger(__name__)
+
+
+# Settings that do not change the trained weights (left out of the run id).
+NOT_IN_RUN_ID = ("log_every", "checkpoint_every", "verify_shards", "report_to")
+# Settings added after runs recorded their run ids, with the value those runs trained with: left
+# out of the run id at that value, so that their checkpoints still resume.
+IMPLIED_BEFORE = {
+    "loss": "kl_div",
+    "lr_schedule": "cosine",
+    "hidden_noise": 0.0,
+    "norm_before_fc": False,
+}
+# train.learning_rate: auto: AdamW's peak rate for a draft of the target's width, lr = REF_LR x
+# (REF_HIDDEN / hidden) ** LR_WIDTH_EXPONENT (REF_LR up to REF_HIDDEN), to one digit. Through the
+# two measured optima: 3e-3 at hidden 128 (the demo) and 1e-3 at hidden 512 (the larger target,
+# where 3e-3 trained a draft of 0.57x the AL). BENCHMARKS.md "Learning rate and width".
+REF_HIDDEN, REF_LR, LR_WIDTH_EXPONENT = 128, 3.0e-3, 0.8
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The `train` section; config/schema.yaml checks and defaults it (field order: run id)."""
+
+    seed: int
+    device: str
+    epochs: int
+    learning_rate: float | str  # "auto" until resolved_for(hidden_size)
+    weight_decay: float
+    warmup_steps: int
+    max_grad_norm: float
+    max_tokens_per_batch: int
+    packs_per_step: int
+    ttt_steps: int
+    ttt_step_loss_decay: float
+    loss: str  # speculators' loss spec: a name or a JSON object of name: weight (loss_spec)
+    lr_schedule: str  # after the warmup: cosine or linear decay to 0, or constant
+    hidden_noise: float  # Gaussian noise on the draft's input states, x RMS of each row
+    norm_before_fc: bool  # one RMSNorm over the concatenated target states before fc
+    num_layers: int
+    draft_arch: str
+    precision: str  # auto: bfloat16 autocast on a GPU, float32 on a CPU
+    pack_shape: str  # auto: fixed on a GPU (one compiled shape), exact on a CPU
+    norm_before_residual: bool
+    checkpoint_every: int
+    log_every: int
+    verify_shards: bool
+    report_to: tuple[str, ...]  # where the curves go besides metrics.jsonl (eyrie.train.curves)
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> "TrainSettings":
+        """Typed `train` section of --settings; every problem reported at once, each by key."""
+        section = load_settings(settings, ["train"], EyrieError, report_problems(settings))["train"]
+        convert = {
+            "float": float,
+            "float | str": lambda v: v if v == "auto" else float(v),  # learning_rate
+            "tuple[str, ...]": tuple,
+        }
+        section = {**section, "loss": loss_spec(section["loss"])}
+        cfg = cls(
+            **{
+                f.name: convert.get(f.type, lambda v: v)(section[f.name])
+                for f in dataclasses.fields(cls)
+            }
+        )
+        if cfg.max_tokens_per_batch < 8 * cfg.ttt_steps:
+            raise EyrieError(
+                f"invalid --settings: train.max_tokens_per_batch: {cfg.max_tokens_per_batch} "
+                f"is too small for ttt_steps={cfg.ttt_steps} (use at least {8 * cfg.ttt_steps})"
+            )
+        return cfg
+
+    def resolved_for(self, hidden_size: int) -> "TrainSettings":
+        """These settings with learning_rate a number: `auto` resolved for a draft of width
+        `hidden_size` (the target's). A resolved `auto` is the number in the run id, so a run
+        whose explicit rate equals it is the same run."""
+        if self.learning_rate != "auto":
+            return self
+        return dataclasses.replace(self, learning_rate=auto_learning_rate(hidden_size))
+
+
+def auto_learning_rate(hidden_size: int) -> float:
+    """train.learning_rate: auto for a draft `hidden_size` wide (see REF_HIDDEN), to one
+    significant digit: the optimum is broad (at 512, 3e-4 fell only 2-4% below 1e-3), and round
+    numbers are what a user would type (one printed value, one run id)."""
+    lr = REF_LR * min(1.0, REF_HIDDEN / hidden_size) ** LR_WIDTH_EXPONENT
+    return float(f"{lr:.1g}")
+
+
+def loss_spec(loss: str | dict) -> str:
+    """train.loss as the spec speculators' resolve_loss_config takes: a loss name, or a weighted
+    sum as canonical JSON (sorted names; one text per recipe, in the run id and the metrics)."""
+    if isinstance(loss, str):
+        return loss
+    return json.dumps({name: float(w) for name, w in sorted(loss.items())})
+
+
+def check_world(packs_per_step: int, world: int) -> None:
+    """Every rank takes the same number of each step's packs: W must divide packs_per_step."""
+    if packs_per_step % world:
+        up = world * math.ceil(packs_per_step / world)
+        raise EyrieError(
+            f"train.packs_per_step is {packs_per_step} but the run has {world} processes "
+            f"(WORLD_SIZE): each step's packs are split evenly over the processes; set "
+            f"train.packs_per_step to a multiple of {world} (e.g. {up}) or start a number "
+            f"of processes that divides {packs_per_step}"
+        )

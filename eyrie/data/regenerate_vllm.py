@@ -1,0 +1,177 @@
+"""The regenerate stage, vLLM backend: a shard's assistant turns answered by the target in vLLM.
+
+`{vllm.python} -m eyrie.cli regenerate-vllm --target DIR --inputs F [F ...] --shard S --out FILE
+--settings JSON [--gpu-memory-utilization F]` writes the same `shard_SSS.jsonl` as `eyrie
+regenerate` (eyrie.data.regeneration does all but the generation): one `vllm.LLM` with
+vllm.tensor_parallel_size GPUs, each round's prompts sent as token ids at once, sampled with the
+regenerate settings; a response that stops for its length is cut. Runs in the vLLM environment:
+never imports eyrie.train. docs/data.md#regeneration, docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from eyrie.config.schema import flag_problems, load_settings
+from eyrie.core.errors import DataError
+from eyrie.core.io import provenance
+from eyrie.data.chat import end_token_ids, generation_eos, load_chat_tokenizer
+from eyrie.data.regeneration import (
+    CHUNK_RECORDS,
+    Generated,
+    RegenSettings,
+    ShardPaths,
+    StoredShard,
+    add_shard_arguments,
+    regenerate_shard,
+    split_at_end,
+    target_context,
+)
+from eyrie.vllm.adapters import engine_environment, text_only
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VllmEngine:
+    """The vllm section as this stage uses it."""
+
+    tensor_parallel_size: int
+    gpu_memory_utilization: float
+    enforce_eager: bool
+    dtype: str
+    max_model_len: int | None  # None: the target's own context length
+
+
+def parse_settings(
+    settings: dict, gpu_memory_utilization: float | None = None
+) -> tuple[RegenSettings, VllmEngine]:
+    """The regenerate and vllm sections (schema-checked, every problem at once);
+    `gpu_memory_utilization` (the CLI flag, not compared by the workflow) wins over the
+    section's."""
+    problems = flag_problems(
+        "vllm.gpu_memory_utilization", gpu_memory_utilization, "--gpu-memory-utilization"
+    )
+    loaded = load_settings(settings, ["regenerate", "vllm"], DataError, problems)
+    cfg = RegenSettings.from_settings(settings)
+    if cfg.backend != "vllm":
+        raise DataError(
+            "regenerate.backend is hf: run `eyrie regenerate` (the workflow does), or set "
+            "regenerate.backend: vllm"
+        )
+    vl = loaded["vllm"]
+    gpu = vl["gpu_memory_utilization"] if gpu_memory_utilization is None else gpu_memory_utilization
+    engine = VllmEngine(
+        vl["tensor_parallel_size"],
+        float(gpu),
+        vl["enforce_eager"],
+        vl["dtype"],
+        vl["max_model_len"],
+    )
+    return cfg, engine
+
+
+def engine_kwargs(target: str | Path, cfg: RegenSettings, engine: VllmEngine) -> dict:
+    """`vllm.LLM(**kwargs)`: the target on tensor_parallel_size GPUs, prompts as token ids."""
+    return {
+        "model": str(Path(target).resolve()),
+        "tensor_parallel_size": engine.tensor_parallel_size,
+        "gpu_memory_utilization": engine.gpu_memory_utilization,
+        "enforce_eager": engine.enforce_eager,
+        "dtype": engine.dtype,
+        "max_model_len": engine.max_model_len,
+        "trust_remote_code": cfg.trust_remote_code,
+        # prompts go as ids and come back as ids: the tokenizer runs in eyrie, not in vLLM
+        "skip_tokenizer_init": True,
+        "seed": cfg.seed,
+        **text_only(target),
+    }
+
+
+def sampling_kwargs(cfg: RegenSettings, ends: set[int]) -> dict:
+    """`vllm.SamplingParams(**kwargs)`: the Hugging Face backend's sampling, the same end tokens
+    (ignore_eos: only these stop it, not the eos vLLM would add of its own)."""
+    sampled = cfg.sampled
+    return {
+        "max_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature if sampled else 0.0,
+        "top_p": cfg.top_p if sampled else 1.0,
+        "seed": cfg.seed,
+        "ignore_eos": True,
+        "stop_token_ids": sorted(ends),
+        "detokenize": False,
+    }
+
+
+def to_generated(output, ends: set[int]) -> Generated:
+    """A vLLM RequestOutput's first completion: its ids before the end token, cut when vLLM
+    stopped it for its length."""
+    completion = output.outputs[0]
+    split = split_at_end(list(completion.token_ids), ends)
+    return Generated(split.ids, completion.finish_reason != "length")
+
+
+class VllmBackend:
+    """One vLLM engine; each round's prompts go in one generate call (vLLM batches them)."""
+
+    batch_size = CHUNK_RECORDS
+
+    def __init__(self, tokenizer, llm, params, ends: set[int], context: int | None):
+        self.tokenizer, self.llm, self.params, self.ends = tokenizer, llm, params, ends
+        self.context = context
+
+    def generate(self, prompts: list[list[int]]) -> list[Generated]:
+        results = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompts], self.params, use_tqdm=False
+        )
+        for ids, result in zip(prompts, results, strict=True):
+            if list(result.prompt_token_ids) != ids:
+                raise RuntimeError("vLLM returned outputs in another order than the prompts")
+        return [to_generated(result, self.ends) for result in results]
+
+
+def load_backend(target: str | Path, cfg: RegenSettings, engine: VllmEngine) -> VllmBackend:
+    from vllm import LLM, SamplingParams
+
+    tokenizer = load_chat_tokenizer(target, cfg.trust_remote_code)
+    ends = end_token_ids(tokenizer, generation_eos(target))
+    if not ends:
+        raise DataError(
+            f"{target}: neither the tokenizer nor generation_config.json names an eos token; "
+            "a response would only ever stop at regenerate.max_new_tokens"
+        )
+    engine_environment()
+    llm = LLM(**engine_kwargs(target, cfg, engine))
+    params = SamplingParams(**sampling_kwargs(cfg, ends))
+    context = engine.max_model_len or target_context(target)
+    return VllmBackend(tokenizer, llm, params, ends, context)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_shard_arguments(
+        parser, "JSON: the regenerate and vllm sections (and data.non_text, trust_remote_code)"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="vLLM's share of each GPU's memory (default: the settings' vllm section)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg, engine = parse_settings(args.settings, args.gpu_memory_utilization)
+    log.info("regenerate: provenance %s", json.dumps(provenance(args.settings), default=str))
+    paths = ShardPaths(args.inputs, args.shard, args.out)
+    stored = StoredShard.of(args.target, paths, args.settings)
+    if stored is not None and stored.restore(args.out):
+        return 0  # regenerated before from the same target, inputs and settings
+    backend = load_backend(args.target, cfg, engine)
+    regenerate_shard(backend, paths, cfg)
+    if stored is not None:
+        stored.put(args.out)
+    return 0

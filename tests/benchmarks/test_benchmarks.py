@@ -1,0 +1,266 @@
+"""Smoke tests of the benchmarks (read_path.py, page_cache_fill.py, extraction_gpu.py --tiny,
+training_gpu.py --tiny, long_record.py): small data, on the CPU, each script in a subprocess.
+
+Each checks that its script runs end to end and writes JSON with every cell and positive ratios;
+the figures themselves are in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO
+
+
+def test_read_path_smoke(tmp_path):
+    out = tmp_path / "read_path.json"
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "read_path.py"),
+        "--gb",
+        "0.004",
+        "--hidden",
+        "64",
+        "--min-tokens",
+        "16",
+        "--max-tokens",
+        "64",
+        "--shards",
+        "2",
+        "--repeats",
+        "1",
+        "--no-cold",
+        "--dir",
+        str(tmp_path / "data"),
+        "--out",
+        str(out),
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "eyrie/peer" in run.stdout
+    r = json.loads(out.read_text())
+    assert set(r["cells"]) == {"warm"}
+    cell = r["cells"]["warm"]
+    for k in (
+        "eyrie",
+        "eyrie_checked",
+        "eyrie_h5py",
+        "eyrie_fp8",
+        "eyrie_fp8_codes",
+        "peer",
+        "verify",
+    ):
+        assert cell[k]["GB_per_s"] > 0 and cell[k]["samples_per_s"] > 0, k
+        if k != "peer":
+            assert (
+                cell[f"ratio_{k}_over_peer"] > 0 and len(cell[f"ratio_{k}_over_peer_per_pass"]) == 1
+            )
+    assert r["per_read_best_warm"]["ratio_eyrie_over_peer"] > 0
+    assert r["data"]["shards"] == 2 and r["data"]["samples"] >= 2
+    assert r["data"]["hidden_bytes"] == r["data"]["tokens"] * 4 * 64 * 2
+    assert not (tmp_path / "data").exists()  # removed without --keep
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="eyrie maps samples only on Linux")
+def test_page_cache_fill_smoke(tmp_path):
+    out = tmp_path / "page_cache_fill.json"
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "page_cache_fill.py"),
+        "--file-mb",
+        "8",
+        "--sample-mb",
+        "1",
+        "--samples",
+        "3",
+        "--rounds",
+        "1",
+        "--repeats",
+        "2",
+        "--dontneed",
+        "--dir",
+        str(tmp_path),
+        "--out",
+        str(out),
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["cold_cache_method"] == "posix_fadvise_dontneed"
+    assert set(r["ways"]) == {"fault", "willneed", "populate", "pread", "sequential"}
+    assert all(w["cold_gb_s"] > 0 and w["warm_ms"] > 0 for w in r["ways"].values())
+    assert list(tmp_path.iterdir()) == [out]  # the data file is removed
+
+
+def test_extraction_benchmark_tiny(tmp_path):
+    """benchmarks/extraction_gpu.py --tiny on CPU: the bare forward, eyrie's Extractor into a
+    real shard, the naive peer and the raw-write limit, both model shapes, JSON with every cell."""
+    out = tmp_path / "extraction.json"
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "extraction_gpu.py"),
+        "--tiny",
+        "--tokens",
+        "1500",
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["shape"] for r in rows] == ["llama8b", "deepseek"]
+    for r in rows:
+        assert r["tokens"] >= 1500 and r["shard_bytes"] > r["tokens"] * 4 * r["hidden"] * 2
+        for k in (
+            "bare_tok_s",
+            "eyrie_tok_s",
+            "naive_tok_s",
+            "raw_write_tok_s",
+            "eyrie_vs_bare",
+            "eyrie_vs_naive",
+        ):
+            assert r[k] > 0, k
+        assert len(r["bare_passes_tok_s"]) == len(r["eyrie_passes_tok_s"]) == 2
+
+
+def test_capture_writes_benchmark_tiny(tmp_path):
+    """benchmarks/capture_writes.py on a few prompts: request files in /dev/shm into a real
+    shard both ways, a table with the disk row, every scratch and shard file removed."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this machine (the capture path's scratch folder)")
+    cmd = [sys.executable, str(REPO / "benchmarks" / "capture_writes.py"), "--gib", "0.01"]
+    cmd += ["--repeats", "1", "--shape", "llama8b", "--work", str(tmp_path / "work")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [ln.split("|")[1].strip() for ln in run.stdout.splitlines() if ln.startswith("| ")]
+    assert rows == ["row", "disk (raw pwrite)", "mapped", "sendfile"], run.stdout
+    assert list((tmp_path / "work").iterdir()) == []
+
+
+def test_training_benchmark_tiny(tmp_path):
+    """benchmarks/training_gpu.py --tiny on CPU: the data in both formats (speculators' own
+    ArrowDataset reads the converted set back), a real `eyrie train` run, the steady-state table."""
+    out = tmp_path / "training.json"
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "training_gpu.py"),
+        "--tiny",
+        "--warmup",
+        "2",
+        "--steps",
+        "6",
+        "--packs-per-step",
+        "2",
+        "--shards",
+        "2",
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "eyrie (1 process)" in run.stdout and "data wait" in run.stdout
+    r = json.loads(out.read_text())
+    e = r["runs"]["eyrie"]
+    assert e["measured_steps"] >= 6 and e["tokens_per_s"] > 0 and 0 <= e["data_wait_fraction"] < 1
+    assert 0 < e["tokens_per_step"] <= r["tokens_per_step_budget"] == 256
+    assert (
+        r["conversion_check"]["samples"] == r["samples"]
+        and r["conversion_check"]["checked_samples"] > 0
+    )
+    assert r["conversion_check"]["collated_tokens"] > 0
+    if "speculators" in r["runs"]:  # a CUDA machine
+        s = r["runs"]["speculators"]
+        assert s["tokens_per_s"] > 0 and r["ratios"]["tokens_per_s"] > 0
+    else:  # its config, vocabulary map, draft, loader and loss on the converted data, on the CPU
+        assert r["speculators"].startswith("not run: speculators.train needs an accelerator")
+        c = r["speculators_cpu_check"]
+        assert c["train_batches"] >= 2 + 6 + 1 and c["draft_vocab"] == 128 and c["batch_tokens"] > 0
+        assert c["loss"] > 0 and c["loss"] == c["loss"]  # finite, not NaN
+    assert (
+        r["speculators_settings"]["total_seq_len"] == 256
+        and r["speculators_settings"]["max_steps"] == 9
+    )
+    assert not (tmp_path / "work").exists()  # removed without --keep
+
+
+def test_speculators_launcher_times_each_batch():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import torch
+    from speculators_launch import TimedLoader
+    from torch.utils.data import DataLoader
+
+    docs = [torch.tensor([[0, 0, -1]]), torch.tensor([[0, 1, 1]])]
+    loader = DataLoader([{"document_ids": d} for d in docs], batch_size=None)
+    log: list[dict] = []
+    timed = TimedLoader(loader, log)
+    assert len(timed) == 2 and timed.dataset is loader.dataset
+    assert [b["document_ids"].tolist() for b in timed] == [d.tolist() for d in docs]
+    assert [r["tokens"] for r in log] == [2, 3]
+    assert all(r["got"] >= r["request"] for r in log)
+
+
+def test_train_step_benchmark_tiny(tmp_path):
+    """benchmarks/train_step_gpu.py --tiny on CPU: a variant builds the draft, trains its timed
+    steps on packed batches and prints its line; flex is refused on the CPU (no backward there)."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "train_step_gpu.py"), "--tiny", "time"]
+    env = dict(os.environ, EYRIE_BENCH_WORK=str(tmp_path))
+    run = subprocess.run(
+        [*cmd, "attn=sdpa,T=256"], capture_output=True, text=True, timeout=180, env=env
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    line = json.loads(run.stdout.strip().splitlines()[-1])
+    assert line["variant"] == "attn=sdpa,T=256" and line["tok_s"] > 0 and line["s_per_step"] > 0
+    refused = subprocess.run(
+        [*cmd, "attn=flex,T=256"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert refused.returncode != 0 and "attn=sdpa only" in refused.stderr
+
+
+@pytest.mark.parametrize("shape", ["llama8b", "kimi4"])
+def test_vllm_extraction_benchmark_inputs_are_what_the_extractor_reads(tmp_path, shape):
+    """benchmarks/extraction_vllm.py runs only on a GPU; what it hands eyrie's Extractor (the
+    target folder, the preflight report, the shard, the settings of a rehearsal) is checked here
+    by the readers the Extractor uses."""
+    import importlib.util
+
+    from eyrie.arch.target import inspect_target
+    from eyrie.core.rehearsal import is_rehearsal
+    from eyrie.extract.extractor import parse_settings
+    from eyrie.formats.report import read_report
+    from eyrie.formats.tokenized import read_tokenized
+
+    spec = importlib.util.spec_from_file_location(
+        "extraction_vllm", REPO / "benchmarks" / "extraction_vllm.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    made = bench.write_target(tmp_path, shape, 8)
+    info = inspect_target(tmp_path / shape)
+    read_report(tmp_path / f"{shape}-preflight.json", info.fingerprint)
+    _, ids, masks = read_tokenized(tmp_path / f"{shape}.parquet", info.vocab_size)
+    assert len(ids) == 8 and all(1024 <= len(x) <= 2048 for x in ids)
+    assert made["tokens"] == sum(len(x) for x in ids)
+    for path in ("native", "capture"):
+        settings = bench.settings(path, made["aux"], "float8_e4m3")
+        assert is_rehearsal(settings)
+        assert parse_settings(settings).storage_dtype == "float8_e4m3"
+
+
+def test_long_record_benchmark_small():
+    """benchmarks/long_record.py on a 0.05 MB record: both ways run and keep the same tokens."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "long_record.py"), "--mb", "0.05"]
+    cmd += ["--max-seq-len", "32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "first 32 tokens and mask equal: True" in proc.stdout
+    assert "| head (now) | 33 |" in proc.stdout

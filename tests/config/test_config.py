@@ -1,0 +1,347 @@
+"""Config and stage settings: every error at once, each naming its key; defaults filled; the
+table of which rule compares which key (eyrie.config.rules) and the parse-time setup."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import yaml
+
+from eyrie.config.rules import (
+    CONDITIONS,
+    TABLE,
+    contracts_table,
+    engine_sockets,
+    prepare,
+    rule_settings,
+    runtime_settings,
+    schema_keys,
+    settings_param,
+)
+from eyrie.config.schema import (
+    key_schema,
+    load_config,
+    load_settings,
+    merge_settings,
+    schema_default,
+    settings_json,
+    validate_config,
+    vllm_uses,
+)
+from eyrie.core.errors import ConfigError
+from tests.support import REPO
+
+
+def test_shipped_config_is_valid():
+    cfg = load_config(REPO / "config" / "config.yaml")
+    assert cfg["target"]["path"] is None and cfg["layers"]["aux_ids"] is None
+
+
+def test_defaults_filled():
+    cfg = validate_config(
+        {
+            "target": {"name": "x"},
+            "data": {},
+            "layers": {},
+            "vocab": {},
+            "extract": {},
+            "train": {},
+            "eval": {},
+        }
+    )
+    assert cfg["train"]["ttt_steps"] == 3 and cfg["extract"]["storage_dtype"] == "bfloat16"
+
+
+def test_config_yaml_gives_the_schemas_defaults():
+    """One fact in one place: every value config/config.yaml writes out is the schema's default
+    (a stage called without a key gets the same value as the workflow); target.name has none."""
+    from eyrie.config.schema import key_schema
+
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    differ = [
+        (f"{section}.{key}", value, key_schema(f"{section}.{key}").get("default"))
+        for section, values in cfg.items()
+        for key, value in values.items()
+        if f"{section}.{key}" != "target.name"
+        and value != key_schema(f"{section}.{key}").get("default")
+    ]
+    assert differ == []
+
+
+def test_all_errors_reported_each_naming_its_key():
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    cfg["train"]["learning_rate"] = -1
+    cfg["extract"]["storage_dtype"] = "int8"
+    cfg["layers"]["aux_ids"] = "2,4"
+    cfg["vocab"]["draft_vocab"] = 10
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    text = str(err.value)
+    assert "4 problems" in text
+    for key in (
+        "train.learning_rate",
+        "extract.storage_dtype",
+        "layers.aux_ids",
+        "vocab.draft_vocab: unknown key",
+    ):
+        assert key in text
+
+
+def test_invalid_config_fails_snakemake_parse(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "bad.yaml").write_text("train: {epochs: 0}\n")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "-d",
+            str(tmp_path),
+            "--configfile",
+            str(tmp_path / "bad.yaml"),
+            "-n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "train.epochs" in proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------- stage settings
+
+
+def test_stage_settings_checked_by_the_schema_all_at_once():
+    bad = {"train": {"epochs": 0, "lr": 1}, "vllm": {"dtype": "int4"}, "trust_remote_code": "yes"}
+    with pytest.raises(ConfigError) as err:
+        load_settings(bad, ["train", "eval"])
+    text = str(err.value)
+    for problem in (
+        "eval: missing",
+        "train.epochs: 0 is less than the minimum of 1",
+        "train.lr: unknown key",
+        "vllm.dtype: 'int4' is not one of",
+        "trust_remote_code: 'yes' is not of type 'boolean'",
+    ):
+        assert problem in text
+    assert "\n" not in text
+
+
+def test_stage_settings_defaults_come_from_the_schema():
+    loaded = load_settings({"demo": {"seed": 3}, "extract": {}})
+    config = validate_config({"target": {"name": "t"}})
+    assert loaded["demo"] == {**config["demo"], "seed": 3}
+    assert loaded["extract"] == config["extract"] and loaded["trust_remote_code"] is False
+    assert "train" not in loaded  # a section not given stays absent: the stage says what it needs
+    assert schema_default("vllm.gpu_memory_utilization") == config["vllm"]["gpu_memory_utilization"]
+    assert schema_default("extract.engine_wait_s") == config["extract"]["engine_wait_s"]
+
+
+def test_schema_enums_are_the_code_registries():
+    from eyrie.config.schema import REPORTERS
+    from eyrie.extract.extractor import BACKENDS
+    from eyrie.formats.codecs import STORAGE_DTYPES
+    from eyrie.formats.draft import DRAFT_ARCHS
+    from eyrie.vllm.adapters import PATHS
+
+    def enum(key):
+        return key_schema(key)["enum"]
+
+    assert enum("extract.backend") == list(BACKENDS)
+    assert sorted(enum("extract.storage_dtype")) == sorted(STORAGE_DTYPES)
+    assert enum("train.draft_arch") == list(DRAFT_ARCHS)
+    assert enum("vllm.extraction_path") == list(PATHS)
+    assert key_schema("train.report_to")["items"]["enum"] == list(REPORTERS)
+
+
+# ----------------------------------------------------------------------------- the settings table
+
+
+def test_table_covers_every_schema_key_exactly_once():
+    keys = [row.key for row in TABLE]
+    assert len(keys) == len(set(keys)), [k for k in keys if keys.count(k) > 1]
+    assert sorted(keys) == sorted(schema_keys())
+
+
+def test_table_names_real_rules_and_conditions():
+    rules = set(re.findall(r"^rule (\w+):", _rule_text(), re.M))
+    for row in TABLE:
+        for entry in (*row.compared, *row.read):
+            name, _, when = entry.partition("?")
+            assert name in rules, f"{row.key}: no rule {name!r}"
+            assert not when or when in CONDITIONS, f"{row.key}: no condition {when!r}"
+    # the rules build params.settings from the table, each its own (the engine's are its shards')
+    built = re.findall(r'settings\("(\w+)"\)', _rule_text())
+    assert sorted(built) == sorted({e.partition("?")[0] for row in TABLE for e in row.compared})
+    for rule, body in re.findall(r"^rule (\w+):\n(.*?)(?=^\S|\Z)", _rule_text(), re.M | re.S):
+        own = re.search(r'settings=settings\("(\w+)"\)', body)
+        assert own is None or own.group(1) == rule
+
+
+def _rule_text() -> str:
+    return "\n".join(p.read_text() for p in sorted((REPO / "rules").glob("*.smk")))
+
+
+def test_contracts_doc_is_the_generated_table():
+    assert contracts_table() in (REPO / "docs" / "contracts.md").read_text(), (
+        "docs/contracts.md is stale: run `python -m eyrie.config.rules --contracts`"
+    )
+
+
+# data keys added after db3e96d: left out of params while at their defaults (the configs here)
+NEW_EVAL_KEYS = ("dtype", "prompts")  # added later: in no finished run's params
+NEW_DATA_KEYS = ("mask_mode", "train_reasoning", "non_text", "regenerate", "chat_template_kwargs")
+NEW_TRAIN_KEYS = (
+    "report_to",
+    "loss",
+    "lr_schedule",
+    "hidden_noise",
+    "norm_before_fc",
+)  # likewise, added later
+
+
+def _old_settings(config: dict) -> dict:
+    """Every rule's params.settings as db3e96d's rule files built them (the values finished runs
+    recorded): the table must give the same text, or every finished run would rerun."""
+    ext, vllm, trust = config["extract"], config["vllm"], config["target"]["trust_remote_code"]
+    ev = {k: v for k, v in config["eval"].items() if k not in ("vllm", *NEW_EVAL_KEYS)}
+    vllm_extract = ext["backend"] == "vllm"
+    preflight = {
+        "layers": config["layers"],
+        "extract": {"storage_dtype": ext["storage_dtype"]},
+        "trust_remote_code": trust,
+    }
+    if vllm_extract:
+        preflight["extract"]["backend"] = "vllm"
+        preflight["vllm"] = {k: vllm[k] for k in ("extraction_path", "tensor_parallel_size")}
+    extract = {
+        "extract": {k: v for k, v in ext.items() if k not in ("group_size", "engine_wait_s")},
+        "layers": config["layers"],
+        "trust_remote_code": trust,
+    }
+    if vllm_extract:
+        keys = ("extraction_path", "tensor_parallel_size", "enforce_eager", "max_model_len")
+        extract["vllm"] = {k: vllm[k] for k in keys}
+    demo = config["demo"]
+    # a new key is in the params only where the config changes it from the schema's default
+    train = {
+        k: v
+        for k, v in config["train"].items()
+        if k not in NEW_TRAIN_KEYS or v != schema_default(f"train.{k}")
+    }
+    return {
+        "build_demo_conversations": {"demo": {k: demo[k] for k in ("seed", "num_conversations")}},
+        "build_demo_target": {
+            "demo": {k: v for k, v in demo.items() if k not in ("num_conversations", "device")}
+        },
+        "tokenize_conversations": {
+            "data": {k: v for k, v in config["data"].items() if k not in NEW_DATA_KEYS},
+            "trust_remote_code": trust,
+        },
+        "build_vocab_map": {"vocab": config["vocab"]},
+        "preflight": preflight,
+        "extract_hidden_states": extract,
+        "train_draft": {"train": train},
+        "export_draft": {"train": train},
+        "evaluate_draft": {"eval": ev},
+        "evaluate_vllm": {
+            "eval": {k: v for k, v in ev.items() if k != "device"},
+            "vllm": {
+                k: vllm[k]
+                for k in ("tensor_parallel_size", "enforce_eager", "max_model_len", "dtype")
+            },
+        },
+    }
+
+
+def _old_runtime(config: dict) -> dict:
+    if config["extract"]["backend"] != "vllm" and not config["eval"]["vllm"]:
+        return {}
+    keys = ("python", "extraction_path", "tensor_parallel_size", "gpu_memory_gib")
+    return {
+        "eval": {"vllm": config["eval"]["vllm"]},
+        "vllm": {k: config["vllm"][k] for k in (*keys, "gpu_memory_utilization")},
+    }
+
+
+def _configs():
+    tiny = yaml.safe_load((REPO / ".test" / "config.yaml").read_text())
+    for raw in (yaml.safe_load((REPO / "config" / "config.yaml").read_text()), tiny):
+        for backend, eval_vllm in (("hf", False), ("hf", True), ("vllm", False), ("vllm", True)):
+            config = validate_config(raw)
+            config["extract"]["backend"], config["eval"]["vllm"] = backend, eval_vllm
+            yield config
+
+
+@pytest.mark.parametrize("config", list(_configs()))
+def test_params_text_is_the_one_finished_runs_recorded(config):
+    for rule, old in _old_settings(config).items():
+        assert settings_param(config, rule) == settings_json(old), rule
+    assert settings_json(runtime_settings(config, "preflight")) == settings_json(
+        _old_runtime(config)
+    )
+
+
+def test_compared_settings_hold_only_what_changes_the_extraction():
+    config = validate_config({"target": {"name": "t"}})
+    plain = rule_settings(config, "preflight")
+    assert plain == {
+        "layers": config["layers"],
+        "extract": {"storage_dtype": "bfloat16"},
+        "trust_remote_code": False,
+    }
+    assert runtime_settings(config, "preflight") == {}
+    assert vllm_uses(merge_settings(plain, runtime_settings(config, "preflight"))) == []
+    # vLLM evaluation asked for: checked at run time, but compared settings are unchanged, so
+    # switching it on reruns neither preflight nor, through it, the extraction
+    config["eval"]["vllm"] = True
+    assert rule_settings(config, "preflight") == plain
+    runtime = runtime_settings(config, "preflight")
+    assert runtime["eval"] == {"vllm": True}
+    checked = ("python", "extraction_path", "tensor_parallel_size", "gpu_memory_gib")
+    assert runtime["vllm"] == {k: config["vllm"][k] for k in (*checked, "gpu_memory_utilization")}
+    merged = merge_settings(plain, runtime)
+    assert vllm_uses(merged) == ["eval"] and merged["layers"] == config["layers"]
+    # vLLM extraction: the keys that change the states are compared; the environment is not
+    config["extract"]["backend"] = "vllm"
+    compared = rule_settings(config, "preflight")
+    assert compared["extract"] == {"storage_dtype": "bfloat16", "backend": "vllm"}
+    assert compared["vllm"] == {k: config["vllm"][k] for k in checked[1:3]}
+    assert "python" not in compared["vllm"] and "gpu_memory_gib" not in compared["vllm"]
+    merged = merge_settings(compared, runtime_settings(config, "preflight"))
+    assert (
+        vllm_uses(merged) == ["extract", "eval"]
+        and merged["vllm"]["python"] == config["vllm"]["python"]
+    )
+
+
+# ----------------------------------------------------------------------------- parse-time setup
+
+
+def test_prepare_puts_eyrie_on_the_path_and_makes_the_socket_placeholders(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin")
+    monkeypatch.chdir(tmp_path)
+    sockets = engine_sockets("results/t", [f"{i:03d}" for i in range(5)], 2)
+    assert sockets == [f"results/t/hidden/engine_{g:03d}.sock" for g in range(3)]
+    (tmp_path / "results/t/hidden").mkdir(parents=True)
+    (tmp_path / sockets[0]).write_text("kept")
+    prepare(str(REPO), "/venv/bin/python", sockets)
+    assert os.environ["PATH"].split(os.pathsep)[-2:] == ["/venv/bin", "/usr/bin"]
+    assert (tmp_path / sockets[0]).read_text() == "kept"
+    assert all((tmp_path / s).read_text() == "" for s in sockets[1:])
+
+
+def test_a_new_key_is_compared_only_away_from_its_default():
+    config = validate_config({"target": {"name": "t"}})
+    plain = settings_param(config, "tokenize_conversations")
+    assert all(f'"{k}"' not in plain for k in NEW_DATA_KEYS)
+    config["data"]["mask_mode"] = "per_turn"
+    changed = settings_param(config, "tokenize_conversations")
+    assert '"mask_mode":"per_turn"' in changed and changed != plain

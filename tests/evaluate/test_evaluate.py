@@ -1,0 +1,405 @@
+"""eyrie evaluate: speculative outputs equal plain greedy decoding, acceptance metrics on
+hand-built proposers with known answers, the EAGLE-3 proposer's alignment against
+Eagle3DraftModel.forward, and the CLI (JSON + PNG, one-line errors)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from eyrie import cli as cli
+from eyrie.arch.draft import DraftSpec, build_draft
+from eyrie.core import errors as ev_errors
+from eyrie.core.io import LAST_GOOD
+from eyrie.demo.tokenizer import build_chat_tokenizer
+from eyrie.evaluate import evaluate as ev
+from eyrie.evaluate import specdec as ev_specdec
+from eyrie.evaluate.evaluate import load_draft
+from eyrie.evaluate.specdec import (
+    Decoding,
+    Eagle3Proposer,
+    SpecStats,
+    greedy_generate,
+    speculative_generate,
+    target_step,
+)
+from tests.support.train_helpers import write_eval_set, write_preflight
+
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "def f(x): return x + 1",
+    "speculative decoding drafts tokens",
+    "hidden states of the target model",
+] * 8
+AUX = [1, 2, 3]
+K = 3
+DRAFT_VOCAB = 64
+
+
+def write_target(root: Path, tok):
+    """A tiny Llama saved with `tok`: (folder, model)."""
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # larger random weights: clear argmax margins, varied greedy outputs
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    target = root / "target"
+    model.save_pretrained(target)
+    tok.save_pretrained(target)
+    return target, model
+
+
+def write_vocab(root: Path, tok):
+    """A random vocabulary map of DRAFT_VOCAB entries that keeps eos: (file, d2t, t2d)."""
+    gen = torch.Generator().manual_seed(0)
+    kept = torch.sort(torch.randperm(len(tok), generator=gen)[:DRAFT_VOCAB]).values
+    kept[-1] = tok.eos_token_id if tok.eos_token_id not in kept else kept[-1]
+    kept = torch.sort(kept).values
+    d2t = kept - torch.arange(DRAFT_VOCAB)
+    t2d = torch.zeros(len(tok), dtype=torch.bool)
+    t2d[kept] = True
+    vocab = root / "vocab.safetensors"
+    save_file({"d2t": d2t, "t2d": t2d}, str(vocab))
+    return vocab, d2t, t2d
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    """A saved tiny Llama target (+ tokenizer), a vocabulary map, a saved draft and prompts."""
+    root = tmp_path_factory.mktemp("evaluate")
+    tok = build_chat_tokenizer(TEXTS, vocab_size=300)
+    target, model = write_target(root, tok)
+    vocab, d2t, t2d = write_vocab(root, tok)
+    draft = build_draft(target, DraftSpec(AUX), d2t, t2d, seed=1)
+    draft.save_pretrained(root / "draft")
+
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False
+            )
+        )
+        for t in TEXTS[:4]
+    ]
+    eval_set = write_eval_set(root / "eval.parquet", prompts)
+    preflight = write_preflight(root / "preflight.json", target, AUX, 32, len(tok))
+    return {
+        "root": root,
+        "target": target,
+        "model": model.eval(),
+        "vocab": vocab,
+        "d2t": d2t,
+        "t2d": t2d,
+        "draft": root / "draft",
+        "eval_set": eval_set,
+        "preflight": preflight,
+        "prompts": prompts,
+        "eos": tok.eos_token_id,
+    }
+
+
+def oracle(model, wrong_from: int | None = None):
+    """Proposes the target's own greedy continuation; positions >= wrong_from are made wrong."""
+    vocab = model.config.vocab_size
+
+    def propose(ids, aux, k):
+        true = greedy_generate(model, ids.tolist(), k, None)
+        if wrong_from is None:
+            return true
+        return true[:wrong_from] + [(t + 1) % vocab for t in true[wrong_from:]]
+
+    return propose
+
+
+def test_loaded_draft_equals_saved(case):
+    saved = build_draft(
+        case["target"], DraftSpec(AUX), case["d2t"], case["t2d"], seed=1
+    ).state_dict()
+    loaded = load_draft(case["draft"])
+    assert loaded.config.eagle_aux_hidden_state_layer_ids == AUX
+    for name, value in loaded.state_dict().items():
+        if not name.startswith("verifier_"):
+            assert torch.equal(value, saved[name]), name
+
+
+def test_eagle3_outputs_equal_greedy(case):
+    model, eos = case["model"], case["eos"]
+    draft = build_draft(case["target"], DraftSpec(AUX), case["d2t"], case["t2d"], seed=0)
+    propose = Eagle3Proposer(draft)
+    stats = SpecStats(K)
+    for prompt in case["prompts"]:
+        reference = greedy_generate(model, prompt, 12, eos)
+        assert (
+            speculative_generate(model, prompt, propose, Decoding(K, 12, eos, AUX), stats=stats)
+            == reference
+        )
+    assert stats.num_drafts > 0 and stats.num_draft_tokens == K * stats.num_drafts
+
+
+def test_hand_built_proposer_outputs_equal_greedy(case):
+    model, eos = case["model"], case["eos"]
+    calls = []
+
+    def sometimes_right(ids, aux, k):  # right, wrong, right ... with a varying pattern
+        calls.append(1)
+        true = greedy_generate(model, ids.tolist(), k, None)
+        return [
+            t if (i + len(calls)) % 2 else (t + 7) % model.config.vocab_size
+            for i, t in enumerate(true)
+        ]
+
+    for prompt in case["prompts"][:2]:
+        for max_new in (1, 2, 9):
+            assert speculative_generate(
+                model, prompt, sometimes_right, Decoding(K, max_new, eos, AUX)
+            ) == greedy_generate(model, prompt, max_new, eos)
+
+
+def test_oracle_acceptance_is_one_plus_k(case):
+    model, prompt = case["model"], case["prompts"][0]
+    max_new = 13
+    stats = SpecStats(K)
+    out = speculative_generate(
+        model, prompt, oracle(model), Decoding(K, max_new, None, AUX), stats=stats
+    )
+    assert out == greedy_generate(model, prompt, max_new, None)
+    # the prefill gives 1 token, each verification K + 1: ceil(12 / 4) = 3 drafts
+    assert stats.num_drafts == math.ceil((max_new - 1) / (K + 1))
+    m = stats.metrics()
+    assert m["acceptance_length"] == 1 + K
+    assert m["per_position_acceptance"] == [1.0] * K
+    assert m["accepted_tokens"] == K * stats.num_drafts
+
+
+def test_always_wrong_proposer(case):
+    model, prompt = case["model"], case["prompts"][1]
+    stats = SpecStats(K)
+    out = speculative_generate(
+        model, prompt, oracle(model, wrong_from=0), Decoding(K, 10, None, AUX), stats=stats
+    )
+    assert out == greedy_generate(model, prompt, 10, None)
+    m = stats.metrics()
+    assert m["acceptance_length"] == 1.0
+    assert m["per_position_acceptance"] == [0.0] * K
+    assert m["num_drafts"] == 9 and m["num_draft_tokens"] == 9 * K
+
+
+def test_right_on_first_two_of_three(case):
+    model, prompt = case["model"], case["prompts"][2]
+    stats = SpecStats(K)
+    out = speculative_generate(
+        model, prompt, oracle(model, wrong_from=2), Decoding(K, 10, None, AUX), stats=stats
+    )
+    assert out == greedy_generate(model, prompt, 10, None)
+    m = stats.metrics()
+    assert m["per_position_acceptance"] == [1.0, 1.0, 0.0]
+    assert m["acceptance_length"] == 3.0
+    assert m["num_drafts"] == 3  # 1 + 3 * 3 tokens >= 10
+
+
+def test_step_logits_match_speculators_forward(case):
+    """Step 0 (all positions) and step 1 (the appended position) of the proposer equal
+    Eagle3DraftModel.forward's TTT steps 0 and 1 on the same inputs."""
+    model, prompt = case["model"], case["prompts"][0]
+    draft = load_draft(case["draft"])
+    propose = Eagle3Proposer(draft)
+    ids = torch.tensor(prompt)  # [T]: x_0 .. x_{T-1}
+    T = len(ids)
+    _, aux = target_step(model, ids, AUX)  # [T, 3H]
+
+    logged = []
+    hook = draft.lm_head.register_forward_hook(lambda mod, inp, out: logged.append(out.detach()))
+    with torch.no_grad():
+        # shift_batch alignment: (x_{t+1}, g_t); the last state has no next token in this batch
+        draft_tokens = draft(
+            hidden_states=aux[None, :-1],
+            input_ids=ids[None, 1:],
+            document_ids=torch.zeros(1, T - 1, dtype=torch.long),
+            ttt_steps=2,
+        )
+    hook.remove()
+    step0_ref, step1_ref = logged[0][0], logged[1][0]  # [T-1, draft_vocab] each
+
+    with torch.no_grad():
+        hidden = propose.fuse(aux[:-1])  # [T-1, H]
+        pos = torch.arange(1, T)
+        out0 = propose.decode(ids[1:], hidden, pos)  # [T-1, H]
+        logits0, carried = propose.head(out0)
+        torch.testing.assert_close(logits0, step0_ref, rtol=1e-4, atol=1e-5)
+        # through the proposer itself: its first lm_head call is forward's step 0 at the last
+        # position, and its first drafted token is forward's draft_tokens[0] there
+        seen = []
+        hook = draft.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(out.detach()))
+        drafted = propose(ids, aux[:-1], 2)
+        hook.remove()
+        torch.testing.assert_close(seen[0], step0_ref[-1], rtol=1e-4, atol=1e-5)
+        assert drafted[0] == int(propose.to_target(draft_tokens[0][0, -1]))
+        # step 1 at position p = T-3: context pairs 0..p, then (x_{p+2}, out0[p]) at id p+2,
+        # which is what forward's teacher-forced TTT step 1 computes at p
+        p = T - 3
+        seq_ids = torch.cat([ids[1 : p + 2], ids[p + 2 : p + 3]])
+        seq_hidden = torch.cat([hidden[: p + 1], carried[p : p + 1]])
+        seq_pos = torch.cat([pos[: p + 1], pos[p : p + 1] + 1])
+        logits1, _ = propose.head(propose.decode(seq_ids, seq_hidden, seq_pos)[-1])
+        torch.testing.assert_close(logits1, step1_ref[p], rtol=1e-4, atol=1e-5)
+        # the proposer's own step 1 is that construction at the last position, fed its draft
+        own_ids = torch.cat([ids[1:], torch.tensor(drafted[:1])])
+        own_hidden = torch.cat([hidden, carried[-1:]])
+        own_pos = torch.cat([pos, pos[-1:] + 1])
+        own1, _ = propose.head(propose.decode(own_ids, own_hidden, own_pos)[-1])
+        torch.testing.assert_close(seen[1], own1, rtol=1e-5, atol=1e-6)
+
+
+def cli_args(case, out_dir, **settings):
+    eval_settings = {
+        "num_speculative_tokens": K,
+        "max_new_tokens": 8,
+        "num_prompts": 3,
+        "device": "cpu",
+        **settings,
+    }
+    return [
+        "evaluate",
+        "--target",
+        str(case["target"]),
+        "--draft",
+        str(case["draft"]),
+        "--vocab",
+        str(case["vocab"]),
+        "--eval-set",
+        str(case["eval_set"]),
+        "--preflight",
+        str(case["preflight"]),
+        "--out",
+        str(out_dir / "eval.json"),
+        "--plot",
+        str(out_dir / "eval.png"),
+        "--settings",
+        json.dumps({"eval": eval_settings}),
+    ]
+
+
+def test_cli_writes_json_and_png(case, tmp_path):
+    assert cli.main(cli_args(case, tmp_path)) == 0
+    trained = Eagle3Proposer(load_draft(case["draft"]))
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["K"] == K and report["num_prompts"] == 3 and report["max_new_tokens"] == 8
+    assert report["outputs_match_target_greedy"] is True
+    reference = [greedy_generate(case["model"], p, 8, case["eos"]) for p in case["prompts"][:3]]
+    assert report["output_tokens"] == sum(map(len, reference))
+    for name in ("trained", "untrained"):
+        m = report[name]
+        assert m["num_draft_tokens"] == K * m["num_drafts"] > 0
+        assert m["acceptance_length"] == pytest.approx(1 + m["accepted_tokens"] / m["num_drafts"])
+        assert len(m["per_position_acceptance"]) == K
+        assert sum(m["accepted_at_position"]) == m["accepted_tokens"]
+    assert report["engine"] == {"name": "hf", "dtype": "float32", "device": "cpu"}  # auto on CPU
+    by_k = report["trained"]["acceptance_length_by_k"]
+    assert len(by_k) == K and by_k[-1] == report["trained"]["acceptance_length"]
+    for k, al in enumerate(by_k, 1):  # each K' decoded for real, as its own run would count
+        stats = SpecStats(k)
+        for p in case["prompts"][:3]:
+            speculative_generate(case["model"], p, trained, Decoding(k, 8, case["eos"], AUX), stats)
+        assert al == pytest.approx(stats.metrics()["acceptance_length"]) and 1 <= al <= 1 + k
+    assert report["provenance"]["settings"]["eval"]["num_speculative_tokens"] == K
+    assert (tmp_path / "eval.png").read_bytes()[:4] == b"\x89PNG"
+    # no temporaries left (.last-good: the report kept for a failed rerun, eyrie.core.io)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != LAST_GOOD]
+
+
+def test_cli_mismatched_aux_ids_one_line_error(case, tmp_path, capsys):
+    bad = json.loads(case["preflight"].read_text())
+    bad["aux_layer_ids"] = [1, 3]
+    preflight = tmp_path / "preflight.json"
+    preflight.write_text(json.dumps(bad))
+    argv = cli_args(case, tmp_path)
+    argv[argv.index("--preflight") + 1] = str(preflight)
+    assert cli.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err) == 1 and "aux_layer_ids [1, 3]" in err[0] and "[1, 2, 3]" in err[0]
+    assert not (tmp_path / "eval.json").exists()
+
+
+def test_cli_output_mismatch_names_prompt(case, tmp_path, monkeypatch, capsys, caplog):
+    real = ev_specdec.speculative_generate
+
+    def broken(*args, **kwargs):  # a decoding bug: drops the last token
+        return real(*args, **kwargs)[:-1]
+
+    monkeypatch.setattr(ev, "speculative_generate", broken)
+    assert cli.main(cli_args(case, tmp_path, num_prompts=1)) == 2
+    err = capsys.readouterr().err
+    assert "prompt conv.jsonl:1" in err and "trained draft" in err
+    assert not (tmp_path / "eval.json").exists()
+    assert "eval.dtype: float32" not in err  # float32: a difference is a bug, not rounding
+    # in bfloat16 a difference may be a near tie's rounding: counted, reported, not fatal
+    assert cli.main(cli_args(case, tmp_path, num_prompts=1, dtype="bfloat16")) == 0
+    assert "in bfloat16 a near tie can round either way" in caplog.text
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["outputs_match_target_greedy"] is False
+    assert report["outputs_differing_from_greedy"]["trained draft"] == ["conv.jsonl:1"]
+
+
+def test_bfloat16_decodes_in_bfloat16(case, tmp_path):
+    """eval.dtype: bfloat16 runs the target and both drafts in bfloat16 and says so."""
+    assert cli.main(cli_args(case, tmp_path, num_prompts=1, dtype="bfloat16")) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["engine"] == {"name": "hf", "dtype": "bfloat16", "device": "cpu"}
+    assert report["provenance"]["settings"]["eval"]["dtype"] == "bfloat16"
+    model, _ = ev.load_target(case["target"], "cpu", "bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_mt_bench_questions_as_the_eval_set(case, tmp_path):
+    """eval.prompts: a question.jsonl, made an eval set by `eyrie eval-prompts`, is what the
+    evaluation decodes (its first turns, named by question id)."""
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(
+        "\n".join(
+            json.dumps({"question_id": 100 + i, "category": "demo", "turns": [t, "and then?"]})
+            for i, t in enumerate(TEXTS[:2])
+        )
+    )
+    prompts = tmp_path / "prompts.parquet"
+    argv = ["eval-prompts", "--target", str(case["target"]), "--questions", str(questions)]
+    assert cli.main([*argv, "--out", str(prompts), "--settings", "{}"]) == 0
+    argv = cli_args(case, tmp_path, num_prompts=2)
+    argv[argv.index("--eval-set") + 1] = str(prompts)
+    assert cli.main(argv) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    reference = [greedy_generate(case["model"], p, 8, case["eos"]) for p in case["prompts"][:2]]
+    assert report["num_prompts"] == 2 and report["output_tokens"] == sum(map(len, reference))
+
+
+def test_bad_settings_listed_together():
+    with pytest.raises(ev_errors.EvaluateError, match="eval.device.*eval.num_speculative_tokens"):
+        ev.parse_settings(
+            {
+                "eval": {
+                    "num_speculative_tokens": 0,
+                    "max_new_tokens": 4,
+                    "num_prompts": 1,
+                    "device": "tpu",
+                }
+            }
+        )

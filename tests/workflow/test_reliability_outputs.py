@@ -1,0 +1,496 @@
+"""Nothing good lost, nothing stale kept: the target tracked by content, the output store, the
+versioned drafts, and the legal values that used to crash (docs/reliability.md has the table).
+
+Real Snakemake runs on the tiny config with a user target in a folder whose path has a space;
+each test constructs the fault and checks what reruns, what is kept and what the user reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyrie.cli import main as cli_main
+from eyrie.core.errors import ExportError
+from eyrie.export.export import export
+from eyrie.formats.draft import load_draft
+from eyrie.formats.versions import DraftVersions
+from eyrie.store.fingerprint import file_digest, track_target
+from eyrie.store.store import Store
+from eyrie.train.recipe import train
+from tests.support import REPO
+from tests.support.train_helpers import build_world, train_paths, train_settings, write_shard
+from tests.workflow.test_workflow import job_table, planned, snakemake, write_config
+
+TARGET_RULES = {  # what replaced weights rerun: everything that reads them, not tokenization
+    "preflight": 1,
+    "extract_engine": 1,
+    "extract_hidden_states": 4,
+    "train_draft": 1,
+    "export_draft": 1,
+    "evaluate_draft": 1,
+    "all": 1,
+}
+
+
+def _same_mtime_copy(src_bytes: bytes, dest: Path) -> None:
+    """Replace `dest` in place as `cp -p` of an older file would: new bytes, old mtime."""
+    st = dest.stat()
+    dest.write_bytes(src_bytes)
+    os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def run_snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    """The workflow on `workdir`'s config.yaml, failing or not (the tests read its output)."""
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir)]
+    cmd += ["--configfile", str(workdir / "config.yaml"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def user_run(tmp_path_factory):
+    """The tiny workflow, run to completion against a user target (the demo target copied into
+    "my target/", a path with a space)."""
+    work = tmp_path_factory.mktemp("user")
+    convs = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eyrie.cli",
+            "demo-conversations",
+            "--out",
+            str(work / "convs.jsonl"),
+            "--settings",
+            json.dumps({"demo": {"seed": 7, "num_conversations": 60}}),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert convs.returncode == 0, convs.stderr
+    write_config(work)
+    snakemake(work, "results/tiny/target/model.safetensors")
+    shutil.copytree(work / "results/tiny/target", work / "my target")
+    shutil.rmtree(work / "results")
+    write_config(work, target__path="my target")  # relative: the copies below keep their params
+    snakemake(work)
+    return work
+
+
+@pytest.mark.slow
+def test_a_target_path_with_a_space_runs_and_reruns_nothing(user_run):
+    assert (user_run / "results/tiny/eval/eval.json").is_file()
+    assert planned(user_run) == {}
+
+
+@pytest.mark.slow
+def test_weights_replaced_in_place_rerun_what_reads_them(user_run, tmp_path):
+    """Before: only config.json and tokenizer_config.json were tracked, so other weights of the
+    same shape, copied with their old mtime, left "Nothing to be done"."""
+    work = tmp_path / "wf"
+    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    weights = work / "my target/model.safetensors"
+    tensors = load_file(str(weights))
+    tensors = {k: v + 0.01 for k, v in tensors.items()}  # a fine-tune: same names and shapes
+    other = tmp_path / "other.safetensors"
+    save_file(tensors, str(other))
+    os.utime(weights)  # touched: new mtime and ctime, the same content
+    assert planned(work) == {}
+    _same_mtime_copy(other.read_bytes(), weights)
+    assert planned(work) == TARGET_RULES
+
+
+@pytest.mark.slow
+def test_a_changed_tokenizer_reruns_tokenization(user_run, tmp_path):
+    work = tmp_path / "wf"
+    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    tok = work / "my target/tokenizer.json"
+    spec = json.loads(tok.read_text())
+    spec.setdefault("added_tokens", [])
+    tok.write_text(json.dumps(spec, indent=1))  # same tokenizer, other bytes
+    plan = planned(work)
+    assert plan.get("tokenize_conversations") == 1 and plan.get("build_vocab_map") == 1
+
+
+@pytest.mark.slow
+def test_reverted_setting_restores_shards_without_loading_the_target(user_run, tmp_path):
+    """Before: a bad layers.aux_ids run, reverted, reran every extraction job. Now the shards
+    come back from the store, the engine loads nothing, training resumes its finished run."""
+    work = tmp_path / "wf"
+    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    store = Store(work / "results/store")
+    kept = len(store.entries())
+    assert kept == 4  # the four shards of the first run
+    write_config(work, target__path="my target", layers__aux_ids=[1, 2])
+    snakemake(work)
+    assert len(store.entries()) == 8
+    write_config(work, target__path="my target")
+    out = snakemake(work)
+    assert job_table(out)["extract_hidden_states"] == 4
+    logs = "".join(
+        (work / f"logs/tiny/extract_hidden_states/shard_{i:03d}.log").read_text() for i in range(4)
+    )
+    assert logs.count("store: restored") == 4
+    engine = (work / "logs/tiny/extract_engine/engine_000.log").read_text()
+    assert "engine: listening" in engine  # the engine job ran, asked for nothing, loaded nothing
+    assert "engine: request" not in engine and "engine: loaded target" not in engine
+    assert "resumed from" in (work / "logs/tiny/train_draft.log").read_text()
+    assert planned(work) == {}
+
+
+@pytest.mark.slow
+def test_a_failed_export_keeps_the_draft_vllm_serves(user_run, tmp_path):
+    """Before: Snakemake deleted draft/config.json and model.safetensors before the export ran,
+    so a failed export took away the draft `vllm serve` used."""
+    work = tmp_path / "wf"
+    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    draft = work / "results/tiny/draft"
+    good = draft.resolve()
+    summary = work / "results/tiny/train/train.json"
+    broken = json.loads(summary.read_text())
+    broken["target"]["fingerprint"] = "0" * 16
+    summary.write_text(json.dumps(broken))
+    proc = run_snakemake(work, "--cores", "2", "-f", "results/tiny/draft.json")
+    assert proc.returncode != 0
+    assert "the draft was trained for target fingerprint" in proc.stdout + proc.stderr
+    assert not (work / "results/tiny/draft.json").exists()
+    assert draft.resolve() == good
+    assert load_draft(draft).config.speculators_config.proposal_methods[0].speculative_tokens == 3
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    world = build_world(root, num_conversations=8)
+    settings = train_settings(epochs=1, ttt_steps=2)
+    paths = train_paths(world, root)
+    train(paths, settings)
+    return world, root / "train", settings
+
+
+@pytest.mark.parametrize("K", [1, 20])
+def test_export_at_any_k(trained, tmp_path, K):
+    """Before: K = 20 (train.ttt_steps: 20) failed in the export's own check batch, whose
+    documents were shorter than K."""
+    world, train_dir, settings = trained
+    got = export(world["target"], train_dir, tmp_path / "draft", settings, num_speculative_tokens=K)
+    assert got["num_speculative_tokens"] == K
+    config = json.loads((tmp_path / "draft/config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == K
+
+
+def test_draft_versions_link_the_newest_good_and_keep_three(trained, tmp_path):
+    world, train_dir, settings = trained
+    link = tmp_path / "draft"
+    firsts = []
+    for K in (1, 2, 3, 4):
+        export(world["target"], train_dir, link, settings, num_speculative_tokens=K)
+        firsts.append(link.resolve())
+    versions = DraftVersions(link).versions()
+    assert len(versions) == 3 and link.resolve() == firsts[-1] and firsts[0] not in versions
+    assert os.readlink(link).startswith("drafts/")  # relative: the results folder can move
+    with pytest.raises(ExportError):
+        export(world["target"], tmp_path / "no-train", link, settings, num_speculative_tokens=5)
+    assert link.resolve() == firsts[-1] and (link / "model.safetensors").is_file()
+    # a draft folder from an older eyrie becomes a version instead of being replaced
+    old = tmp_path / "old/draft"
+    shutil.copytree(firsts[-1], old)
+    export(world["target"], train_dir, old, settings, num_speculative_tokens=2)
+    assert old.is_symlink() and any(
+        p.name.startswith("folder-") for p in (old.parent / "drafts").iterdir()
+    )
+
+
+def test_truncated_weights_fail_preflight_in_seconds(tmp_path, capsys):
+    """Before: a truncated weight file passed preflight and failed only when the GPU engine
+    loaded it (after ~18 minutes on a large target)."""
+    world = build_world(tmp_path, num_conversations=4)
+    weights = next(Path(world["target"]).glob("*.safetensors"))
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size - 100)
+    rc = cli_main(
+        [
+            "preflight",
+            "--target",
+            str(world["target"]),
+            "--out",
+            str(tmp_path / "pf.json"),
+            "--settings",
+            json.dumps({"layers": {"aux_ids": [1, 2, 3]}}),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and not (tmp_path / "pf.json").exists()
+    line = next(ln for ln in err.splitlines() if "model" in ln and "safetensors" in ln)
+    assert f"{weights}: {size - 100:,} bytes, but its header says {size:,} (truncated)" in line
+    assert "copy the file again" in line
+
+
+def test_fingerprint_samples_each_tensor_and_is_rewritten_only_on_change(tmp_path):
+    """A large weight file is read in samples (the middle of each tensor, up to 256), so a
+    change of whole tensors is seen without reading the file."""
+    target = tmp_path / "t"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    big = target / "model.safetensors"
+    tensors = {f"layers.{i}.w": torch.zeros(100_000) for i in range(50)}  # 20 MB: sampled
+    save_file(tensors, str(big))
+    assert file_digest(big, big.stat().st_size).startswith("sampled:")
+    weights = Path(track_target(target, tmp_path / "fp")["weights"])
+    first = weights.stat().st_mtime_ns
+    os.utime(big)  # touched, same content: not rewritten
+    track_target(target, tmp_path / "fp")
+    assert weights.stat().st_mtime_ns == first
+    tensors["layers.37.w"] = torch.full((100_000,), 1e-3)  # one tensor changed, mtime kept
+    st = big.stat()
+    save_file(tensors, str(big))
+    os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns))
+    track_target(target, tmp_path / "fp")
+    assert weights.stat().st_mtime_ns != first
+
+
+def test_store_restores_by_link_and_prunes_oldest_first(tmp_path, capsys):
+    store = Store(tmp_path / "store")
+    out = tmp_path / "out.h5"
+    out.write_bytes(b"states")
+    store.put("hidden", "ab" * 32, {"shard.h5": out}, {"why": "test"})
+    out.unlink()  # Snakemake deletes the output before a rerun
+    assert store.restore("hidden", "ab" * 32, {"shard.h5": out})
+    assert out.read_bytes() == b"states" and out.stat().st_nlink == 2
+    assert not store.restore("hidden", "cd" * 32, {"shard.h5": tmp_path / "x.h5"})
+    rc = cli_main(["store", "--path", str(store.root), "--prune", "--max-gib", "0"])
+    assert rc == 0 and "removed 1 entries" in capsys.readouterr().out
+    assert out.read_bytes() == b"states"  # pruning never touches an output
+    assert store.entries() == []
+
+
+def test_a_damaged_entry_is_never_restored(tmp_path, caplog):
+    """An output is a hard link to its store entry: a truncated output cuts the entry too. The
+    entry's recorded sizes catch it: it is removed and the stage computes the output again."""
+    store = Store(tmp_path / "store")
+    out = tmp_path / "out.h5"
+    out.write_bytes(b"states of a shard")
+    store.put("hidden", "ab" * 32, {"shard.h5": out}, {"why": "test"})
+    os.truncate(out, 6)  # a disk error, or `truncate`, on the output
+    with caplog.at_level("WARNING"):
+        assert not store.restore("hidden", "ab" * 32, {"shard.h5": out})
+    assert "is damaged (shard.h5 holds 6 bytes, 17 when stored)" in caplog.text
+    assert store.entries() == []
+
+
+def test_a_missing_target_folder_is_one_line_at_parse_time(tmp_path):
+    write_config(tmp_path, target__path=str(tmp_path / "no such model"))
+    (tmp_path / "convs.jsonl").touch()
+    proc = run_snakemake(tmp_path, "-n")
+    eyrie = [ln for ln in proc.stderr.splitlines() if ln.startswith("eyrie")]
+    assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
+    assert eyrie == [
+        f"eyrie config: error: target.path {tmp_path / 'no such model'}: not a folder; set it "
+        "to a Hugging Face model folder (config.json, safetensors weights, tokenizer)"
+    ]
+    assert not (tmp_path / "results").exists()
+
+
+def test_reliability_docs_name_real_tests_and_count_their_rows():
+    """docs/reliability.md: every test it names exists, and its figure counts its rows."""
+    text = (REPO / "docs" / "reliability.md").read_text()
+    rows = [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith("| case")]
+    named = re.findall(r"`(tests/\w+\.py)::(\w+)`", text)
+    assert rows and named
+    for path, name in named:
+        assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), f"{path}::{name}"
+    figure = re.search(r"Now: \*\*(\d+) cases tried", text)
+    assert figure and int(figure[1]) == len(rows)
+
+
+def test_a_shard_and_a_draft_are_fsynced_before_their_names_publish_them(
+    trained, tmp_path, monkeypatch
+):
+    """Before: nothing was fsynced before the rename, so a power loss could leave a complete
+    name over incomplete bytes."""
+    from eyrie.formats import hidden
+
+    events = []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+    monkeypatch.setattr(
+        os,
+        "fsync",
+        lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd),
+    )
+    monkeypatch.setattr(
+        os, "replace", lambda a, b: events.append(("rename", str(b))) or real_replace(a, b)
+    )
+    monkeypatch.setattr(
+        os, "rename", lambda a, b: events.append(("rename", str(b))) or real_rename(a, b)
+    )
+    world, train_dir, settings = trained
+    out = tmp_path / "shard.h5"
+    samples = world["samples"][:2]
+    write_shard(out, world["model"], samples, hidden.ShardMeta(**world["meta"]), ["a:1", "a:2"])
+    renamed = events.index(("rename", str(out)))
+    assert any(kind == "fsync" and ".shard.h5" in p for kind, p in events[:renamed])
+    assert ("fsync", str(tmp_path)) in events[renamed:]
+    events.clear()
+    link = tmp_path / "draft"
+    export(world["target"], train_dir, link, settings)
+    published = events.index(("rename", str(link)))
+    synced = [p for kind, p in events[:published] if kind == "fsync"]
+    assert any(p.endswith("model.safetensors") for p in synced)
+    assert ("fsync", str(tmp_path)) in events[published:]
+
+
+def test_an_entry_overwritten_in_place_is_never_restored(tmp_path, caplog):
+    """The same size, other bytes (a disk error, a tool writing in place): the sampled digest
+    recorded at keep time catches it."""
+    store = Store(tmp_path / "store")
+    out = tmp_path / "out.h5"
+    out.write_bytes(bytes(range(256)) * 64)
+    store.put("hidden", "cd" * 32, {"shard.h5": out}, {"why": "test"})
+    with open(out, "r+b") as f:
+        f.seek(len(out.read_bytes()) - 100)
+        f.write(b"\0" * 10)
+    with caplog.at_level("WARNING"):
+        assert not store.restore("hidden", "cd" * 32, {"shard.h5": out})
+    assert "shard.h5: its sampled content differs from when it was stored" in caplog.text
+    assert store.entries() == []
+
+
+def test_two_runs_restoring_one_entry_never_touch_each_others_outputs(tmp_path):
+    """Run a's output links the entry; run b's restore gets a copy of its own, so the time it
+    sets is not a's (Snakemake would replan what follows a's output)."""
+    store = Store(tmp_path / "store")
+    a, b = tmp_path / "a" / "shard.h5", tmp_path / "b" / "shard.h5"
+    a.parent.mkdir()
+    a.write_bytes(b"states" * 1000)
+    store.put("hidden", "ef" * 32, {"shard.h5": a}, {"why": "test"})
+    os.utime(a, (1_000_000_000, 1_000_000_000))
+    assert store.restore("hidden", "ef" * 32, {"shard.h5": b})
+    assert a.stat().st_mtime == 1_000_000_000 and b.stat().st_mtime > 1_000_000_000
+    assert b.stat().st_ino != a.stat().st_ino and b.read_bytes() == a.read_bytes()
+    # with no other output linking it, a restore links the entry again (no extra disk)
+    a.unlink()
+    assert store.restore("hidden", "ef" * 32, {"shard.h5": a})
+    assert a.stat().st_nlink == 2
+
+
+def test_what_a_killed_engine_left_beside_a_shard_goes_when_the_shard_is_restored(
+    tmp_path, monkeypatch
+):
+    """A killed engine's temporary shard (`.shard_000.h5.tmp-<pid>`) is removed by the shard's
+    next job, also when that job restores the shard from the store and writes nothing."""
+    from argparse import Namespace
+
+    from eyrie.extract import extract
+
+    out = tmp_path / "hidden" / "shard_000.h5"
+    out.parent.mkdir()
+    out.write_bytes(b"states")
+    Store(tmp_path / "store").put("hidden", "12" * 32, {"shard.h5": out}, {"why": "test"})
+    out.unlink()
+    stale = out.with_name(".shard_000.h5.tmp-4242")
+    stale.write_bytes(b"half a shard")
+    monkeypatch.setenv("EYRIE_STORE", str(tmp_path / "store"))
+    monkeypatch.setattr(extract, "store_key", lambda *a: ("12" * 32, {}))
+    args = Namespace(out=str(out), shard="s", preflight="p", settings={}, engine="sock")
+    assert extract.run(args) == 0
+    assert out.read_bytes() == b"states" and not stale.exists()
+
+
+@pytest.mark.slow
+def test_a_deleted_draft_version_is_named_at_parse_time(user_run, tmp_path):
+    """Before: deleting the version draft.json names left "Nothing to be done" and a draft.json
+    (and a `draft` link) naming a draft that no longer exists."""
+    work = tmp_path / "wf"
+    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    version = json.loads((work / "results/tiny/draft.json").read_text())["version"]
+    shutil.rmtree(work / version)
+    proc = run_snakemake(work, "-n")
+    assert proc.returncode == 0
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("eyrie")] == [
+        f"eyrie config: warning: results/tiny/draft.json names the draft {version}, which is "
+        "gone; export it again with snakemake --forcerun export_draft"
+    ]
+
+
+@pytest.mark.slow
+def test_a_failed_rerun_names_where_the_last_good_report_is(user_run, tmp_path):
+    """Snakemake deletes a job's outputs before it runs: a preflight that now fails took
+    preflight.json away. Its last good copy is kept beside it and the failure line names it."""
+    work = tmp_path / "wf"
+    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    good = (work / "results/tiny/preflight.json").read_text()
+    write_config(work, target__path="my target", layers__aux_ids=[1, 2, 40])
+    proc = run_snakemake(work, "--cores", "2")
+    assert proc.returncode != 0
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("failed rule preflight:")]
+    assert line.endswith(
+        "; the last good preflight.json is kept as results/tiny/.last-good/preflight.json"
+    ), line
+    assert not (work / "results/tiny/preflight.json").exists()
+    assert (work / "results/tiny/.last-good/preflight.json").read_text() == good
+
+
+@pytest.mark.slow
+def test_the_same_target_under_another_path_reruns_nothing(user_run, tmp_path):
+    """Before: target.path switched to a symlink or a copy of the same folder replanned the 8
+    jobs whose params hold the path. Now the params compare the path the content was first
+    given as; the shell gets the folder as it is now. Changed content still reruns."""
+    work = tmp_path / "wf"
+    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    (work / "link").symlink_to(work / "my target")
+    shutil.copytree(work / "my target", work / "copy")
+    for path in ("link", "copy", str(work / "copy")):
+        write_config(work, target__path=path)
+        assert planned(work) == {}, path
+    (work / "copy/tokenizer_config.json").write_text(
+        (work / "copy/tokenizer_config.json").read_text().replace("}", ', "x": 1}', 1)
+    )
+    assert "tokenize_conversations" in planned(work)
+
+
+def test_store_verify_removes_the_damaged_entries_a_full_check_reads_shards_whole(tmp_path, capsys):
+    """`eyrie store --verify` makes the check a restore makes on every entry; `--verify full`
+    also reads each hidden-state shard whole, which catches a NaN written in place between the
+    sampled blocks (same size, same sampled bytes)."""
+    import h5py
+
+    from eyrie.store.store import SAMPLE_BLOCKS, SAMPLE_BYTES
+
+    world = build_world(tmp_path / "world", num_conversations=160, shards=1)
+    store = Store(tmp_path / "store")
+    good, cut, nan = (tmp_path / f"{n}.h5" for n in ("good", "cut", "nan"))
+    for i, path in enumerate((good, cut, nan)):
+        shutil.copy(world["shards"][0], path)
+        store.put("hidden", f"{i}" * 64, {"shard.h5": path}, {"why": "test"})
+    os.truncate(cut, cut.stat().st_size - 1)
+    size = nan.stat().st_size
+    sampled = [(size - SAMPLE_BYTES) * k // (SAMPLE_BLOCKS - 1) for k in range(SAMPLE_BLOCKS)]
+    with h5py.File(nan, "r+") as f:  # in place, as a tool or a disk error would
+        data = f["aux_hidden"]
+        row_bytes = data.shape[1] * data.dtype.itemsize
+        row = next(  # a row no sampled block reads
+            r
+            for r in range(data.shape[0])
+            if all(
+                not (a < data.id.get_offset() + (r + 1) * row_bytes)
+                or not (data.id.get_offset() + r * row_bytes < a + SAMPLE_BYTES)
+                for a in sampled
+            )
+        )
+        data[row] = 0x7FC0  # NaN in bfloat16
+    assert cli_main(["store", "--path", str(store.root), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert f"{store.entry('hidden', '1' * 64)}: damaged (" in out
+    assert len(store.entries()) == 2  # the NaN is between the sampled blocks
+    assert cli_main(["store", "--path", str(store.root), "--verify", "full"]) == 0
+    out = capsys.readouterr().out
+    assert f"{store.entry('hidden', '2' * 64)}: damaged (" in out and "removed" in out
+    assert [e.key for e in store.entries()] == ["0" * 64]
