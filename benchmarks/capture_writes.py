@@ -69,7 +69,8 @@ def run(kind: str, root: Path, lengths: list[int], n_aux: int, H: int, storage: 
     from eyrie.extract.batches import WRITERS, FileBatch, StagedBatch, Writers
     from eyrie.extract.requestfile import BAD, TOKEN_IDS, RequestFile
     from eyrie.extract.vllm_backend import _CloseWithLast, _parts
-    from eyrie.formats.hidden import ShardMeta, ShardWriter
+    from eyrie.formats.hidden import ShardMeta
+    from eyrie.formats.hidden_writer import ShardWriter
 
     scratch = Path(tempfile.mkdtemp(dir="/dev/shm"))
     paths = make_files(scratch, lengths, n_aux, H, storage)

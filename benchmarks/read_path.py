@@ -7,7 +7,7 @@ slower than the format it replaces (goal: eyrie/peer >= 1.0x in every cell).
 What it does, in one run on one machine:
   1. builds random bf16 hidden states of a realistic shape ([T, n_aux + 1, H] per sample, T in
      --min-tokens..--max-tokens, ~--gb GB in all) and writes the SAME tensors three times:
-     - eyrie: several HDF5 shards through eyrie.formats.hidden.ShardWriter
+     - eyrie: several HDF5 shards through eyrie.formats.hidden_writer.ShardWriter
        (docs/shard-format.md), bfloat16;
      - eyrie_fp8: the same shards with storage_dtype float8_e4m3 (quantized by ShardWriter);
      - peer: one `hs_<i>.safetensors` per sample with speculators' keys
@@ -63,7 +63,8 @@ from safetensors.torch import load_file, save_file
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from eyrie.formats.codecs import decode_e4m3  # noqa: E402
-from eyrie.formats.hidden import ShardMeta, ShardReader, ShardWriter, validate_shard  # noqa: E402
+from eyrie.formats.hidden import ShardMeta, ShardReader, validate_shard  # noqa: E402
+from eyrie.formats.hidden_writer import ShardWriter  # noqa: E402
 
 try:  # speculators' own loader for a cached sample (hs_connectors ships with speculators 0.9.0)
     from hs_connectors import FileTransfer

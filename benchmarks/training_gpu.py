@@ -194,7 +194,8 @@ def write_world(
     from safetensors.torch import save_file
 
     from eyrie.data.vocab import select_draft_ids, vocab_mappings
-    from eyrie.formats.hidden import ShardMeta, ShardWriter
+    from eyrie.formats.hidden import ShardMeta
+    from eyrie.formats.hidden_writer import ShardWriter
 
     V, H, aux = shape["vocab"], shape["hidden"], shape["aux"]
     counts = np.zeros(V, np.int64)

@@ -3,9 +3,10 @@
 `TABLE` has one row per key of config/schema.yaml. A rule's `params.settings` (Snakemake's rerun
 trigger compares its text) holds exactly the keys that list it under `compared`; `read` keys reach
 a rule in its command text only (changing them reruns nothing). A key added after runs recorded
-their params (`new`) is left out of the params text while it holds its schema default, so that
-adding it reruns nothing; the stage fills the same default. The rule files build their params
-with `rule_settings`, and docs/contracts.md's table is `python -m eyrie.config.rules --contracts`.
+their params (the schema's `added: true`) is left out of the params text while it holds its
+schema default, so that adding it reruns nothing; the stage fills the same default. The rule
+files build their params with `rule_settings`, and docs/contracts.md's table is
+`python -m eyrie.config.rules --contracts`.
 `prepare` does what the workflow needs before its rules run (the PATH, the engine placeholders).
 Only the rule files and tests import this module.
 """
@@ -19,7 +20,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyrie.config.schema import SETTINGS_ALIASES, schema, schema_default, settings_json
+from eyrie.config.schema import (
+    SETTINGS_ALIASES,
+    added_later,
+    schema,
+    schema_default,
+    settings_json,
+)
 from eyrie.store.store import ENV as STORE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +61,6 @@ class Row:
     compared: tuple[str, ...] = ()
     read: tuple[str, ...] = ()
     other: str = ""
-    new: bool = False  # compared only when it differs from its schema default
 
 
 DEMO_TARGET = ("build_demo_target",)
@@ -93,25 +99,23 @@ TABLE = (
     Row("demo.batch_size", DEMO_TARGET),
     Row("demo.seq_len", DEMO_TARGET),
     Row("demo.learning_rate", DEMO_TARGET),
-    Row("demo.device", DEMO_TARGET, other="build_demo_target's gpu resource", new=True),
+    Row("demo.device", DEMO_TARGET, other="build_demo_target's gpu resource"),
     Row("data.conversations", DATA, other="the inputs of tokenize_conversations"),
     Row("data.max_seq_len", DATA),
     Row("data.num_shards", DATA, other="one extract_hidden_states job per shard"),
     Row("data.num_eval", DATA),
     Row("data.seed", DATA),
     Row("data.strict", DATA),
-    Row("data.mask_mode", DATA, new=True),
-    Row("data.train_reasoning", DATA, new=True),
-    Row("data.non_text", (*DATA, *REGENERATE), new=True),
+    Row("data.mask_mode", DATA),
+    Row("data.train_reasoning", DATA),
+    Row("data.non_text", (*DATA, *REGENERATE)),
     Row(
         "data.chat_template_kwargs",
         (*DATA, *REGENERATE, "tokenize_eval_prompts", "preflight", "preflight_regenerate"),
-        new=True,
     ),
     Row(
         "data.regenerate",
         DATA,
-        new=True,
         other="true: regenerate_responses jobs, whose files tokenize_conversations reads",
     ),
     Row("regenerate.num_shards", REGENERATE, other="one regenerate_responses job per shard"),
@@ -171,16 +175,16 @@ TABLE = (
             "verify_shards",
         )
     ),
-    Row("train.report_to", ("train_draft",), new=True),
+    Row("train.report_to", ("train_draft",)),
     *(
-        Row(f"train.{name}", TRAIN, new=True)
+        Row(f"train.{name}", TRAIN)
         for name in ("loss", "lr_schedule", "hidden_noise", "norm_before_fc")
     ),
     Row("eval.num_speculative_tokens", ("evaluate_draft", "evaluate_vllm")),
     Row("eval.max_new_tokens", ("evaluate_draft", "evaluate_vllm")),
     Row("eval.num_prompts", ("evaluate_draft", "evaluate_vllm")),
     Row("eval.device", ("evaluate_draft",), other="evaluate_draft's gpu resource"),
-    Row("eval.dtype", ("evaluate_draft",), new=True),
+    Row("eval.dtype", ("evaluate_draft",)),
     Row(
         "eval.prompts",
         other="an input of tokenize_eval_prompts, whose output is the eval set of evaluate_draft "
@@ -214,7 +218,6 @@ TABLE = (
     Row(
         "vllm.rehearsal",
         (*EXTRACT, "preflight", *TRAIN, "evaluate_vllm"),
-        new=True,
         other="true: the paths results/<name>.rehearsal/..., logs/<name>.rehearsal/...; `all` "
         "asks for draft.json and eval_vllm.json, from shard 000 alone (docs/rehearsal.md)",
     ),
@@ -249,7 +252,7 @@ def _settings(config: dict, rule: str, column: str) -> dict:
         if _takes(getattr(row, column), rule, config):
             section, name = row.key.split(".")
             value = config[section][name]
-            if row.new and column == "compared" and value == schema_default(row.key):
+            if column == "compared" and added_later(row.key) and value == schema_default(row.key):
                 continue
             if row.key in SETTINGS_ALIASES:
                 out[SETTINGS_ALIASES[row.key]] = value

@@ -316,9 +316,10 @@ def schema_default(key: str) -> Any:
     return key_schema(key)["default"]
 
 
-def vllm_setting(v: dict, name: str) -> Any:
-    """vllm.<name> from a stage's `vllm` section, else the schema's default (not restated)."""
-    return v[name] if name in v else schema_default(f"vllm.{name}")
+def added_later(key: str) -> bool:
+    """Whether `key` came after finished runs recorded their params and run ids (the schema's
+    `added: true`): at its default it is left out of both, so that adding it reruns nothing."""
+    return bool(key_schema(key).get("added"))
 
 
 def value_problems(key: str, value: Any, name: str | None = None) -> list[str]:

@@ -1,4 +1,5 @@
-"""The training settings: the `train` section as a typed, frozen object.
+"""Typed config sections: `train` (the training settings) and `vllm` (every vLLM engine's), each
+a frozen object.
 
 config/schema.yaml checks types, ranges and defaults (eyrie.config.schema.load_settings); this
 module adds only the cross-field rules a schema cannot express. Fields in order make the run id
@@ -11,29 +12,40 @@ import dataclasses
 import json
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from eyrie.config.schema import load_settings, report_problems
-from eyrie.core.errors import EyrieError
+from eyrie.config.schema import (
+    added_later,
+    flag_problems,
+    load_settings,
+    report_problems,
+    schema_default,
+)
+from eyrie.core.errors import ConfigError, EyrieError
 
 log = logging.getLogger(__name__)
 
 
 # Settings that do not change the trained weights (left out of the run id).
 NOT_IN_RUN_ID = ("log_every", "checkpoint_every", "verify_shards", "report_to")
-# Settings added after runs recorded their run ids, with the value those runs trained with: left
-# out of the run id at that value, so that their checkpoints still resume.
-IMPLIED_BEFORE = {
-    "loss": "kl_div",
-    "lr_schedule": "cosine",
-    "hidden_noise": 0.0,
-    "norm_before_fc": False,
-}
 # train.learning_rate: auto: AdamW's peak rate for a draft of the target's width, lr = REF_LR x
 # (REF_HIDDEN / hidden) ** LR_WIDTH_EXPONENT (REF_LR up to REF_HIDDEN), to one digit. Through the
 # two measured optima: 3e-3 at hidden 128 (the demo) and 1e-3 at hidden 512 (the larger target,
 # where 3e-3 trained a draft of 0.57x the AL). BENCHMARKS.md "Learning rate and width".
 REF_HIDDEN, REF_LR, LR_WIDTH_EXPONENT = 128, 3.0e-3, 0.8
+
+
+def implied_before() -> dict:
+    """Settings added after runs recorded their run ids (the schema's `added: true`), with the
+    value those runs trained with (the default): left out of the run id at that value, so that
+    their checkpoints still resume."""
+    names = [f.name for f in dataclasses.fields(TrainSettings)]
+    return {
+        n: schema_default(f"train.{n}")
+        for n in names
+        if n not in NOT_IN_RUN_ID and added_later(f"train.{n}")
+    }
 
 
 @dataclass(frozen=True)
@@ -123,3 +135,55 @@ def check_world(packs_per_step: int, world: int) -> None:
             f"train.packs_per_step to a multiple of {world} (e.g. {up}) or start a number "
             f"of processes that divides {packs_per_step}"
         )
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """The `vllm` section (every vLLM engine and the preflight of vLLM); config/schema.yaml checks
+    and defaults it."""
+
+    python: str  # the vLLM environment's Python (relative: to the repository)
+    extraction_path: str  # auto | native | capture (eyrie.vllm.checks.choose_path)
+    tensor_parallel_size: int
+    gpu_memory_gib: float  # each GPU's memory, for preflight's weight estimate
+    gpu_memory_utilization: float
+    enforce_eager: bool
+    dtype: str  # vLLM's dtype; auto: vLLM's choice (bfloat16 for a float32 checkpoint)
+    max_model_len: int | None  # None: the stage's own (the target's context, or what it needs)
+    rehearsal: bool  # the target with random weights (eyrie.core.rehearsal, docs/rehearsal.md)
+
+    @classmethod
+    def from_section(
+        cls, section: dict | None, error: type[EyrieError] = ConfigError
+    ) -> VllmSettings:
+        """A `vllm` section (as the config or a stage's --settings has it, in part or whole)
+        checked against the schema, its defaults filled; every problem at once in one `error`."""
+        section = load_settings({"vllm": section or {}}, ["vllm"], error)["vllm"]
+        return cls(
+            **{
+                f.name: float(section[f.name]) if f.type == "float" else section[f.name]
+                for f in dataclasses.fields(cls)
+            }
+        )
+
+
+def load_with_vllm(
+    settings: dict,
+    sections: Sequence[str],
+    error: type[EyrieError],
+    gpu_memory_utilization: float | None = None,
+) -> tuple[dict, VllmSettings]:
+    """A vLLM stage's --settings: `sections` and vllm checked by the schema together (every
+    problem at once, each naming its key), returned with the typed vllm section.
+
+    `gpu_memory_utilization` (the CLI flag) replaces vllm.gpu_memory_utilization: it changes no
+    result, so the workflow keeps it out of --settings (no rerun when it changes).
+    """
+    problems = flag_problems(
+        "vllm.gpu_memory_utilization", gpu_memory_utilization, "--gpu-memory-utilization"
+    )
+    loaded = load_settings(settings, [*sections, "vllm"], error, problems)
+    vllm = VllmSettings.from_section(loaded["vllm"], error)
+    if gpu_memory_utilization is not None:
+        vllm = dataclasses.replace(vllm, gpu_memory_utilization=float(gpu_memory_utilization))
+    return loaded, vllm

@@ -5,8 +5,9 @@ minutes, before the real load is paid for (docs/rehearsal.md).
 A rehearsal runs under the name `<target.name>.rehearsal` (its own results/, logs/ and store
 keys), and every file it writes says so: `"rehearsal": true` in its JSON files, the attribute
 `rehearsal` = 1 on its hidden-state shards. A real run's files carry no such key, so they are the
-bytes they were. A real stage refuses a rehearsal's file with one line (`refusal`). Imports only
-the standard library: every environment reads it.
+bytes they were. A real stage refuses a rehearsal's file with one line (`refusal`; raised by
+`refuse_in_real_run` where a rehearsal of the stage is the other way). Imports only the standard
+library: every environment reads it.
 """
 
 from __future__ import annotations
@@ -63,3 +64,17 @@ def refusal(path: str | Path, what: str, fix: str) -> str:
         f"{path}: {what} of a rehearsal (vllm.rehearsal: true: the target ran with random "
         f"weights), which a real run never uses; {fix} ({DOC})"
     )
+
+
+def refuse_in_real_run(
+    found: str | Path | None, what: str, use: str, folder: str, stage: str, error: type[Exception]
+) -> None:
+    """A real run given a rehearsal's file `found` (a `what`; None: none was) raises `error` with
+    the refusal: `use` the file of the run without vllm.rehearsal (results/<name>/`folder`), or
+    rehearse the `stage`."""
+    if found is not None:
+        fix = (
+            f"{use} of the run without vllm.rehearsal (results/<name>/{folder}), or set "
+            f"vllm.rehearsal: true to rehearse the {stage}"
+        )
+        raise error(refusal(found, what, fix))

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from eyrie.core.errors import DataError
 from eyrie.core.io import atomic_path
+from eyrie.data.jsonlines import read_json_lines
 from eyrie.formats.tokenized import EVAL_SCHEMA
 
 FORMAT = 'one JSON object a line: {"question_id": ..., "turns": ["first user turn", ...]}'
@@ -26,32 +27,32 @@ FORMAT = 'one JSON object a line: {"question_id": ..., "turns": ["first user tur
 def read_questions(path: str | Path) -> list[tuple[str, str]]:
     """(sample_id "question_id:<id>", first turn) of every line of `path`; blank lines skipped."""
     path = Path(path)
+    questions = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        for n, record in read_json_lines(path, _not_json):
+            questions.append(_question(record, f"{path}:{n}", n))
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"{path}: cannot read eval.prompts ({exc}); give a {FORMAT} file") from exc
-    questions = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: not JSON ({exc.msg}); write {FORMAT}") from None
-        turns = record.get("turns") if isinstance(record, dict) else None
-        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
-            raise DataError(
-                f"{where}: 'turns' must be a non-empty list of strings (got {turns!r:.60}); "
-                f"write {FORMAT}"
-            )
-        if not turns[0].strip():
-            raise DataError(f"{where}: the first turn is empty; give it the question's text")
-        qid = record.get("question_id", n)
-        questions.append((f"question_id:{qid}", turns[0]))
     if not questions:
         raise DataError(f"{path}: no questions; write {FORMAT}")
     return questions
+
+
+def _not_json(where: str, exc: json.JSONDecodeError) -> DataError:
+    return DataError(f"{where}: not JSON ({exc.msg}); write {FORMAT}")
+
+
+def _question(record, where: str, n: int) -> tuple[str, str]:
+    """One line's (sample_id, first turn); the question_id defaults to the line number."""
+    turns = record.get("turns") if isinstance(record, dict) else None
+    if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+        raise DataError(
+            f"{where}: 'turns' must be a non-empty list of strings (got {turns!r:.60}); "
+            f"write {FORMAT}"
+        )
+    if not turns[0].strip():
+        raise DataError(f"{where}: the first turn is empty; give it the question's text")
+    return f"question_id:{record.get('question_id', n)}", turns[0]
 
 
 def question_prompts(template, questions: list[tuple[str, str]]) -> list[tuple[str, list[int]]]:
@@ -82,17 +83,9 @@ def write_eval_set(path: str | Path, prompts: list[tuple[str, list[int]]]) -> No
 
 
 def add_arguments(parser) -> None:
-    from eyrie.core.runtime import settings_arg
-
     parser.add_argument("--target", required=True, help="target model folder (its chat template)")
     parser.add_argument("--questions", required=True, help="question.jsonl (MT-Bench format)")
     parser.add_argument("--out", required=True, help="eval set .parquet to write")
-    parser.add_argument(
-        "--settings",
-        required=True,
-        type=settings_arg,
-        help="JSON object: trust_remote_code, data.chat_template_kwargs",
-    )
 
 
 def run(args) -> int:

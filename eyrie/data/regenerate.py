@@ -15,41 +15,15 @@ import json
 import logging
 from pathlib import Path
 
+from eyrie.arch.loader import load_causal_lm
 from eyrie.core.errors import DataError
 from eyrie.core.io import provenance
-from eyrie.core.runtime import auto_device
+from eyrie.core.runtime import auto_device, auto_dtype
 from eyrie.data.chat import end_token_ids, load_chat_tokenizer
-from eyrie.data.regeneration import (
-    Generated,
-    RegenSettings,
-    ShardPaths,
-    StoredShard,
-    add_shard_arguments,
-    regenerate_shard,
-    split_at_end,
-    target_context,
-)
+from eyrie.data.regen_jobs import Generated, split_at_end
+from eyrie.data.regeneration import RegenSettings, add_shard_arguments, run_shard, target_context
 
 log = logging.getLogger(__name__)
-
-
-def load_model(target: str | Path, device: str, trust_remote_code: bool):
-    """The target for generation: float32 on the CPU, bfloat16 on a GPU."""
-    import torch
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(target), dtype=dtype, trust_remote_code=trust_remote_code
-        )
-    except (OSError, ValueError, SafetensorError) as exc:
-        raise DataError(
-            f"{target}: cannot load the target with transformers ({exc}); check the model "
-            "folder (and trust_remote_code if it ships its own code)"
-        ) from exc
-    return model.to(device).eval()
 
 
 class HfBackend:
@@ -102,15 +76,14 @@ def load_backend(target: str | Path, cfg: RegenSettings) -> HfBackend:
     device = auto_device("regenerate.device", cfg.device, DataError)
     tokenizer = load_chat_tokenizer(target, cfg.trust_remote_code)
     torch.manual_seed(cfg.seed)
-    model = load_model(target, device, cfg.trust_remote_code)
+    dtype = auto_dtype("auto", device)  # bfloat16 on a GPU, float32 on the CPU
+    model = load_causal_lm(target, device, dtype, cfg.trust_remote_code, DataError)
     log.info("regenerate: target %s on %s (%s)", target, device, model.dtype)
     return HfBackend(tokenizer, model, cfg, target_context(target))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_shard_arguments(
-        parser, "JSON: the regenerate section (and data.non_text, trust_remote_code)"
-    )
+    add_shard_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,12 +94,4 @@ def run(args: argparse.Namespace) -> int:
             "(the workflow does), or set regenerate.backend: hf"
         )
     log.info("regenerate: provenance %s", json.dumps(provenance(args.settings), default=str))
-    paths = ShardPaths(args.inputs, args.shard, args.out)
-    stored = StoredShard.of(args.target, paths, args.settings)
-    if stored is not None and stored.restore(args.out):
-        return 0  # regenerated before from the same target, inputs and settings
-    backend = load_backend(args.target, cfg)
-    regenerate_shard(backend, paths, cfg)
-    if stored is not None:
-        stored.put(args.out)
-    return 0
+    return run_shard(args, cfg, lambda: load_backend(args.target, cfg))

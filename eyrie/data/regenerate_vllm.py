@@ -13,83 +13,51 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
-from eyrie.config.schema import flag_problems, load_settings
+from eyrie.config.sections import VllmSettings, load_with_vllm
 from eyrie.core.errors import DataError
 from eyrie.core.io import provenance
 from eyrie.data.chat import end_token_ids, generation_eos, load_chat_tokenizer
+from eyrie.data.regen_jobs import Generated, split_at_end
 from eyrie.data.regeneration import (
     CHUNK_RECORDS,
-    Generated,
     RegenSettings,
     ShardPaths,
     StoredShard,
     add_shard_arguments,
     regenerate_shard,
-    split_at_end,
     target_context,
 )
-from eyrie.vllm.adapters import engine_environment, text_only
+from eyrie.vllm.adapters import engine_environment
+from eyrie.vllm.engine import engine_args
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class VllmEngine:
-    """The vllm section as this stage uses it."""
-
-    tensor_parallel_size: int
-    gpu_memory_utilization: float
-    enforce_eager: bool
-    dtype: str
-    max_model_len: int | None  # None: the target's own context length
-
-
 def parse_settings(
     settings: dict, gpu_memory_utilization: float | None = None
-) -> tuple[RegenSettings, VllmEngine]:
+) -> tuple[RegenSettings, VllmSettings]:
     """The regenerate and vllm sections (schema-checked, every problem at once);
     `gpu_memory_utilization` (the CLI flag, not compared by the workflow) wins over the
     section's."""
-    problems = flag_problems(
-        "vllm.gpu_memory_utilization", gpu_memory_utilization, "--gpu-memory-utilization"
-    )
-    loaded = load_settings(settings, ["regenerate", "vllm"], DataError, problems)
+    _, vllm = load_with_vllm(settings, ["regenerate"], DataError, gpu_memory_utilization)
     cfg = RegenSettings.from_settings(settings)
     if cfg.backend != "vllm":
         raise DataError(
             "regenerate.backend is hf: run `eyrie regenerate` (the workflow does), or set "
             "regenerate.backend: vllm"
         )
-    vl = loaded["vllm"]
-    gpu = vl["gpu_memory_utilization"] if gpu_memory_utilization is None else gpu_memory_utilization
-    engine = VllmEngine(
-        vl["tensor_parallel_size"],
-        float(gpu),
-        vl["enforce_eager"],
-        vl["dtype"],
-        vl["max_model_len"],
+    return cfg, vllm
+
+
+def engine_kwargs(target: str | Path, cfg: RegenSettings, vllm: VllmSettings) -> dict:
+    """`vllm.LLM(**kwargs)`: the target on vllm.tensor_parallel_size GPUs, prompts as token ids
+    (the tokenizer runs in eyrie, not in vLLM), sampled with the regenerate seed; vllm.max_model_len
+    None: the target's own context length."""
+    return engine_args(
+        Path(target).resolve(), vllm, trust_remote_code=cfg.trust_remote_code, seed=cfg.seed
     )
-    return cfg, engine
-
-
-def engine_kwargs(target: str | Path, cfg: RegenSettings, engine: VllmEngine) -> dict:
-    """`vllm.LLM(**kwargs)`: the target on tensor_parallel_size GPUs, prompts as token ids."""
-    return {
-        "model": str(Path(target).resolve()),
-        "tensor_parallel_size": engine.tensor_parallel_size,
-        "gpu_memory_utilization": engine.gpu_memory_utilization,
-        "enforce_eager": engine.enforce_eager,
-        "dtype": engine.dtype,
-        "max_model_len": engine.max_model_len,
-        "trust_remote_code": cfg.trust_remote_code,
-        # prompts go as ids and come back as ids: the tokenizer runs in eyrie, not in vLLM
-        "skip_tokenizer_init": True,
-        "seed": cfg.seed,
-        **text_only(target),
-    }
 
 
 def sampling_kwargs(cfg: RegenSettings, ends: set[int]) -> dict:
@@ -134,7 +102,7 @@ class VllmBackend:
         return [to_generated(result, self.ends) for result in results]
 
 
-def load_backend(target: str | Path, cfg: RegenSettings, engine: VllmEngine) -> VllmBackend:
+def load_backend(target: str | Path, cfg: RegenSettings, vllm: VllmSettings) -> VllmBackend:
     from vllm import LLM, SamplingParams
 
     tokenizer = load_chat_tokenizer(target, cfg.trust_remote_code)
@@ -145,16 +113,14 @@ def load_backend(target: str | Path, cfg: RegenSettings, engine: VllmEngine) -> 
             "a response would only ever stop at regenerate.max_new_tokens"
         )
     engine_environment()
-    llm = LLM(**engine_kwargs(target, cfg, engine))
+    llm = LLM(**engine_kwargs(target, cfg, vllm))
     params = SamplingParams(**sampling_kwargs(cfg, ends))
-    context = engine.max_model_len or target_context(target)
+    context = vllm.max_model_len or target_context(target)
     return VllmBackend(tokenizer, llm, params, ends, context)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_shard_arguments(
-        parser, "JSON: the regenerate and vllm sections (and data.non_text, trust_remote_code)"
-    )
+    add_shard_arguments(parser)
     parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
@@ -164,13 +130,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg, engine = parse_settings(args.settings, args.gpu_memory_utilization)
+    cfg, vllm = parse_settings(args.settings, args.gpu_memory_utilization)
     log.info("regenerate: provenance %s", json.dumps(provenance(args.settings), default=str))
     paths = ShardPaths(args.inputs, args.shard, args.out)
     stored = StoredShard.of(args.target, paths, args.settings)
     if stored is not None and stored.restore(args.out):
         return 0  # regenerated before from the same target, inputs and settings
-    backend = load_backend(args.target, cfg, engine)
+    backend = load_backend(args.target, cfg, vllm)
     regenerate_shard(backend, paths, cfg)
     if stored is not None:
         stored.put(args.out)

@@ -14,11 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 from eyrie.arch.target import read_config
 from eyrie.config.schema import load_settings, schema_default
@@ -26,13 +25,8 @@ from eyrie.core.errors import DataError
 from eyrie.core.io import atomic_path
 from eyrie.data.chat import ChatTemplate
 from eyrie.data.inputs import read_records
-from eyrie.data.records import (
-    Conversation,
-    RawRecord,
-    RecordError,
-    _one_line,
-    to_conversation,
-)
+from eyrie.data.records import RawRecord, RecordError, to_conversation
+from eyrie.data.regen_jobs import Generated, Job, Request
 from eyrie.store import store
 from eyrie.store.fingerprint import content_digest
 
@@ -43,10 +37,6 @@ log = logging.getLogger(__name__)
 
 
 CHUNK_RECORDS = 1024  # records held at once: their rounds run together, then they are written
-
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-LEADING_THINK = re.compile(r"^\s*<think>(.*?)</think>", re.S)
 
 
 @dataclass(frozen=True)
@@ -92,17 +82,15 @@ class RegenSettings:
 # ----------------------------------------------------------------------------- shards
 
 
-def add_shard_arguments(parser: argparse.ArgumentParser, settings_help: str) -> None:
-    """The arguments both regenerate entries take (the rule's command line)."""
-    from eyrie.core.runtime import settings_arg
-
+def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments both regenerate entries take (the rule's command line; eyrie.cli adds
+    --settings)."""
     parser.add_argument("--target", required=True, help="the target model folder")
     parser.add_argument(
         "--inputs", nargs="+", required=True, help="data.conversations, in the config's order"
     )
     parser.add_argument("--shard", type=int, required=True, help="the shard to regenerate")
     parser.add_argument("--out", required=True, help="shard_SSS.jsonl to write")
-    parser.add_argument("--settings", type=settings_arg, required=True, help=settings_help)
 
 
 def shard_of(index: int, num_shards: int) -> int:
@@ -121,141 +109,6 @@ def shard_records(inputs: list[str | Path], shard: int, num_shards: int) -> Iter
             if shard_of(index, num_shards) == shard:
                 yield raw
             index += 1
-
-
-# ----------------------------------------------------------------------------- responses
-
-
-@dataclass(frozen=True)
-class Generated:
-    """A backend's response: its token ids without the end token, and whether it ended (an end
-    token was generated) or was cut by the length limit."""
-
-    ids: list[int]
-    ended: bool
-
-    @property
-    def tokens(self) -> int:
-        """Tokens generated, the end token included."""
-        return len(self.ids) + int(self.ended)
-
-
-def split_at_end(ids: list[int], ends: set[int]) -> Generated:
-    """Generated token ids cut at the first end token (what follows it is padding)."""
-    for k, token in enumerate(ids):
-        if token in ends:
-            return Generated(list(ids[:k]), True)
-    return Generated(list(ids), False)
-
-
-def opens_think(prompt: str) -> bool:
-    """Whether the generation prompt leaves a <think> block open (the response starts inside)."""
-    text = prompt.rstrip()
-    return text.endswith(THINK_OPEN) and text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
-
-
-def parse_response(text: str, inside_think: bool = False) -> dict:
-    """An assistant message from generated text: a leading <think>...</think> block becomes
-    reasoning_content, the rest content. `inside_think`: the prompt opened the block."""
-    if inside_think:
-        text = THINK_OPEN + text
-    match = LEADING_THINK.match(text)
-    if match is None:
-        if inside_think:  # never closed: all of it is reasoning
-            return {
-                "role": "assistant",
-                "content": "",
-                "reasoning_content": text[len(THINK_OPEN) :].strip(),
-            }
-        return {"role": "assistant", "content": text}
-    message = {"role": "assistant", "content": text[match.end() :].lstrip()}
-    if match.group(1).strip():
-        message["reasoning_content"] = match.group(1).strip()
-    return message
-
-
-# ----------------------------------------------------------------------------- records
-
-
-@dataclass
-class Request:
-    """One turn to generate: the record, the turn's message index, its prompt text and ids."""
-
-    job: "Job"
-    turn: int
-    prompt: str
-    ids: list[int]
-
-
-@dataclass
-class Job:
-    """One record being regenerated: its messages so far and the assistant turns still to do."""
-
-    sample_id: str
-    messages: list[dict]
-    tools: list[dict] | None
-    pending: list[int]
-    kept_tool_turns: int = 0
-    regenerated: int = 0
-    tokens: int = 0
-    status: str = "ok"
-    detail: str = ""
-
-    @classmethod
-    def start(cls, sample_id: str, conv, turns: str) -> "Job":
-        """The turns to regenerate: every assistant turn (`all`) or the last (`last`); a turn
-        with tool_calls is kept as it is (the tool results that follow depend on it)."""
-        assistant = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
-        chosen = assistant if turns == "all" else assistant[-1:]
-        pending = [i for i in chosen if not conv.messages[i].get("tool_calls")]
-        messages = [dict(m) for m in conv.messages]
-        return cls(sample_id, messages, conv.tools, pending, len(chosen) - len(pending))
-
-    def request(self, tpl: ChatTemplate, cfg: RegenSettings, context: int | None) -> Request | None:
-        """The next pending turn's prompt; None (the record failed) when it cannot be made."""
-        turn = self.pending[0]
-        try:
-            prompt = tpl.render(self.messages[:turn], add_generation_prompt=True, tools=self.tools)
-        except RecordError as err:
-            self.fail(f"assistant turn {turn}: {err}")
-            return None
-        ids = list(tpl.tokenizer.encode(prompt, add_special_tokens=False))
-        if context is not None and len(ids) + cfg.max_new_tokens > context:
-            self.fail(
-                f"assistant turn {turn}: its prompt of {len(ids)} tokens plus "
-                f"regenerate.max_new_tokens={cfg.max_new_tokens} exceeds the target's "
-                f"context of {context} tokens"
-            )
-            return None
-        return Request(self, turn, prompt, ids)
-
-    def accept(self, request: Request, generated: Generated, tokenizer, cfg: RegenSettings):
-        """Put the response in place of its turn; a cut or empty response ends the record."""
-        turn = self.pending.pop(0)
-        text = tokenizer.decode(generated.ids, skip_special_tokens=False)
-        self.messages[turn] = parse_response(text, opens_think(request.prompt))
-        self.regenerated += 1
-        self.tokens += generated.tokens
-        if not generated.ended:
-            self.status, self.pending = "cut", []
-            self.detail = (
-                f"assistant turn {turn}: the response hit regenerate.max_new_tokens="
-                f"{cfg.max_new_tokens}"
-            )
-        elif not self.messages[turn]["content"].strip():
-            self.fail(f"assistant turn {turn}: the target's response has no text after its end")
-
-    def fail(self, detail: str) -> None:
-        self.status, self.detail, self.pending = "failed", _one_line(detail), []
-
-    def line(self) -> dict:
-        """The record's line of the output file (docs/contracts.md#files)."""
-        record = Conversation(self.messages, self.tools).to_record()
-        out = {"sample_id": self.sample_id, **record, "status": self.status}
-        if self.status != "ok":
-            out["detail"] = self.detail
-        out["regenerated_turns"] = self.regenerated
-        return out
 
 
 def target_context(target: str | Path) -> int | None:
@@ -393,6 +246,20 @@ def regenerate_shard(backend: Backend, paths: ShardPaths, cfg: RegenSettings) ->
     for failure in stats.failures:
         log.warning("regenerate: failed: %s", failure)
     return stats
+
+
+def run_shard(args: argparse.Namespace, cfg: RegenSettings, load: Callable[[], Backend]) -> int:
+    """The rest of both entries: the shard restored from the output store when it was made
+    before from the same target, inputs and settings; else `load()`ed backend regenerates it
+    and the store keeps it."""
+    paths = ShardPaths(args.inputs, args.shard, args.out)
+    stored = StoredShard.of(args.target, paths, args.settings)
+    if stored is not None and stored.restore(args.out):
+        return 0
+    regenerate_shard(load(), paths, cfg)
+    if stored is not None:
+        stored.put(args.out)
+    return 0
 
 
 def _input_sha256(path: Path) -> str:

@@ -191,8 +191,6 @@ def _coverage(counts: np.ndarray, draft_ids: np.ndarray) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eyrie.core.runtime import settings_arg
-
     parser.add_argument(
         "--target", required=True, help="Hugging Face model folder (config.json vocab_size)"
     )
@@ -201,12 +199,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--out", required=True, help="vocab.safetensors to write (vocab.json goes beside it)"
-    )
-    parser.add_argument(
-        "--settings",
-        required=True,
-        type=settings_arg,
-        help='JSON: {"vocab": {"draft_vocab_size": int}}',
     )
 
 

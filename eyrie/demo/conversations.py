@@ -345,15 +345,7 @@ def write_conversations(out: str | Path, settings: dict) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eyrie.core.runtime import settings_arg
-
     parser.add_argument("--out", required=True, type=Path, help="conversations.jsonl to write")
-    parser.add_argument(
-        "--settings",
-        required=True,
-        type=settings_arg,
-        help='JSON {"demo": {"seed": ..., "num_conversations": ...}}',
-    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from eyrie.config.schema import load_settings
 from eyrie.core.errors import ConversationsError, EyrieError
+from eyrie.data.jsonlines import read_json_lines
 
 ROLES = ("system", "user", "assistant")
 
@@ -43,24 +44,20 @@ def read_conversations(path: str | Path) -> list[list[dict]]:
     if not path.is_file():
         raise ConversationsError(f"{path}: not found; run `eyrie demo-conversations` first")
     out = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConversationsError(
-                    f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                    "fix or remove the line"
-                ) from None
-            if not isinstance(record, dict) or "messages" not in record:
-                raise ConversationsError(f"{where}: expected an object with key 'messages'")
-            check_messages(record["messages"], where)
-            out.append(record["messages"])
+    for lineno, record in read_json_lines(path, _not_json):
+        where = f"{path}:{lineno}"
+        if not isinstance(record, dict) or "messages" not in record:
+            raise ConversationsError(f"{where}: expected an object with key 'messages'")
+        check_messages(record["messages"], where)
+        out.append(record["messages"])
     if not out:
         raise ConversationsError(
             f"{path}: no conversations; regenerate it with `eyrie demo-conversations`"
         )
     return out
+
+
+def _not_json(where: str, exc: json.JSONDecodeError) -> ConversationsError:
+    return ConversationsError(
+        f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); fix or remove the line"
+    )

@@ -371,8 +371,6 @@ def _validate_folder(path: Path, model) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eyrie.core.runtime import settings_arg
-
     parser.add_argument(
         "--conversations",
         required=True,
@@ -380,12 +378,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="conversations.jsonl written by `eyrie demo-conversations`",
     )
     parser.add_argument("--out-dir", required=True, type=Path, help="model folder to write")
-    parser.add_argument(
-        "--settings",
-        required=True,
-        type=settings_arg,
-        help='JSON {"demo": {seed, vocab_size, hidden_size, ..., learning_rate}}',
-    )
 
 
 def run(args: argparse.Namespace) -> int:

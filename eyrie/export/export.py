@@ -20,7 +20,7 @@ from eyrie.arch.target import fingerprint, read_config
 from eyrie.config.sections import TrainSettings
 from eyrie.core.errors import ExportError
 from eyrie.core.io import provenance, write_json
-from eyrie.core.rehearsal import is_rehearsal, mark, marked, refusal
+from eyrie.core.rehearsal import is_rehearsal, mark, marked, refuse_in_real_run
 from eyrie.formats.draft import (
     DRAFT_ARCHS,
     UNSERVABLE_FLAGS,
@@ -70,15 +70,8 @@ def read_trained(train_dir: Path) -> TrainedDraft:
 def check_rehearsal(trained: TrainedDraft, rehearsal: bool) -> bool:
     """Whether the draft is a rehearsal's; a real export (`rehearsal` false) refuses a
     rehearsal's training."""
-    if marked(trained.summary) and not rehearsal:
-        raise ExportError(
-            refusal(
-                trained.train_dir / "train.json",
-                "a training",
-                "export the training of the run without vllm.rehearsal (results/<name>/train), "
-                "or set vllm.rehearsal: true to rehearse the export",
-            )
-        )
+    found = trained.train_dir / "train.json" if marked(trained.summary) and not rehearsal else None
+    refuse_in_real_run(found, "a training", "export the training", "train", "export", ExportError)
     return rehearsal or marked(trained.summary)
 
 
@@ -213,8 +206,6 @@ def _export(trained, paths, K, settings, rehearsal, have_fp, manifest) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eyrie.core.runtime import settings_arg
-
     parser.add_argument(
         "--target",
         required=True,
@@ -231,7 +222,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--manifest", type=Path, default=None, help="results/<name>/draft.json, written last"
     )
-    parser.add_argument("--settings", required=True, type=settings_arg, help='{"train": {...}}')
     parser.add_argument(
         "--num-speculative-tokens",
         type=int,

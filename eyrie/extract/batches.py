@@ -21,7 +21,7 @@ from eyrie.core.errors import ExtractError
 if TYPE_CHECKING:
     import torch
 
-    from eyrie.formats.hidden import ShardWriter
+    from eyrie.formats.hidden_writer import ShardWriter
 
 # writer threads: writes at file offsets release the GIL, and one thread's page-cache writes
 # are slower than a GPU's hidden states of a shallow wide target
@@ -128,7 +128,7 @@ def refuse_bad_rows(writer: ShardWriter, batch: list[int], lengths: list[int], b
     """Raise, naming the first sample and dataset, where stored_tensors' flags `bad` [N] (of
     the batch's rows, in batch order) mark a non-finite row."""
     from eyrie.formats.codecs import HIDDEN
-    from eyrie.formats.hidden import non_finite_sample
+    from eyrie.formats.hidden_writer import non_finite_sample
 
     if not bad.any():
         return

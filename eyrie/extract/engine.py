@@ -343,20 +343,12 @@ def _load_and_serve(engine: Engine, load: Load) -> int:
 
 
 def add_arguments(parser) -> None:
-    from eyrie.core.runtime import settings_arg
-
     parser.add_argument(
         "--socket", required=True, help="unix socket to serve (whatever is there is replaced)"
     )
     parser.add_argument("--target", required=True, help="Hugging Face model folder of the target")
     parser.add_argument(
         "--preflight", required=True, help="preflight.json that passed for this target"
-    )
-    parser.add_argument(
-        "--settings",
-        required=True,
-        type=settings_arg,
-        help="JSON object with the extract, layers and trust_remote_code settings",
     )
     parser.add_argument(
         "--idle-exit-s",

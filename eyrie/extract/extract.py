@@ -19,7 +19,6 @@ from eyrie.store import store
 
 def add_arguments(parser) -> None:
     from eyrie.config.schema import schema_default
-    from eyrie.core.runtime import settings_arg
 
     parser.add_argument("--target", required=True, help="Hugging Face model folder of the target")
     parser.add_argument("--shard", required=True, help="tokenized shard (.parquet)")
@@ -27,12 +26,6 @@ def add_arguments(parser) -> None:
         "--preflight", required=True, help="preflight.json that passed for this target"
     )
     parser.add_argument("--out", required=True, help="hidden-state shard to write (.h5)")
-    parser.add_argument(
-        "--settings",
-        required=True,
-        type=settings_arg,
-        help="JSON object with the extract, layers and trust_remote_code settings",
-    )
     parser.add_argument(
         "--engine",
         default=None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Protocol
 
@@ -21,6 +21,7 @@ import numpy as np
 
 from eyrie.arch.target import inspect_target, resolve_layer_ids, tokenizer_hash
 from eyrie.config.schema import load_settings
+from eyrie.config.sections import VllmSettings
 from eyrie.core.errors import ExtractError
 from eyrie.core.io import provenance
 from eyrie.core.rehearsal import is_rehearsal
@@ -51,8 +52,8 @@ class ExtractSettings:
     max_tokens_per_batch: int
     aux_ids: list[int] | None
     trust_remote_code: bool
-    # the config's vllm section, untouched (the vllm backend checks it)
-    vllm: dict = field(default_factory=dict)
+    # the config's vllm section (the vllm backend's; None: --settings has none)
+    vllm: VllmSettings | None = None
 
 
 class Backend(Protocol):
@@ -86,7 +87,7 @@ def parse_settings(settings: dict) -> ExtractSettings:
             "backend builds the target with random weights; set extract.backend: vllm"
         )
     loaded = load_settings(settings, ["extract", "layers"], ExtractError, problems)
-    ext, vllm = loaded["extract"], loaded.get("vllm") or {}
+    ext, vllm = loaded["extract"], loaded.get("vllm")
     device = auto_device("extract.device", ext["device"], ExtractError)
     dtype = auto_dtype(ext["dtype"], device)
     return ExtractSettings(
@@ -97,7 +98,7 @@ def parse_settings(settings: dict) -> ExtractSettings:
         max_tokens_per_batch=ext["max_tokens_per_batch"],
         aux_ids=loaded["layers"]["aux_ids"],
         trust_remote_code=loaded["trust_remote_code"],
-        vllm=vllm,
+        vllm=VllmSettings.from_section(vllm, ExtractError) if vllm else None,
     )
 
 
@@ -163,7 +164,7 @@ class Extractor:
         import torch
 
         from eyrie.formats.codecs import transfer_dtype
-        from eyrie.formats.hidden import ShardWriter
+        from eyrie.formats.hidden_writer import ShardWriter
 
         sample_ids, input_ids, loss_masks = tokenized or read_tokenized(shard, self.info.vocab_size)
         lengths = [len(x) for x in input_ids]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
+from eyrie.arch.loader import load_causal_lm
 from eyrie.arch.target import TargetInfo
 from eyrie.core.errors import ExtractError
 from eyrie.extract.batches import HostBatch, PinnedStaging, StoredBatch, plan_batches
@@ -23,22 +24,6 @@ if TYPE_CHECKING:
     from eyrie.extract.extractor import ExtractSettings
 
 log = logging.getLogger(__name__)
-
-
-def load_target(path: str | Path, device: str, dtype: torch.dtype, trust_remote_code: bool):
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype, trust_remote_code=trust_remote_code
-        )
-    except (OSError, ValueError, SafetensorError) as exc:
-        raise ExtractError(
-            f"{path}: cannot load the target with transformers ({exc}); check the "
-            "model folder (and trust_remote_code if it ships its own code)"
-        ) from exc
-    return model.to(device).eval()
 
 
 def forward_batch(
@@ -88,7 +73,9 @@ class HFBackend:
         final_id: int,
     ):
         self.cfg, self.aux_ids, self.final_id = cfg, list(aux_ids), final_id
-        self.model = load_target(target, cfg.device, cfg.dtype, cfg.trust_remote_code)
+        self.model = load_causal_lm(
+            target, cfg.device, cfg.dtype, cfg.trust_remote_code, ExtractError
+        )
 
     def states(self, input_ids: list[np.ndarray], storage: torch.dtype) -> Iterator[StoredBatch]:
         import torch

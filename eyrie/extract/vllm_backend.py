@@ -26,14 +26,13 @@ import numpy as np
 import torch
 
 from eyrie.arch.registry import adapter_for
-from eyrie.config.schema import vllm_setting
 from eyrie.core.errors import ExtractError
-from eyrie.core.rehearsal import engine_kwargs
 from eyrie.extract.batches import WRITERS, FileBatch, HostBatch, PinnedStaging, StoredBatch
 from eyrie.extract.requestfile import BAD, TOKEN_IDS, RequestFile, request_path
 from eyrie.formats.codecs import HIDDEN, bytes_per_token
-from eyrie.vllm.adapters import engine_environment, request_key, text_only
+from eyrie.vllm.adapters import engine_environment, request_key
 from eyrie.vllm.checks import ExtractLayers, choose_path, config_problems, version_problems
+from eyrie.vllm.engine import engine_args
 from eyrie.vllm.facts import gather_facts
 
 log = logging.getLogger(__name__)
@@ -100,7 +99,7 @@ class VllmBackend:
         from vllm import LLM
 
         self.cfg = cfg
-        self.v = dict(cfg.vllm or {})
+        self.vllm = cfg.vllm
         # seconds states() waited for the engine's next call and spent reading its files
         self.waits = {"engine_s": 0.0, "read_s": 0.0}
         self.layer_ids = list(aux_ids) + [final_id]
@@ -144,8 +143,7 @@ class VllmBackend:
         """native | capture, as preflight chose; raises if this vLLM cannot extract the target."""
         problems = version_problems(facts) + config_problems(adapter, config)
         layers = ExtractLayers(self.layer_ids, info.num_hidden_layers)
-        requested = vllm_setting(self.v, "extraction_path")
-        path, path_problems = choose_path(requested, adapter, facts, config, layers)
+        path, path_problems = choose_path(self.vllm.extraction_path, adapter, facts, config, layers)
         if problems or path_problems:
             raise ExtractError(
                 f"{target}: vLLM {facts.version} cannot extract this target: "
@@ -155,20 +153,14 @@ class VllmBackend:
 
     def _engine_kwargs(self, target: Path, cfg) -> dict:
         """The arguments of vllm.LLM for this path (in a rehearsal, random weights)."""
-        kwargs = dict(
-            model=str(target),
-            tensor_parallel_size=int(vllm_setting(self.v, "tensor_parallel_size")),
-            gpu_memory_utilization=float(vllm_setting(self.v, "gpu_memory_utilization")),
-            enforce_eager=bool(vllm_setting(self.v, "enforce_eager")) or self.path == "capture",
-            max_model_len=self.v.get("max_model_len"),
+        kwargs = engine_args(
+            target,
+            self.vllm,
+            enforce_eager=self.vllm.enforce_eager or self.path == "capture",
             dtype=str(cfg.dtype).removeprefix("torch."),  # extract.dtype, resolved
             trust_remote_code=cfg.trust_remote_code,
             enable_chunked_prefill=False,
             enable_prefix_caching=False,
-            seed=0,
-            skip_tokenizer_init=True,  # prompts go as token ids; no tokenizer code runs
-            **text_only(target),
-            **engine_kwargs(self.v.get("rehearsal") is True),  # random weights: docs/rehearsal.md
         )
         if self.path == "native":
             kwargs.update(

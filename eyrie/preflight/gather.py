@@ -2,7 +2,7 @@
 
 `python -m eyrie.preflight.gather --config config.json [--config ...]` prints one JSON line per
 config: `VllmFacts.to_json()` (eyrie.vllm.facts), or {"error": ...} for a model_type without an
-adapter. eyrie.preflight.vllm_checks runs it as a subprocess. See docs/vllm.md.
+adapter. eyrie.preflight.vllm_env runs it as a subprocess. See docs/vllm.md.
 """
 
 from __future__ import annotations

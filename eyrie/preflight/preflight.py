@@ -14,6 +14,7 @@ from pathlib import Path
 
 from eyrie.arch.target import inspect_target, read_config, resolve_layer_ids
 from eyrie.config.schema import load_settings, merge_settings, schema_default, vllm_uses
+from eyrie.config.sections import VllmSettings
 from eyrie.core.errors import PreflightError, TargetError
 from eyrie.core.io import keep_last_good, provenance, write_json
 from eyrie.core.rehearsal import is_rehearsal, mark
@@ -25,6 +26,7 @@ from eyrie.preflight.checks import (
     check_tokenizer,
     check_weights,
 )
+from eyrie.preflight.vllm_env import VllmEnvError, facts_for, vllm_python
 from eyrie.store.fingerprint import content_digest
 
 log = logging.getLogger(__name__)
@@ -86,8 +88,9 @@ def check_regenerate_env(loaded: dict, config: dict, check: Check) -> None:
     """regenerate.backend: vllm: the vLLM environment runs and imports vLLM (its jobs would fail
     only after their start, as the shell's "No such file or directory")."""
     try:
-        vllm_preflight.facts_for(vllm_preflight.vllm_python(loaded.get("vllm") or {}), [config])
-    except vllm_preflight.VllmEnvError as exc:
+        vllm = VllmSettings.from_section(loaded.get("vllm"), PreflightError)
+        facts_for(vllm_python(vllm), [config])
+    except VllmEnvError as exc:
         check.problem(f"regenerate.backend: vllm: {exc}")
 
 
@@ -149,12 +152,6 @@ def add_arguments(p) -> None:
     p.add_argument("--target", type=Path, required=True, help="target model folder")
     p.add_argument("--tokenize-report", type=Path, help="report.json of the tokenize stage")
     p.add_argument("--out", type=Path, required=True, help="preflight report (JSON)")
-    p.add_argument(
-        "--settings",
-        type=settings_arg,
-        default={},
-        help="JSON: the settings the workflow compares (layers, extract, trust_remote_code, vllm)",
-    )
     p.add_argument(
         "--runtime",
         type=settings_arg,

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from eyrie.arch.target import fingerprint, read_config
-from eyrie.config.sections import IMPLIED_BEFORE, NOT_IN_RUN_ID, TrainSettings
+from eyrie.config.sections import NOT_IN_RUN_ID, TrainSettings, implied_before
 from eyrie.core.io import atomic_path
 from eyrie.formats.report import identity, read_report
 from eyrie.store.fingerprint import file_digest
@@ -46,11 +46,12 @@ def run_id(
     cfg: TrainSettings, target: Path, preflight: Path, vocab: Path, shards: list[Path]
 ) -> str:
     """16 hex digits naming the run: what changes the weights, never the number of processes."""
+    implied = implied_before()
     ident = {
         "settings": {
             k: v
             for k, v in dataclasses.asdict(cfg).items()
-            if k not in NOT_IN_RUN_ID and IMPLIED_BEFORE.get(k, ...) != v
+            if k not in NOT_IN_RUN_ID and implied.get(k, ...) != v
         },
         "target_config": fingerprint(read_config(target)),
         # what in the report determines the weights, not its time or host: a preflight rerun

@@ -15,15 +15,14 @@ import os
 from pathlib import Path
 
 from eyrie.core.errors import EyrieError
+from eyrie.train.inputs import TrainPaths
 from eyrie.train.launch import Dist, Workers, relaunch, under_torchrun
-from eyrie.train.recipe import TrainPaths, TrainRecipe
+from eyrie.train.recipe import TrainRecipe
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eyrie.core.runtime import settings_arg
-
     parser.add_argument("--target", required=True, type=Path, help="target model folder")
     parser.add_argument("--preflight", required=True, type=Path, help="preflight.json")
     parser.add_argument("--vocab", required=True, type=Path, help="vocab.safetensors (d2t, t2d)")
@@ -32,7 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out-dir", required=True, type=Path, help="results/<name>/train")
     parser.add_argument("--state-dir", required=True, type=Path, help="results/<name>/train_state")
-    parser.add_argument("--settings", required=True, type=settings_arg, help='{"train": {...}}')
     parser.add_argument(
         "--nproc-per-node",
         type=int,

@@ -143,7 +143,7 @@ def gather_facts(config: dict) -> VllmFacts:
     """Import the installed vLLM and read what it offers for this target config (CPU only).
 
     Reads the whole config: vLLM's own config classes parse it (parse_config), so
-    eyrie.preflight.vllm_checks.facts_for sends all of it and caches on it."""
+    eyrie.preflight.vllm_env.facts_for sends all of it and caches on it."""
     import vllm
 
     text = config.get("text_config") or config

@@ -16,31 +16,18 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO
+from tests.support.stages import options
+
+
+def bench(script: str, args: str, **paths) -> list[str]:
+    """`python benchmarks/SCRIPT ARGS --name PATH ...` (ARGS as typed, split at spaces)."""
+    return [sys.executable, str(REPO / "benchmarks" / script), *args.split(), *options(**paths)]
 
 
 def test_read_path_smoke(tmp_path):
     out = tmp_path / "read_path.json"
-    cmd = [
-        sys.executable,
-        str(REPO / "benchmarks" / "read_path.py"),
-        "--gb",
-        "0.004",
-        "--hidden",
-        "64",
-        "--min-tokens",
-        "16",
-        "--max-tokens",
-        "64",
-        "--shards",
-        "2",
-        "--repeats",
-        "1",
-        "--no-cold",
-        "--dir",
-        str(tmp_path / "data"),
-        "--out",
-        str(out),
-    ]
+    args = "--gb 0.004 --hidden 64 --min-tokens 16 --max-tokens 64 --shards 2 --repeats 1 --no-cold"
+    cmd = bench("read_path.py", args, dir=tmp_path / "data", out=out)
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "eyrie/peer" in run.stdout
@@ -70,25 +57,8 @@ def test_read_path_smoke(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="eyrie maps samples only on Linux")
 def test_page_cache_fill_smoke(tmp_path):
     out = tmp_path / "page_cache_fill.json"
-    cmd = [
-        sys.executable,
-        str(REPO / "benchmarks" / "page_cache_fill.py"),
-        "--file-mb",
-        "8",
-        "--sample-mb",
-        "1",
-        "--samples",
-        "3",
-        "--rounds",
-        "1",
-        "--repeats",
-        "2",
-        "--dontneed",
-        "--dir",
-        str(tmp_path),
-        "--out",
-        str(out),
-    ]
+    args = "--file-mb 8 --sample-mb 1 --samples 3 --rounds 1 --repeats 2 --dontneed"
+    cmd = bench("page_cache_fill.py", args, dir=tmp_path, out=out)
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     r = json.loads(out.read_text())
@@ -102,17 +72,7 @@ def test_extraction_benchmark_tiny(tmp_path):
     """benchmarks/extraction_gpu.py --tiny on CPU: the bare forward, eyrie's Extractor into a
     real shard, the naive peer and the raw-write limit, both model shapes, JSON with every cell."""
     out = tmp_path / "extraction.json"
-    cmd = [
-        sys.executable,
-        str(REPO / "benchmarks" / "extraction_gpu.py"),
-        "--tiny",
-        "--tokens",
-        "1500",
-        "--work",
-        str(tmp_path / "work"),
-        "--out",
-        str(out),
-    ]
+    cmd = bench("extraction_gpu.py", "--tiny --tokens 1500", work=tmp_path / "work", out=out)
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
@@ -136,8 +96,8 @@ def test_capture_writes_benchmark_tiny(tmp_path):
     shard both ways, a table with the disk row, every scratch and shard file removed."""
     if not Path("/dev/shm").is_dir():
         pytest.skip("no /dev/shm on this machine (the capture path's scratch folder)")
-    cmd = [sys.executable, str(REPO / "benchmarks" / "capture_writes.py"), "--gib", "0.01"]
-    cmd += ["--repeats", "1", "--shape", "llama8b", "--work", str(tmp_path / "work")]
+    args = "--gib 0.01 --repeats 1 --shape llama8b"
+    cmd = bench("capture_writes.py", args, work=tmp_path / "work")
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [ln.split("|")[1].strip() for ln in run.stdout.splitlines() if ln.startswith("| ")]
@@ -149,23 +109,8 @@ def test_training_benchmark_tiny(tmp_path):
     """benchmarks/training_gpu.py --tiny on CPU: the data in both formats (speculators' own
     ArrowDataset reads the converted set back), a real `eyrie train` run, the steady-state table."""
     out = tmp_path / "training.json"
-    cmd = [
-        sys.executable,
-        str(REPO / "benchmarks" / "training_gpu.py"),
-        "--tiny",
-        "--warmup",
-        "2",
-        "--steps",
-        "6",
-        "--packs-per-step",
-        "2",
-        "--shards",
-        "2",
-        "--work",
-        str(tmp_path / "work"),
-        "--out",
-        str(out),
-    ]
+    args = "--tiny --warmup 2 --steps 6 --packs-per-step 2 --shards 2"
+    cmd = bench("training_gpu.py", args, work=tmp_path / "work", out=out)
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "eyrie (1 process)" in run.stdout and "data wait" in run.stdout
@@ -212,7 +157,7 @@ def test_speculators_launcher_times_each_batch():
 def test_train_step_benchmark_tiny(tmp_path):
     """benchmarks/train_step_gpu.py --tiny on CPU: a variant builds the draft, trains its timed
     steps on packed batches and prints its line; flex is refused on the CPU (no backward there)."""
-    cmd = [sys.executable, str(REPO / "benchmarks" / "train_step_gpu.py"), "--tiny", "time"]
+    cmd = bench("train_step_gpu.py", "--tiny time")
     env = dict(os.environ, EYRIE_BENCH_WORK=str(tmp_path))
     run = subprocess.run(
         [*cmd, "attn=sdpa,T=256"], capture_output=True, text=True, timeout=180, env=env
@@ -258,8 +203,7 @@ def test_vllm_extraction_benchmark_inputs_are_what_the_extractor_reads(tmp_path,
 
 def test_long_record_benchmark_small():
     """benchmarks/long_record.py on a 0.05 MB record: both ways run and keep the same tokens."""
-    cmd = [sys.executable, str(REPO / "benchmarks" / "long_record.py"), "--mb", "0.05"]
-    cmd += ["--max-seq-len", "32"]
+    cmd = bench("long_record.py", "--mb 0.05 --max-seq-len 32")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "first 32 tokens and mask equal: True" in proc.stdout

@@ -12,17 +12,13 @@ import sys
 import yaml
 
 from tests.support import REPO
+from tests.support.stages import demo_conversations
 
 
 def test_quality_benchmark_peer_and_recipe_on_the_tiny_config(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    convs = subprocess.run(
-        [sys.executable, "-m", "eyrie.cli", "demo-conversations", "--out", str(work / "c.jsonl")]
-        + ["--settings", json.dumps({"demo": {"seed": 7, "num_conversations": 60}})],
-        capture_output=True,
-        text=True,
-    )
+    convs = demo_conversations(work / "c.jsonl")
     assert convs.returncode == 0, convs.stderr
     base = yaml.safe_load((REPO / ".test" / "config.yaml").read_text())
     base["data"]["conversations"] = [str(work / "c.jsonl")]

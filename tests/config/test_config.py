@@ -21,6 +21,7 @@ from eyrie.config.rules import (
     settings_param,
 )
 from eyrie.config.schema import (
+    added_later,
     key_schema,
     load_config,
     load_settings,
@@ -90,27 +91,10 @@ def test_all_errors_reported_each_naming_its_key():
 
 
 def test_invalid_config_fails_snakemake_parse(tmp_path):
-    import subprocess
-    import sys
+    from tests.support.workflow import run_snakemake
 
     (tmp_path / "bad.yaml").write_text("train: {epochs: 0}\n")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "Snakefile"),
-            "-d",
-            str(tmp_path),
-            "--configfile",
-            str(tmp_path / "bad.yaml"),
-            "-n",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_snakemake(tmp_path, "-n", configfiles=(tmp_path / "bad.yaml",), timeout=120)
     assert proc.returncode != 0
     assert "train.epochs" in proc.stdout + proc.stderr
 
@@ -195,16 +179,26 @@ def test_contracts_doc_is_the_generated_table():
     )
 
 
-# data keys added after db3e96d: left out of params while at their defaults (the configs here)
-NEW_EVAL_KEYS = ("dtype", "prompts")  # added later: in no finished run's params
+# History, not a second list of the schema's `added: true` marks (which the first test below checks
+# against it): the keys db3e96d's params did not have, left out of params at their defaults
+NEW_EVAL_KEYS = ("dtype", "prompts")
 NEW_DATA_KEYS = ("mask_mode", "train_reasoning", "non_text", "regenerate", "chat_template_kwargs")
-NEW_TRAIN_KEYS = (
-    "report_to",
-    "loss",
-    "lr_schedule",
-    "hidden_noise",
-    "norm_before_fc",
-)  # likewise, added later
+NEW_TRAIN_KEYS = ("report_to", "loss", "lr_schedule", "hidden_noise", "norm_before_fc")
+
+
+def test_every_key_added_since_finished_runs_is_marked_added_in_the_schema():
+    """A key db3e96d's params lacked and a rule now compares must be `added: true`, or adding it
+    reran every finished run; and a key marked so must be one of them (or came later still:
+    demo.device, vllm.rehearsal)."""
+    history = {
+        *(f"eval.{k}" for k in NEW_EVAL_KEYS),
+        *(f"data.{k}" for k in NEW_DATA_KEYS),
+        *(f"train.{k}" for k in NEW_TRAIN_KEYS),
+    }
+    compared = {row.key for row in TABLE if row.compared}
+    marked = {row.key for row in TABLE if added_later(row.key)}
+    assert history & compared <= marked, sorted(history & compared - marked)
+    assert marked - history == {"demo.device", "vllm.rehearsal"}, sorted(marked - history)
 
 
 def _old_settings(config: dict) -> dict:

@@ -17,10 +17,12 @@ from eyrie import cli as cli
 from eyrie.core.errors import DataError
 from eyrie.data import inputs as inputs_mod
 from eyrie.data import records as records_mod
+from eyrie.data.collect import DataSettings, collect_records
 from eyrie.data.inputs import read_records
 from eyrie.data.records import RecordError, to_conversation
-from eyrie.data.tokenize import DataSettings, collect_records, tokenize
+from eyrie.data.tokenize import tokenize
 from eyrie.data.turns import MaskSettings, masked_samples, template_traits
+from tests.support.models import config_only_llama
 from tests.support.template_cases import CASES, family_tokenizer, standin_target, trained_text
 
 
@@ -46,20 +48,12 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 def make_target(folder: Path, template: str) -> Path:
     """A target folder with a published template (a template_cases.PUBLISHED name, or "llama3"
     / "qwen3") over the stand-in vocabulary, and a tiny Llama config."""
-    from transformers import AutoTokenizer, LlamaConfig
+    from transformers import AutoTokenizer
 
     from tests.support.template_cases import FAMILY
 
     standin_target(folder, FAMILY.get(template, template))
-    LlamaConfig(
-        vocab_size=len(AutoTokenizer.from_pretrained(folder)),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    ).save_pretrained(folder)
-    return folder
+    return config_only_llama(folder, len(AutoTokenizer.from_pretrained(folder)))
 
 
 def many(n: int, **assistant) -> list[dict]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,21 +17,21 @@ from eyrie import cli
 from eyrie.core.errors import DataError
 from eyrie.data import regenerate_vllm
 from eyrie.data.records import to_conversation
+from eyrie.data.regen_jobs import Generated, Job, opens_think, parse_response, split_at_end
 from eyrie.data.regeneration import (
-    Generated,
-    Job,
     RegenSettings,
     ShardPaths,
     Stats,
-    opens_think,
-    parse_response,
     regenerate_shard,
     run_rounds,
     shard_records,
-    split_at_end,
 )
 from eyrie.demo.tokenizer import CHAT_TEMPLATE, build_chat_tokenizer
 from tests.support import REPO
+from tests.support.models import random_model, save_target, spread_weights, tiny_llama
+from tests.support.stages import stage_args
+from tests.support.vllm_helpers import need_cuda
+from tests.support.workflow import TINY, job_table, run_snakemake
 
 TEXTS = [
     "What is a list? A list is a mutable sequence of items.",
@@ -284,25 +283,10 @@ def test_shard_file_lines_in_input_order(tok, tmp_path):
 
 @pytest.fixture(scope="module")
 def target(tok, tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("target")
-    tok.save_pretrained(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
+    config = tiny_llama(
+        len(tok), tok, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
     )
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_target(tmp_path_factory.mktemp("target"), random_model(config), tok)
 
 
 @pytest.fixture(scope="module")
@@ -419,12 +403,10 @@ def test_vllm_outputs_become_responses(tok):
 
 
 def dry_run(workdir: Path, regenerate: bool) -> str:
-    config = yaml.safe_load((REPO / ".test" / "config.yaml").read_text())
+    config = json.loads(json.dumps(TINY))
     config["data"]["regenerate"] = regenerate
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir)]
-    cmd += ["--configfile", str(workdir / "config.yaml"), "--cores", "2", "-n", "-p"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = run_snakemake(workdir, "--cores", "2", "-n", "-p", timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout + proc.stderr
 
@@ -440,12 +422,6 @@ TOKENIZE_BEFORE = (
     " --out-dir results/tiny/tokenized --settings '{settings}'"
     " > logs/tiny/tokenize_conversations.log 2>&1"
 )
-
-
-def job_stats(out: str) -> dict[str, int]:
-    table = out.split("Job stats:", 1)[1].split("total", 1)[0]
-    rows = [line.split() for line in table.splitlines()]
-    return {r[0]: int(r[1]) for r in rows if len(r) == 2 and r[1].isdigit()}
 
 
 def test_workflow_regenerate_jobs_only_when_enabled(tmp_path):
@@ -472,7 +448,7 @@ def test_workflow_regenerate_jobs_only_when_enabled(tmp_path):
     assert f"--out-dir results/tiny/tokenized --regenerated {files} --settings " in tokenize
     assert '"regenerate":true' in tokenize
     # beside the regenerate jobs, the same jobs are planned
-    stats_on, stats_off = job_stats(on), job_stats(off)
+    stats_on, stats_off = job_table(on), job_table(off)
     assert stats_on.pop("regenerate_responses") == 4 and stats_on.pop("preflight_regenerate") == 1
     assert stats_on == stats_off
 
@@ -485,48 +461,30 @@ VLLM_PYTHON = os.environ.get("EYRIE_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin
 def gpu_target(tok, root: Path) -> Path:
     """A random Llama with shapes vLLM's attention kernels take (head_dim 64), in bfloat16."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
+    config = tiny_llama(
+        len(tok),
+        tok,
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=1024,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.05)  # wider logit margins: greedy choices agree across kernels
-    path = root / "target"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    model = random_model(config).to(torch.bfloat16)
+    spread_weights(model, 0.05)  # wider logit margins: greedy choices agree across kernels
+    return save_target(root / "target", model, tok)
 
 
 def run_stage(stage: str, target: Path, inputs: Path, out: Path, settings_obj: dict) -> None:
-    cmd = [VLLM_PYTHON, "-m", "eyrie.cli", stage, "--target", str(target), "--inputs", str(inputs)]
-    cmd += ["--shard", "0", "--out", str(out), "--settings", json.dumps(settings_obj)]
+    args = stage_args(stage, target=target, inputs=inputs, shard=0, out=out, settings=settings_obj)
+    cmd = [VLLM_PYTHON, "-m", "eyrie.cli", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 @pytest.mark.gpu
 def test_vllm_backend_on_a_gpu_matches_hugging_face(tok, inputs, tmp_path):
-    cuda = subprocess.run(
-        [VLLM_PYTHON, "-c", "import torch; print(torch.cuda.is_available())"],
-        capture_output=True,
-        text=True,
-    )
-    if cuda.stdout.strip() != "True":
-        pytest.skip(f"{VLLM_PYTHON} sees no CUDA device")
+    need_cuda(VLLM_PYTHON)
     target = gpu_target(tok, tmp_path)
     regen = {"num_shards": 1, "max_new_tokens": 8, "device": "cuda"}
     hf, vl = tmp_path / "hf.jsonl", tmp_path / "vllm.jsonl"

@@ -26,6 +26,7 @@ from eyrie.data.chat import ChatTemplate
 from eyrie.data.records import RecordError, to_conversation
 from eyrie.data.turns import MaskSettings, conversation_samples, masked_samples, template_traits
 from tests.support import TESTS
+from tests.support.models import config_only_llama
 from tests.support.template_cases import (
     CASES,
     PUBLISHED,
@@ -196,17 +197,12 @@ def test_every_context_is_the_prompt_vllm_renders(tmp_path):
     """The contexts again, against vLLM's own renderer (parse_chat_messages with its
     content-format detection and argument parsing, then safe_apply_chat_template) in the vLLM
     environment."""
-    from transformers import LlamaConfig
-
     from tests.support.vllm_helpers import VLLM_ENVS, vllm_env
 
     python = vllm_env(next(iter(VLLM_ENVS)))
     jobs, contexts = [], []
     for name in VLLM_SERVED:
-        folder = standin_target(tmp_path / name, name)
-        LlamaConfig(
-            vocab_size=512, hidden_size=16, num_hidden_layers=1, num_attention_heads=2
-        ).save_pretrained(folder)
+        folder = config_only_llama(standin_target(tmp_path / name, name), 512)
         tpl = ChatTemplate.load(folder)
         for case, record in CASES.items():
             try:

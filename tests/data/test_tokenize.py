@@ -12,10 +12,11 @@ import pytest
 from eyrie import cli as cli
 from eyrie.core.errors import DataError
 from eyrie.data.chat import load_chat_tokenizer
+from eyrie.data.collect import LISTED_WHEN_SEEN, DataSettings, collect_records, tokenize_record
 from eyrie.data.records import REASONS, RawRecord, RecordError, to_messages
-from eyrie.data.tokenize import LISTED_WHEN_SEEN, DataSettings, collect_records, tokenize_record
 from eyrie.data.turns import prompt_ids, render_with_mask
 from eyrie.demo.tokenizer import CHAT_TEMPLATE, build_chat_tokenizer
+from tests.support.models import config_only_llama
 
 TEXTS = [
     "What is a list? A list is a mutable sequence of items.",
@@ -59,19 +60,9 @@ def tok():
 
 @pytest.fixture(scope="module")
 def target(tok, tmp_path_factory):
-    from transformers import LlamaConfig
-
     path = tmp_path_factory.mktemp("target")
     tok.save_pretrained(path)
-    LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    ).save_pretrained(path)
-    return path
+    return config_only_llama(path, len(tok))
 
 
 def encode_pieces(tok, pieces):

@@ -18,6 +18,7 @@ from eyrie import cli as cli
 from eyrie.core.errors import VocabError
 from eyrie.data.vocab import count_assistant_tokens, select_draft_ids, vocab_mappings
 from eyrie.demo.tokenizer import build_chat_tokenizer
+from tests.support.models import config_only_llama
 
 TEXTS = [
     "What is a list? A list is a mutable sequence.",
@@ -114,20 +115,10 @@ def test_bad_shards(tmp_path):
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    from transformers import LlamaConfig
-
     path = tmp_path_factory.mktemp("target")
     tok = build_chat_tokenizer(TEXTS, vocab_size=320)
     tok.save_pretrained(path)
-    LlamaConfig(
-        vocab_size=len(tok) + 6,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    ).save_pretrained(path)
-    return path
+    return config_only_llama(path, len(tok) + 6)
 
 
 @pytest.fixture(autouse=True)

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from eyrie import cli as cli
 from eyrie.arch.draft import DraftSpec, build_draft
@@ -20,7 +17,7 @@ from eyrie.core.io import LAST_GOOD
 from eyrie.demo.tokenizer import build_chat_tokenizer
 from eyrie.evaluate import evaluate as ev
 from eyrie.evaluate import specdec as ev_specdec
-from eyrie.evaluate.evaluate import load_draft
+from eyrie.evaluate.inputs import load_draft
 from eyrie.evaluate.specdec import (
     Decoding,
     Eagle3Proposer,
@@ -29,58 +26,13 @@ from eyrie.evaluate.specdec import (
     speculative_generate,
     target_step,
 )
+from tests.support.models import TEXTS, random_model, random_vocab_map, save_target, tiny_llama
+from tests.support.stages import stage_args
 from tests.support.train_helpers import write_eval_set, write_preflight
 
-TEXTS = [
-    "the quick brown fox jumps over the lazy dog",
-    "def f(x): return x + 1",
-    "speculative decoding drafts tokens",
-    "hidden states of the target model",
-] * 8
 AUX = [1, 2, 3]
 K = 3
 DRAFT_VOCAB = 64
-
-
-def write_target(root: Path, tok):
-    """A tiny Llama saved with `tok`: (folder, model)."""
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # larger random weights: clear argmax margins, varied greedy outputs
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.3)
-    target = root / "target"
-    model.save_pretrained(target)
-    tok.save_pretrained(target)
-    return target, model
-
-
-def write_vocab(root: Path, tok):
-    """A random vocabulary map of DRAFT_VOCAB entries that keeps eos: (file, d2t, t2d)."""
-    gen = torch.Generator().manual_seed(0)
-    kept = torch.sort(torch.randperm(len(tok), generator=gen)[:DRAFT_VOCAB]).values
-    kept[-1] = tok.eos_token_id if tok.eos_token_id not in kept else kept[-1]
-    kept = torch.sort(kept).values
-    d2t = kept - torch.arange(DRAFT_VOCAB)
-    t2d = torch.zeros(len(tok), dtype=torch.bool)
-    t2d[kept] = True
-    vocab = root / "vocab.safetensors"
-    save_file({"d2t": d2t, "t2d": t2d}, str(vocab))
-    return vocab, d2t, t2d
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +40,11 @@ def case(tmp_path_factory):
     """A saved tiny Llama target (+ tokenizer), a vocabulary map, a saved draft and prompts."""
     root = tmp_path_factory.mktemp("evaluate")
     tok = build_chat_tokenizer(TEXTS, vocab_size=300)
-    target, model = write_target(root, tok)
-    vocab, d2t, t2d = write_vocab(root, tok)
+    # larger random weights: clear argmax margins, varied greedy outputs
+    config = tiny_llama(len(tok), tok, max_position_embeddings=256, tie_word_embeddings=False)
+    model = random_model(config, std=0.3)
+    target = save_target(root / "target", model, tok)
+    vocab, d2t, t2d = random_vocab_map(root / "vocab.safetensors", tok, DRAFT_VOCAB)
     draft = build_draft(target, DraftSpec(AUX), d2t, t2d, seed=1)
     draft.save_pretrained(root / "draft")
 
@@ -175,43 +130,36 @@ def test_hand_built_proposer_outputs_equal_greedy(case):
             ) == greedy_generate(model, prompt, max_new, eos)
 
 
-def test_oracle_acceptance_is_one_plus_k(case):
-    model, prompt = case["model"], case["prompts"][0]
-    max_new = 13
+def oracle_run(case, prompt: int, max_new: int, wrong_from: int | None = None) -> dict:
+    """The metrics of speculative decoding of case["prompts"][prompt] with the oracle proposer,
+    whose output must be the target's greedy one."""
+    model, ids = case["model"], case["prompts"][prompt]
     stats = SpecStats(K)
-    out = speculative_generate(
-        model, prompt, oracle(model), Decoding(K, max_new, None, AUX), stats=stats
-    )
-    assert out == greedy_generate(model, prompt, max_new, None)
+    propose = oracle(model, wrong_from=wrong_from)
+    out = speculative_generate(model, ids, propose, Decoding(K, max_new, None, AUX), stats=stats)
+    assert out == greedy_generate(model, ids, max_new, None)
+    return stats.metrics()
+
+
+def test_oracle_acceptance_is_one_plus_k(case):
+    max_new = 13
+    m = oracle_run(case, 0, max_new)
     # the prefill gives 1 token, each verification K + 1: ceil(12 / 4) = 3 drafts
-    assert stats.num_drafts == math.ceil((max_new - 1) / (K + 1))
-    m = stats.metrics()
+    assert m["num_drafts"] == math.ceil((max_new - 1) / (K + 1))
     assert m["acceptance_length"] == 1 + K
     assert m["per_position_acceptance"] == [1.0] * K
-    assert m["accepted_tokens"] == K * stats.num_drafts
+    assert m["accepted_tokens"] == K * m["num_drafts"]
 
 
 def test_always_wrong_proposer(case):
-    model, prompt = case["model"], case["prompts"][1]
-    stats = SpecStats(K)
-    out = speculative_generate(
-        model, prompt, oracle(model, wrong_from=0), Decoding(K, 10, None, AUX), stats=stats
-    )
-    assert out == greedy_generate(model, prompt, 10, None)
-    m = stats.metrics()
+    m = oracle_run(case, 1, 10, wrong_from=0)
     assert m["acceptance_length"] == 1.0
     assert m["per_position_acceptance"] == [0.0] * K
     assert m["num_drafts"] == 9 and m["num_draft_tokens"] == 9 * K
 
 
 def test_right_on_first_two_of_three(case):
-    model, prompt = case["model"], case["prompts"][2]
-    stats = SpecStats(K)
-    out = speculative_generate(
-        model, prompt, oracle(model, wrong_from=2), Decoding(K, 10, None, AUX), stats=stats
-    )
-    assert out == greedy_generate(model, prompt, 10, None)
-    m = stats.metrics()
+    m = oracle_run(case, 2, 10, wrong_from=2)
     assert m["per_position_acceptance"] == [1.0, 1.0, 0.0]
     assert m["acceptance_length"] == 3.0
     assert m["num_drafts"] == 3  # 1 + 3 * 3 tokens >= 10
@@ -278,25 +226,13 @@ def cli_args(case, out_dir, **settings):
         "device": "cpu",
         **settings,
     }
-    return [
+    return stage_args(
         "evaluate",
-        "--target",
-        str(case["target"]),
-        "--draft",
-        str(case["draft"]),
-        "--vocab",
-        str(case["vocab"]),
-        "--eval-set",
-        str(case["eval_set"]),
-        "--preflight",
-        str(case["preflight"]),
-        "--out",
-        str(out_dir / "eval.json"),
-        "--plot",
-        str(out_dir / "eval.png"),
-        "--settings",
-        json.dumps({"eval": eval_settings}),
-    ]
+        **{k: case[k] for k in ("target", "draft", "vocab", "eval_set", "preflight")},
+        out=out_dir / "eval.json",
+        plot=out_dir / "eval.png",
+        settings={"eval": eval_settings},
+    )
 
 
 def test_cli_writes_json_and_png(case, tmp_path):

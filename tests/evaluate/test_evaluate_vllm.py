@@ -5,6 +5,7 @@ workflow rule, and (marked gpu) the whole stage on a tiny target and draft throu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,9 +21,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from eyrie import cli as cli
 from eyrie.arch.draft import DraftSpec, build_draft
 from eyrie.arch.target import fingerprint, read_config
-from eyrie.core.errors import EvaluateError
+from eyrie.config.schema import validate_config
+from eyrie.config.sections import VllmSettings
+from eyrie.core.errors import ConfigError, EvaluateError
 from eyrie.core.io import LAST_GOOD
 from eyrie.demo.tokenizer import build_chat_tokenizer
+from eyrie.evaluate import vllm_check, vllm_compare, vllm_run
 from eyrie.evaluate import vllm_eval as ev
 from eyrie.evaluate.specdec import SpecStats
 from eyrie.export.export import export
@@ -48,7 +52,7 @@ def installed_vllm_checked_elsewhere(request, monkeypatch):
     """The stage's installed-vLLM check imports vLLM, which this environment lacks: the tests that
     run the stage here replace it; test_installed_vllm_check_* run the real one in .venv-vllm."""
     if "vllm_env" not in request.keywords:
-        monkeypatch.setattr(ev, "check_installed_vllm", lambda target: None)
+        monkeypatch.setattr(vllm_check, "check_installed_vllm", lambda target: None)
 
 
 def settings(**overrides) -> dict:
@@ -200,6 +204,14 @@ def stage_args(world, out: Path, draft: Path | None = None, **overrides) -> list
     ]
 
 
+def evaluate(world, tmp_path: Path, draft: Path, settings: dict) -> dict:
+    """The stage on the world's files and `draft`, writing tmp_path/out.json."""
+    paths = vllm_check.VllmEvalPaths(
+        world["target"], draft, world["eval_set"], world["hf_eval"], tmp_path / "out.json"
+    )
+    return ev.evaluate_vllm(paths, settings)
+
+
 class FakeEngines:
     """Stands in for the two vLLM processes (no GPU here): records each request and answers
     with given outputs and counters."""
@@ -239,7 +251,7 @@ def test_settings_every_problem_at_once():
         vllm__gpu_memory_utilization=1.5,
     )
     with pytest.raises(EvaluateError) as err:
-        ev.parse_settings(bad)
+        vllm_check.parse_settings(bad)
     msg = str(err.value)
     for key in (
         "eval.num_speculative_tokens: 0 is less than the minimum of 1",
@@ -251,22 +263,32 @@ def test_settings_every_problem_at_once():
     ):
         assert key in msg
     with pytest.raises(EvaluateError, match="eval: missing.*vllm: missing"):
-        ev.parse_settings({})
+        vllm_check.parse_settings({})
     # the workflow passes gpu_memory_utilization as a flag (it changes no result)
     with pytest.raises(
         EvaluateError, match="--gpu-memory-utilization: 0 is less than or equal to the min"
     ):
-        ev.parse_settings(settings(), gpu_memory_utilization=0)
-    cfg = ev.parse_settings({"eval": settings()["eval"], "vllm": {}}, gpu_memory_utilization=0.6)
-    assert cfg == ev.VllmEvalSettings(
-        K=K,
-        max_new_tokens=MAX_NEW,
-        num_prompts=NUM_PROMPTS,
-        tensor_parallel_size=1,
-        gpu_memory_utilization=0.6,
-        enforce_eager=True,
-        max_model_len=None,
+        vllm_check.parse_settings(settings(), gpu_memory_utilization=0)
+    cfg = vllm_check.parse_settings(
+        {"eval": settings()["eval"], "vllm": {}}, gpu_memory_utilization=0.6
     )
+    assert (cfg.K, cfg.max_new_tokens, cfg.num_prompts) == (K, MAX_NEW, NUM_PROMPTS)
+    assert cfg.vllm == VllmSettings.from_section({"gpu_memory_utilization": 0.6})
+    assert (cfg.vllm.tensor_parallel_size, cfg.vllm.enforce_eager) == (1, True)
+    assert cfg.vllm.max_model_len is None and cfg.rehearsal is False
+
+
+def test_the_vllm_section_is_typed_from_the_schema():
+    """One typed vllm section for every engine: the schema's defaults (stated nowhere else),
+    numbers as floats, every problem at once."""
+    defaults = validate_config({"target": {"name": "t"}})["vllm"]
+    typed = VllmSettings.from_section({})
+    assert dataclasses.asdict(typed) == defaults
+    assert isinstance(VllmSettings.from_section({"gpu_memory_gib": 80}).gpu_memory_gib, float)
+    with pytest.raises(ConfigError) as err:
+        VllmSettings.from_section({"tensor_parallel_size": 0, "dtype": "int4", "other": 1})
+    for key in ("vllm.tensor_parallel_size: 0", "vllm.dtype: 'int4'", "vllm.other: unknown key"):
+        assert key in str(err.value)
 
 
 @pytest.mark.parametrize("flags", [("fc_norm",), ("norm_output",), ("fc_norm", "norm_output")])
@@ -280,7 +302,7 @@ def test_refuses_flags_vllm_ignores_before_any_engine(world, tmp_path, monkeypat
     def no_engine(*args, **kwargs):
         raise AssertionError("an engine was started for a draft that must be refused")
 
-    monkeypatch.setattr(ev, "run_engine", no_engine)
+    monkeypatch.setattr(vllm_run, "run_engine", no_engine)
     assert cli.main(stage_args(world, tmp_path / "out.json", draft)) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(err) == 1 and str(draft / "config.json") in err[0]
@@ -297,25 +319,16 @@ def test_refuses_draft_of_another_target(world, tmp_path, monkeypatch):
     config["target_hidden_size"] = 32
     config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 9]
     (draft / "config.json").write_text(json.dumps(config))
-    monkeypatch.setattr(ev, "run_engine", None)  # would fail if called
+    monkeypatch.setattr(vllm_run, "run_engine", None)  # would fail if called
     with pytest.raises(EvaluateError, match=r"target_hidden_size 32 .* 64.*\[1, 2, 9\].*0\.\.3"):
-        ev.evaluate_vllm(
-            ev.VllmEvalPaths(
-                world["target"],
-                draft,
-                world["eval_set"],
-                world["hf_eval"],
-                tmp_path / "out.json",
-            ),
-            settings(),
-        )
+        evaluate(world, tmp_path, draft, settings())
 
 
 def test_requests_and_report(world, tmp_path, monkeypatch):
     outputs = [[5, 6, 7, world["eos"]], [8] * MAX_NEW, [9, world["eos"]], [10] * MAX_NEW]
     engines = FakeEngines(outputs)
-    monkeypatch.setattr(ev, "run_engine", engines)
-    stale = ev.diagnostic_path(tmp_path / "eval_vllm.json")
+    monkeypatch.setattr(vllm_run, "run_engine", engines)
+    stale = vllm_compare.diagnostic_path(tmp_path / "eval_vllm.json")
     stale.write_text("{}")
     out = tmp_path / "eval_vllm.json"
     assert cli.main(stage_args(world, out) + ["--gpu-memory-utilization", "0.4"]) == 0
@@ -366,14 +379,14 @@ def test_requests_and_report(world, tmp_path, monkeypatch):
 def test_differing_output_fails_with_diagnostic(world, tmp_path, monkeypatch, capsys):
     outputs = [[5, 6, 7], [8, 8, 8], [9, 9], [10]]
     speculative = [[5, 6, 7], [8, 8, 3], [9, 9], [10, 11]]
-    monkeypatch.setattr(ev, "run_engine", FakeEngines(outputs, speculative))
+    monkeypatch.setattr(vllm_run, "run_engine", FakeEngines(outputs, speculative))
     out = tmp_path / "eval_vllm.json"
     assert cli.main(stage_args(world, out)) == 2
     err = capsys.readouterr().err
     assert "2 of 4 speculative outputs differ" in err
     assert "prompt conv.jsonl:2 at new token 2" in err
     assert not out.exists()
-    diag = json.loads(ev.diagnostic_path(out).read_text())
+    diag = json.loads(vllm_compare.diagnostic_path(out).read_text())
     assert [(p["sample_id"], p["first_difference"]) for p in diag["prompts"]] == [
         ("conv.jsonl:2", 2),
         ("conv.jsonl:4", 1),
@@ -386,35 +399,17 @@ def test_differing_output_fails_with_diagnostic(world, tmp_path, monkeypatch, ca
 
 
 def test_stale_hf_evaluation_refused(world, tmp_path, monkeypatch):
-    monkeypatch.setattr(ev, "run_engine", None)
+    monkeypatch.setattr(vllm_run, "run_engine", None)
     with pytest.raises(EvaluateError, match=r"evaluated with K 3 \(here 2\)"):
-        ev.evaluate_vllm(
-            ev.VllmEvalPaths(
-                world["target"],
-                world["draft"],
-                world["eval_set"],
-                world["hf_eval"],
-                tmp_path / "out.json",
-            ),
-            settings(eval__num_speculative_tokens=2),
-        )
+        evaluate(world, tmp_path, world["draft"], settings(eval__num_speculative_tokens=2))
     with pytest.raises(EvaluateError, match="vllm.max_model_len=10 is below"):
-        ev.evaluate_vllm(
-            ev.VllmEvalPaths(
-                world["target"],
-                world["draft"],
-                world["eval_set"],
-                world["hf_eval"],
-                tmp_path / "out.json",
-            ),
-            settings(vllm__max_model_len=10),
-        )
+        evaluate(world, tmp_path, world["draft"], settings(vllm__max_model_len=10))
 
 
 def test_first_difference():
-    assert ev.first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert ev.first_difference([1, 2, 3], [1, 5, 3]) == 1
-    assert ev.first_difference([1, 2], [1, 2, 3]) == 2
+    assert vllm_compare.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert vllm_compare.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert vllm_compare.first_difference([1, 2], [1, 2, 3]) == 2
 
 
 def test_workflow_rule_only_when_asked(tmp_path):
@@ -490,7 +485,7 @@ def test_installed_vllm_check_in_the_vllm_environment(tmp_path, arch, ok):
         json.dumps({"architectures": [arch], "model_type": model_type})
     )
     proc = vllm_python(
-        "import sys; from eyrie.evaluate.vllm_eval import check_installed_vllm; "
+        "import sys; from eyrie.evaluate.vllm_check import check_installed_vllm; "
         f"check_installed_vllm({str(tmp_path)!r}); print('ok')",
         timeout=180,
     )
@@ -515,8 +510,10 @@ def test_module_imports_in_vllm_environment():
 COUNTERS_SCRIPT = r"""
 import json
 from vllm.v1.metrics.reader import Counter, Gauge, Vector
-from eyrie.evaluate.vllm_eval import spec_counters
-from eyrie.core.errors import EvaluateError
+from eyrie.evaluate.vllm_run import spec_counters
+from eyrie.config.schema import validate_config
+from eyrie.config.sections import VllmSettings
+from eyrie.core.errors import ConfigError, EvaluateError
 
 def engine(idx, drafts, draft_tokens, accepted, per_pos):
     labels = {"model_name": "t", "engine": str(idx)}
@@ -615,4 +612,4 @@ def test_whole_stage_through_vllm(vllm_cuda, world, tmp_path):
     assert report["difference"]["acceptance_length"] == pytest.approx(
         report["acceptance_length"] - hf["trained"]["acceptance_length"]
     )
-    assert not ev.diagnostic_path(out).exists()
+    assert not vllm_compare.diagnostic_path(out).exists()

@@ -18,15 +18,14 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from eyrie.cli import main as cli_main
 from eyrie.core.errors import EngineError
 from eyrie.extract.engine import STOP_GRACE_S, Engine
 from eyrie.extract.protocol import EngineSocket, request
-from tests.extract.test_extract import build_case, run_stage, settings
+from tests.support.extract_helpers import build_case, extract_args, settings, write_tokenized
+from tests.support.stages import eyrie_cmd, run_stage
 
 DATASETS = ("input_ids", "loss_mask", "offsets", "sample_ids", "aux_hidden", "final_hidden")
 
@@ -40,24 +39,15 @@ def start_engine(
     sock: Path, target: Path, preflight: Path, log: Path, cfg: dict, idle_exit_s: float
 ) -> subprocess.Popen:
     """The real CLI, as the extract_engine rule runs it (one torch thread, like the tests)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "eyrie.cli",
+    cmd = eyrie_cmd(
         "extract-engine",
-        "--socket",
-        str(sock),
-        "--target",
-        str(target),
-        "--preflight",
-        str(preflight),
-        "--settings",
-        json.dumps(cfg),
-        "--idle-exit-s",
-        str(idle_exit_s),
-        "--torch-threads",
-        "1",
-    ]
+        socket=sock,
+        target=target,
+        preflight=preflight,
+        settings=cfg,
+        idle_exit_s=idle_exit_s,
+        torch_threads=1,
+    )
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
@@ -65,28 +55,8 @@ def client(
     sock: Path, target: Path, shard: Path, preflight: Path, out: Path, cfg: dict, log: Path
 ) -> subprocess.Popen:
     """`eyrie extract --engine` as the extract_hidden_states rule runs it."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "eyrie.cli",
-        "extract",
-        "--engine",
-        str(sock),
-        "--engine-wait-s",
-        "60",
-        "--engine-log",
-        str(log),
-        "--target",
-        str(target),
-        "--shard",
-        str(shard),
-        "--preflight",
-        str(preflight),
-        "--out",
-        str(out),
-        "--settings",
-        json.dumps(cfg),
-    ]
+    cmd = eyrie_cmd("extract", engine=sock, engine_wait_s=60, engine_log=log)
+    cmd += extract_args(target, shard, preflight, out, cfg)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -109,17 +79,8 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
     target, shard0, preflight, ids, masks = build_case(tmp, "llama")
     shard1 = tmp / "shard_001.parquet"  # other samples, other lengths
-    pq.write_table(
-        pa.table(
-            {
-                "sample_id": [f"other.jsonl:{i}" for i in range(5)],
-                "input_ids": pa.array(
-                    [x[::-1].tolist() for x in ids[:5]], type=pa.list_(pa.int32())
-                ),
-                "loss_mask": pa.array([m.tolist() for m in masks[:5]], type=pa.list_(pa.uint8())),
-            }
-        ),
-        shard1,
+    write_tokenized(
+        shard1, [x[::-1] for x in ids[:5]], masks[:5], [f"other.jsonl:{i}" for i in range(5)]
     )
     cfg = settings(96)
     sock, log = tmp / "engine_000.sock", tmp / "engine.log"
@@ -142,23 +103,8 @@ def served(tmp_path_factory):
     engine_s = time.monotonic() - t0
     # the same shards, standalone: one model load each, in this process
     for s in (shard0, shard1):
-        assert (
-            run_stage(
-                [
-                    "--target",
-                    str(target),
-                    "--shard",
-                    str(s),
-                    "--preflight",
-                    str(preflight),
-                    "--out",
-                    str(tmp / f"alone_{s.stem}.h5"),
-                    "--settings",
-                    json.dumps(cfg),
-                ]
-            )
-            == 0
-        )
+        out = tmp / f"alone_{s.stem}.h5"
+        assert run_stage("extract", *extract_args(target, s, preflight, out, cfg)) == 0
     return {
         "tmp": tmp,
         "sock": sock,

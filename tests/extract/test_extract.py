@@ -3,7 +3,7 @@ gives the same stored values as one sample at a time (tiny Llama and tiny Deepse
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 
 import h5py
@@ -12,118 +12,26 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from eyrie.arch.target import inspect_target, tokenizer_hash
 from eyrie.config.schema import validate_config
 from eyrie.core.errors import EyrieError
-from eyrie.demo.tokenizer import build_chat_tokenizer
-from eyrie.extract import extract as extract_stage_extract
 from eyrie.extract import hf as extract_stage_hf
 from eyrie.extract.batches import plan_batches
 from eyrie.extract.extractor import Extractor, backend_class, extract_shard, parse_settings
 from eyrie.extract.hf import HFBackend
 from eyrie.formats.hidden import ShardReader
 from eyrie.formats.tokenized import read_tokenized
-
-TEXTS = [
-    "the quick brown fox jumps over the lazy dog",
-    "def f(x): return x + 1",
-    "speculative decoding drafts tokens",
-    "hidden states of the target model",
-] * 8
-# lengths chosen so that batches mix samples of different lengths (padding inside a batch)
-LENGTHS = [5, 23, 1, 17, 40, 9, 33, 12, 28, 2, 19]
-AUX = [1, 2, 3]
-
-
-def run_stage(argv: list[str]) -> int:
-    """`eyrie extract ARGS` through the stage's own argument parser and run()."""
-    parser = argparse.ArgumentParser(prog="eyrie extract")
-    extract_stage_extract.add_arguments(parser)
-    return extract_stage_extract.run(parser.parse_args(argv))
-
-
-def make_config(kind: str, vocab_size: int):
-    if kind == "llama":
-        return LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=32,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=256,
-        )
-    return DeepseekV3Config(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        n_group=1,
-        topk_group=1,
-        max_position_embeddings=256,
-    )
-
-
-def build_case(tmp_path, kind: str):
-    """A saved tiny target with tokenizer, a tokenized parquet shard and a passing preflight."""
-    tok = build_chat_tokenizer(TEXTS, vocab_size=300)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(make_config(kind, len(tok)))
-    with torch.no_grad():  # larger random weights: hidden states that differ clearly per layer
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-    target = tmp_path / f"target-{kind}"
-    model.save_pretrained(target)
-    tok.save_pretrained(target)
-
-    rng = np.random.default_rng(1)
-    ids = [rng.integers(0, len(tok), n).astype(np.int32) for n in LENGTHS]
-    masks = [(rng.random(n) < 0.5).astype(np.uint8) for n in LENGTHS]
-    shard = tmp_path / "shard_000.parquet"
-    pq.write_table(
-        pa.table(
-            {
-                "sample_id": [f"conv.jsonl:{i + 1}" for i in range(len(ids))],
-                "input_ids": pa.array([x.tolist() for x in ids], type=pa.list_(pa.int32())),
-                "loss_mask": pa.array([m.tolist() for m in masks], type=pa.list_(pa.uint8())),
-            }
-        ),
-        shard,
-    )
-    preflight = tmp_path / "preflight.json"
-    preflight.write_text(
-        json.dumps({"ok": True, "target": {"fingerprint": inspect_target(target).fingerprint}})
-    )
-    return target, shard, preflight, ids, masks
-
-
-def settings(max_tokens: int, storage: str = "bfloat16") -> dict:
-    return {
-        "extract": {
-            "backend": "hf",
-            "device": "cpu",
-            "dtype": "float32",
-            "storage_dtype": storage,
-            "max_tokens_per_batch": max_tokens,
-        },
-        "layers": {"aux_ids": AUX},
-        "trust_remote_code": False,
-    }
+from tests.support.extract_helpers import (
+    AUX,
+    LENGTHS,
+    build_case,
+    extract_args,
+    settings,
+    write_tokenized,
+)
+from tests.support.stages import run_stage
 
 
 def reference(model, ids: np.ndarray) -> dict[int, torch.Tensor]:
@@ -179,20 +87,7 @@ def test_batched_equals_one_by_one_and_reference(tmp_path, kind):
     # the batched plan really batches (several samples per forward, with padding)
     assert max(len(b) for b in plan_batches(LENGTHS, 96)) >= 3
     batched, single = tmp_path / "batched.h5", tmp_path / "single.h5"
-    rc = run_stage(
-        [
-            "--target",
-            str(target),
-            "--shard",
-            str(shard),
-            "--preflight",
-            str(preflight),
-            "--out",
-            str(batched),
-            "--settings",
-            json.dumps(settings(96)),
-        ]
-    )
+    rc = run_stage("extract", *extract_args(target, shard, preflight, batched, settings(96)))
     assert rc == 0
     extract_shard(target, shard, preflight, single, settings(1))  # every sample alone
 
@@ -299,31 +194,9 @@ def test_bad_settings_and_shard_are_refused(tmp_path):
     with pytest.raises(EyrieError, match="layers.aux_ids.*out of range"):
         extract_shard(target, shard, preflight, out, bad)
     # token ids outside the vocabulary: one line naming the file and the sample
-    pq.write_table(
-        pa.table(
-            {
-                "sample_id": ["x:1"],
-                "input_ids": [[1, 2, 100000]],
-                "loss_mask": pa.array([[0, 1, 1]], type=pa.list_(pa.uint8())),
-            }
-        ),
-        shard,
-    )
+    write_tokenized(shard, [[1, 2, 100000]], [[0, 1, 1]], ["x:1"])
     with pytest.raises(EyrieError) as err:
-        run_stage(
-            [
-                "--target",
-                str(target),
-                "--shard",
-                str(shard),
-                "--preflight",
-                str(preflight),
-                "--out",
-                str(out),
-                "--settings",
-                json.dumps(settings(64)),
-            ]
-        )
+        run_stage("extract", *extract_args(target, shard, preflight, out, settings(64)))
     assert str(shard) in str(err.value) and "sample x:1: token id 100000 outside" in str(err.value)
     assert "\n" not in str(err.value)
     assert not out.exists()
@@ -332,13 +205,13 @@ def test_bad_settings_and_shard_are_refused(tmp_path):
 def test_one_extractor_loads_the_target_once_for_many_shards(tmp_path, monkeypatch):
     target, shard, preflight, _, _ = build_case(tmp_path, "llama")
     loads = []
-    real_load = extract_stage_hf.load_target
+    real_load = extract_stage_hf.load_causal_lm
 
     def counting_load(*args, **kwargs):
         loads.append(args[0])
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(extract_stage_hf, "load_target", counting_load)
+    monkeypatch.setattr(extract_stage_hf, "load_causal_lm", counting_load)
     with Extractor(target, preflight, settings(96)) as extractor:
         assert isinstance(extractor.backend, HFBackend)
         first = extractor.extract(shard, tmp_path / "first.h5")
@@ -350,16 +223,7 @@ def test_one_extractor_loads_the_target_once_for_many_shards(tmp_path, monkeypat
     for name in a:
         assert np.array_equal(a[name], b[name]) and np.array_equal(a[name], c[name]), name
     # standalone: a bad shard fails before the (expensive) load
-    pq.write_table(
-        pa.table(
-            {
-                "sample_id": ["x:1"],
-                "input_ids": [[1, 100000]],
-                "loss_mask": pa.array([[0, 1]], type=pa.list_(pa.uint8())),
-            }
-        ),
-        shard,
-    )
+    write_tokenized(shard, [[1, 100000]], [[0, 1]], ["x:1"])
     with pytest.raises(EyrieError, match="token id 100000 outside"):
         extract_shard(target, shard, preflight, tmp_path / "bad.h5", settings(96))
     assert len(loads) == 2
@@ -367,7 +231,7 @@ def test_one_extractor_loads_the_target_once_for_many_shards(tmp_path, monkeypat
 
 def test_backend_registry_and_vllm_settings_pass_through():
     s = settings(64)
-    assert parse_settings(s).vllm == {} and backend_class("hf") is HFBackend
+    assert parse_settings(s).vllm is None and backend_class("hf") is HFBackend
     s["extract"]["backend"] = "vllm"
     with pytest.raises(EyrieError, match="extract.backend=vllm but --settings has no vllm section"):
         parse_settings(s)
@@ -375,7 +239,8 @@ def test_backend_registry_and_vllm_settings_pass_through():
     s["vllm"] = {"tensor_parallel_size": 2}
     cfg = parse_settings(s)
     defaults = validate_config({"target": {"name": "t"}})["vllm"]
-    assert cfg.backend == "vllm" and cfg.vllm == {**defaults, "tensor_parallel_size": 2}
+    assert cfg.backend == "vllm"
+    assert dataclasses.asdict(cfg.vllm) == {**defaults, "tensor_parallel_size": 2}
     s["vllm"]["anything"] = ["kept"]
     with pytest.raises(EyrieError, match="vllm.anything: unknown key"):
         parse_settings(s)
@@ -450,7 +315,8 @@ def test_gpu_staging_writes_what_the_host_path_writes(tmp_path, storage):
     ShardWriter.put stores from the same values on the host; a non-finite row is named."""
     from eyrie.extract.batches import PinnedStaging, Writers
     from eyrie.formats.codecs import stored_tensors
-    from eyrie.formats.hidden import ShardMeta, ShardWriter
+    from eyrie.formats.hidden import ShardMeta
+    from eyrie.formats.hidden_writer import ShardWriter
 
     H, n_aux, lengths = 64, 3, [7, 3, 12]
     ids = [list(range(n)) for n in lengths]
@@ -500,7 +366,8 @@ def test_one_write_path_stores_the_same_bytes_for_host_and_staged_batches(tmp_pa
     same way on both."""
     from eyrie.extract.batches import HostBatch, StagedBatch, Writers
     from eyrie.formats.codecs import stored_tensors, transfer_dtype
-    from eyrie.formats.hidden import ShardMeta, ShardWriter
+    from eyrie.formats.hidden import ShardMeta
+    from eyrie.formats.hidden_writer import ShardWriter
 
     H, n_aux, lengths = 16, 3, [7, 3, 12]
     ids = [list(range(n)) for n in lengths]

@@ -21,7 +21,8 @@ from eyrie.core.errors import VllmAdapterError
 from eyrie.extract.capture import _Recorder, make_forward
 from eyrie.extract.requestfile import read_request, request_path, write_request
 from eyrie.formats.codecs import stored_tensors
-from eyrie.formats.hidden import ShardMeta, ShardReader, ShardWriter
+from eyrie.formats.hidden import ShardMeta, ShardReader
+from eyrie.formats.hidden_writer import ShardWriter
 from eyrie.vllm.adapters import call_layer, request_key
 
 H = 8

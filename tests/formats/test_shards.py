@@ -21,9 +21,9 @@ from eyrie.formats.hidden import (
     CHECKED_FIELDS,
     ShardMeta,
     ShardReader,
-    ShardWriter,
     validate_shard,
 )
+from eyrie.formats.hidden_writer import ShardWriter
 from eyrie.train.packing import PackedShards
 
 H, N_AUX = 8, 3

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO
+from tests.support.workflow import snakemake_args
 
 TINY = REPO / ".test" / "config.yaml"
 
@@ -37,18 +38,7 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def snakemake(workdir: Path, *args: str, ok: tuple[int, ...] = (0,)) -> str:
-    return tool(
-        "snakemake",
-        "-s",
-        str(REPO / "Snakefile"),
-        "-d",
-        str(workdir),
-        "--configfile",
-        str(TINY),
-        *args,
-        cwd=workdir,
-        ok=ok,
-    )
+    return tool("snakemake", *snakemake_args(workdir, TINY), *args, cwd=workdir, ok=ok)
 
 
 def test_ruff_check():

@@ -14,7 +14,9 @@ from eyrie.core import errors as pf_errors
 from eyrie.core.errors import TargetError
 from eyrie.preflight import checks as pf_checks
 from eyrie.preflight import preflight as pf
+from tests.support.stages import stage_args
 from tests.support.train_helpers import save_chat_target
+from tests.support.vllm_helpers import KIMI_K25
 
 TEXTS = ["What does json.dumps do? It serializes an object to a JSON string."] * 20
 
@@ -54,36 +56,20 @@ def test_no_assistant_tokens_refused(target, tmp_path):
 
 def test_cli_writes_report(target, tmp_path):
     out = tmp_path / "preflight.json"
-    rc = main(
-        [
-            "preflight",
-            "--target",
-            str(target),
-            "--tokenize-report",
-            str(write_report(tmp_path / "r.json")),
-            "--out",
-            str(out),
-            "--settings",
-            json.dumps({"layers": {"aux_ids": [1, 3, 6]}}),
-        ]
+    report = write_report(tmp_path / "r.json")
+    settings = {"layers": {"aux_ids": [1, 3, 6]}}
+    argv = stage_args(
+        "preflight", target=target, tokenize_report=report, out=out, settings=settings
     )
+    rc = main(argv)
     assert rc == 0
     assert json.loads(out.read_text())["aux_layer_ids"] == [1, 3, 6]
 
 
 def test_cli_failure_writes_nothing_and_one_line_per_problem(target, tmp_path, capsys):
     out = tmp_path / "preflight.json"
-    rc = main(
-        [
-            "preflight",
-            "--target",
-            str(target),
-            "--out",
-            str(out),
-            "--settings",
-            json.dumps({"layers": {"aux_ids": [3, 3]}}),
-        ]
-    )
+    settings = {"layers": {"aux_ids": [3, 3]}}
+    rc = main(stage_args("preflight", target=target, out=out, settings=settings))
     assert rc == 2 and not out.exists()
     err = capsys.readouterr().err
     assert "layers.aux_ids=[3, 3]: duplicate ids" in err
@@ -118,22 +104,7 @@ def test_unknown_architecture_lists_supported(tmp_path):
 
 
 def test_multimodal_wrapper_reads_text_config(tmp_path):
-    kimi = {
-        "model_type": "kimi_k25",
-        "architectures": ["KimiK25ForConditionalGeneration"],
-        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
-        "text_config": {
-            "model_type": "kimi_k2",
-            "hidden_size": 7168,
-            "num_hidden_layers": 61,
-            "vocab_size": 163840,
-            "num_attention_heads": 64,
-            "scoring_func": "sigmoid",
-            "kv_lora_rank": 512,
-            "q_lora_rank": 1536,
-        },
-    }
-    (tmp_path / "config.json").write_text(json.dumps(kimi))
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_K25))
     info = inspect_target(tmp_path)
     assert (info.model_type, info.wrapper_model_type) == ("kimi_k2", "kimi_k25")
     assert (info.num_hidden_layers, info.hidden_size) == (61, 7168)

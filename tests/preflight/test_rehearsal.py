@@ -10,7 +10,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,9 +22,11 @@ import yaml
 
 from eyrie import cli
 from eyrie.config.schema import cross_field_problems, validate_config
+from eyrie.config.sections import VllmSettings
 from eyrie.core.errors import ExportError, ExtractError, PreflightError, ShardError
 from eyrie.core.rehearsal import draft_is_rehearsal, engine_kwargs
-from eyrie.evaluate import vllm_eval as ev
+from eyrie.evaluate import vllm_check as ev
+from eyrie.evaluate import vllm_run
 from eyrie.export.export import export
 from eyrie.extract import extractor as extractor_mod
 from eyrie.extract.batches import HostBatch
@@ -36,19 +37,27 @@ from eyrie.formats.hidden import ShardMeta, ShardReader, read_meta
 from eyrie.formats.report import identity
 from eyrie.preflight import preflight as pf
 from eyrie.preflight import vllm_checks as vp
-from eyrie.train.recipe import check_rehearsal
+from eyrie.train.inputs import check_rehearsal
 from tests.support import REPO
+from tests.support.stages import demo_conversations
 from tests.support.train_helpers import (
-    build_world,
     save_chat_target,
+    train_args,
     train_settings,
     write_eval_set,
     write_shard,
 )
-from tests.support.vllm_helpers import VLLM_ENVS, need_vllm, real_facts, vllm_env, vllm_settings
+from tests.support.vllm_helpers import (
+    VLLM_ENVS,
+    need_cuda,
+    need_vllm,
+    real_facts,
+    vllm_env,
+    vllm_settings,
+)
+from tests.support.workflow import TINY, job_table, run_snakemake
 
 VLLM_PYTHON = Path(os.environ.get("EYRIE_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
-TINY = yaml.safe_load((REPO / ".test" / "config.yaml").read_text())
 REHEARSE = {"vllm": {"rehearsal": True}}
 K = 3
 
@@ -72,7 +81,7 @@ def test_switch_reaches_the_extraction_engine(tmp_path, path):
     kwargs = {}
     for rehearsal in (False, True):
         backend = object.__new__(VllmBackend)  # its constructor starts vLLM; the kwargs need none
-        backend.v = {"tensor_parallel_size": 2, "rehearsal": rehearsal}
+        backend.vllm = VllmSettings.from_section(dict(tensor_parallel_size=2, rehearsal=rehearsal))
         backend.path, backend.layer_ids, backend.scratch = path, [1, 2, 3, 4], tmp_path
         kwargs[rehearsal] = backend._engine_kwargs(tmp_path, cfg)
     assert "load_format" not in kwargs[False]
@@ -113,11 +122,11 @@ def test_every_installed_vllm_reads_the_switch_as_random_weights(version):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """build_world's tiny target, vocabulary, preflight report and two real shards, plus the same
-    states written as a rehearsal's shard and an eval set of the samples' prompts."""
-    root = tmp_path_factory.mktemp("rehearsal")
-    w = build_world(root)
+def world(world):
+    """The tiny world (tests/conftest.py: target, vocabulary, preflight report and two real
+    shards), plus the same states written as a rehearsal's shard and an eval set of the samples'
+    prompts."""
+    w, root = dict(world), world["target"].parent
     rehearsal = root / "rehearsal_000.h5"
     part = w["samples"][0::2]
     ids = [f"conv.jsonl:{1 + 2 * i}" for i in range(len(part))]
@@ -130,23 +139,7 @@ def world(tmp_path_factory):
 
 
 def train_argv(world, shards: list[Path], out: Path, settings: dict) -> list[str]:
-    return [
-        "train",
-        "--target",
-        str(world["target"]),
-        "--preflight",
-        str(world["preflight"]),
-        "--vocab",
-        str(world["vocab"]),
-        "--shards",
-        *map(str, shards),
-        "--out-dir",
-        str(out / "train"),
-        "--state-dir",
-        str(out / "train_state"),
-        "--settings",
-        json.dumps(settings),
-    ]
+    return train_args(world, out, settings, shards, state="train_state")
 
 
 def test_shards_marked_only_in_a_rehearsal(world, tmp_path):
@@ -243,7 +236,7 @@ class FakeEngines:
     def __call__(self, name, request, workdir):
         self.requests[name] = request
         spec = request["speculative_config"] is not None
-        counters = ev.SpecStats(K, 4, 12, 3, [2, 1, 0]).metrics() if spec else None
+        counters = vllm_run.SpecStats(K, 4, 12, 3, [2, 1, 0]).metrics() if spec else None
         return {
             "vllm_version": "0.22.0",
             "dtype": "bfloat16",
@@ -266,7 +259,7 @@ def test_vllm_evaluation_of_a_rehearsal(world, rehearsed, tmp_path, monkeypatch,
     differing outputs (near-ties of random weights) instead of failing on them."""
     monkeypatch.setattr(ev, "check_installed_vllm", lambda target: None)  # vLLM is not here
     engines = FakeEngines([[5, 6, 7, 8], [9, 9, 9, 9]], [[5, 6, 7, 8], [9, 9, 3, 9]])
-    monkeypatch.setattr(ev, "run_engine", engines)
+    monkeypatch.setattr(vllm_run, "run_engine", engines)
     out = tmp_path / "eval_vllm.json"
     argv = ["evaluate-vllm", "--target", str(world["target"]), "--draft", str(rehearsed["draft"])]
     argv += ["--eval-set", str(world["eval_set"]), "--out", str(out)]
@@ -304,7 +297,7 @@ def test_real_vllm_evaluation_requests_are_unchanged(world, tmp_path):
     assert cfg.rehearsal is False
     paths = ev.VllmEvalPaths(world["target"], tmp_path, world["eval_set"], None, tmp_path / "o")
     plan = ev.VllmPlan(paths, cfg, {}, {}, {"eos_token_id": 2}, [("a", [1, 2])], 16)
-    base, spec = ev.engine_requests(plan)
+    base, spec = vllm_run.engine_requests(plan)
     assert "load_format" not in base["engine"] and base["eos_token_id"] == 2
     assert set(spec["speculative_config"]) == {"model", "method", "num_speculative_tokens"}
     assert engine_kwargs(False) == {}
@@ -469,34 +462,10 @@ def test_parse_time_problems_one_line_each():
 
 
 def dry_run(workdir: Path, *configfiles: Path, ok: bool = True) -> str:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "Snakefile"),
-            "-d",
-            str(workdir),
-            "--configfile",
-            *map(str, configfiles),
-            "--cores",
-            "1",
-            "-n",
-            "-p",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_snakemake(workdir, "--cores", "1", "-n", "-p", configfiles=configfiles, timeout=300)
     out = proc.stdout + proc.stderr
     assert (proc.returncode == 0) == ok, out[-6000:]
     return out
-
-
-def jobs(out: str) -> dict[str, int]:
-    table = out.split("Job stats:", 1)[1].split("total", 1)[0]
-    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", table, re.M)}
 
 
 def shell(out: str, rule: str) -> str:
@@ -525,7 +494,7 @@ def test_rehearsal_dag_lives_apart(tmp_path):
     Without the overlay the same config plans the real run, with no trace of the switch."""
     config = write_tiny(tmp_path, extract={"backend": "vllm"})
     out = dry_run(tmp_path, config, REPO / "config" / "rehearsal.yaml")
-    assert jobs(out) == {
+    assert job_table(out) == {
         "build_demo_conversations": 1,
         "build_demo_target": 1,
         "tokenize_conversations": 1,
@@ -555,7 +524,7 @@ def test_rehearsal_dag_lives_apart(tmp_path):
 
     real = dry_run(tmp_path, config)
     assert "results/tiny.rehearsal" not in real and "results/tiny/eval/eval.json" in real
-    assert "evaluate_draft" in jobs(real) and "evaluate_vllm" not in jobs(real)
+    assert "evaluate_draft" in job_table(real) and "evaluate_vllm" not in job_table(real)
     assert " --shards results/tiny/hidden/shard_000.h5 results/tiny/hidden/shard_001.h5" in real
     for rule in ("preflight", "extract_hidden_states", "train_draft", "export_draft"):
         assert "rehearsal" not in shell(real, rule), rule
@@ -575,23 +544,13 @@ def test_config_problems_stop_the_parse_in_one_line(tmp_path):
 # ----------------------------------------------------------------------------- GPU
 
 
-def vllm_cuda() -> None:
-    cuda = subprocess.run(
-        [str(VLLM_PYTHON), "-c", "import torch; print(torch.cuda.is_available())"],
-        capture_output=True,
-        text=True,
-    )
-    if cuda.stdout.strip() != "True":
-        pytest.skip(f"{VLLM_PYTHON} sees no CUDA device")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "kimi_k25", "kimi_k25_int4"])
 def test_rehearsal_extraction_on_real_widths(tmp_path, kind):
     """tests/support/vllm_gpu_check.py rehearsal: vLLM builds the target from its config.json
     alone, the extractor writes a complete, finite shard of non-zero states marked as a
     rehearsal's, and a real training refuses it."""
-    vllm_cuda()
+    need_cuda(VLLM_PYTHON)
     proc = subprocess.run(
         [
             str(VLLM_PYTHON),
@@ -623,26 +582,16 @@ def test_rehearsal_extraction_on_real_widths(tmp_path, kind):
 def test_whole_tiny_dag_as_a_rehearsal(tmp_path):
     """The rehearsal on a GPU, end to end: the tiny config with extract.backend vllm and the
     overlay runs to eval_vllm.json under results/tiny.rehearsal/, every file marked."""
-    vllm_cuda()
-    convs = subprocess.run(
-        [sys.executable, "-m", "eyrie.cli", "demo-conversations", "--out"]
-        + [str(tmp_path / "convs.jsonl"), "--settings", '{"demo": {"num_conversations": 60}}'],
-        capture_output=True,
-        text=True,
-    )
+    need_cuda(VLLM_PYTHON)
+    convs = demo_conversations(tmp_path / "convs.jsonl", {"demo": {"num_conversations": 60}})
     assert convs.returncode == 0, convs.stderr
     config = write_tiny(
         tmp_path,
         extract={"backend": "vllm"},
         vllm={"python": str(VLLM_PYTHON), "gpu_memory_utilization": 0.5},
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(tmp_path)]
-        + ["--configfile", str(config), str(REPO / "config" / "rehearsal.yaml"), "--cores", "4"],
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
+    overlay = REPO / "config" / "rehearsal.yaml"
+    proc = run_snakemake(tmp_path, "--cores", "4", configfiles=(config, overlay), timeout=1500)
     logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in tmp_path.glob("logs/**/*.log"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:] + logs
     results = tmp_path / "results" / "tiny.rehearsal"

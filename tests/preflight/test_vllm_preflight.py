@@ -17,9 +17,12 @@ import transformers
 
 from eyrie.arch.target import inspect_target
 from eyrie.cli import main
+from eyrie.config.sections import VllmSettings
 from eyrie.preflight import preflight as pf
 from eyrie.preflight import vllm_checks as vp
+from eyrie.preflight import vllm_config, vllm_env, vllm_sizing
 from tests.support import TESTS
+from tests.support.stages import eyrie_cmd, stage_args
 from tests.support.train_helpers import save_chat_target
 from tests.support.vllm_helpers import (
     DEEPSEEK,
@@ -80,26 +83,26 @@ def test_count_parameters_matches_transformers(config):
     hf_config = transformers.AutoConfig.for_model(**config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    assert vp.count_parameters(config) == _params_without_norms(model)
+    assert vllm_sizing.count_parameters(config) == _params_without_norms(model)
 
 
 def test_count_parameters_kimi_is_one_trillion():
-    n = vp.count_parameters(KIMI_K25["text_config"])
+    n = vllm_sizing.count_parameters(KIMI_K25["text_config"])
     assert 1.00e12 < n < 1.06e12, n  # Kimi-K2: "1T total parameters"
 
 
 def test_weight_bytes_from_files_then_config(tmp_path):
     folder = write_target(tmp_path / "t", LLAMA, weights_gib=0.5)
-    w = vp.weight_bytes(folder, LLAMA)
+    w = vllm_sizing.weight_bytes(folder, LLAMA)
     assert w["bytes"] == 2**29 and "1 *.safetensors" in w["source"] and not w["upper_bound"]
     (folder / "model.safetensors").unlink()
-    w = vp.weight_bytes(folder, LLAMA)
-    assert w["bytes"] == vp.count_parameters(LLAMA) * 2 and "architecture" in w["source"]
+    w = vllm_sizing.weight_bytes(folder, LLAMA)
+    assert w["bytes"] == vllm_sizing.count_parameters(LLAMA) * 2 and "architecture" in w["source"]
     fp8 = {**LLAMA, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
-    sized = vp.weight_bytes(folder, fp8)
-    assert not sized["upper_bound"] and sized["bytes"] < vp.count_parameters(LLAMA) * 2
+    sized = vllm_sizing.weight_bytes(folder, fp8)
+    assert not sized["upper_bound"] and sized["bytes"] < vllm_sizing.count_parameters(LLAMA) * 2
     unknown = {**LLAMA, "quantization_config": {"quant_method": "someday"}}
-    assert vp.weight_bytes(folder, unknown)["upper_bound"] is True
+    assert vllm_sizing.weight_bytes(folder, unknown)["upper_bound"] is True
 
 
 def test_weights_sized_from_the_architecture_and_its_quantization(tmp_path):
@@ -110,26 +113,33 @@ def test_weights_sized_from_the_architecture_and_its_quantization(tmp_path):
     quant = json.loads((TESTS / "configs" / "kimi-k2.5-quantization.json").read_text())
     config["text_config"]["quantization_config"] = quant
     folder = write_target(tmp_path / "kimi", config)
-    w = vp.weight_bytes(folder, config)
-    assert 540 < w["bytes"] / vp.GIB < 570 and "compressed-tensors at 4.5 bits" in w["source"]
-    bf16 = vp.weight_bytes(folder, KIMI_K25)["bytes"]
-    assert 1900 < bf16 / vp.GIB < 1930
+    w = vllm_sizing.weight_bytes(folder, config)
+    assert 540 < w["bytes"] / vllm_sizing.GIB < 570
+    assert "compressed-tensors at 4.5 bits" in w["source"]
+    bf16 = vllm_sizing.weight_bytes(folder, KIMI_K25)["bytes"]
+    assert 1900 < bf16 / vllm_sizing.GIB < 1930
     write_target(folder, config, weights_gib=20)  # 20 of 554 GiB downloaded (< 10%)
-    v = {"tensor_parallel_size": 8, "gpu_memory_gib": 140, "gpu_memory_utilization": 0.85}
-    est, problems, warnings = vp.memory_check(folder, config, v)
+    v = VllmSettings.from_section(
+        {"tensor_parallel_size": 8, "gpu_memory_gib": 140, "gpu_memory_utilization": 0.85}
+    )
+    est, problems, warnings = vllm_sizing.memory_check(folder, config, v)
     assert problems == [] and est["fits"] and 65 < est["weights_per_gpu_gib"] < 72
     assert len(warnings) == 1 and "hold 20.0 GiB of the ~55" in warnings[0]
 
 
 def test_memory_budget_and_headroom(tmp_path):
     folder = write_target(tmp_path / "t", LLAMA, weights_gib=60)
-    v = {"tensor_parallel_size": 1, "gpu_memory_gib": 80, "gpu_memory_utilization": 0.85}
-    est, problems, _ = vp.memory_check(folder, LLAMA, v)
+    v = VllmSettings.from_section(
+        {"tensor_parallel_size": 1, "gpu_memory_gib": 80, "gpu_memory_utilization": 0.85}
+    )
+    est, problems, _ = vllm_sizing.memory_check(folder, LLAMA, v)
     # 80 x 0.85 = 68 GiB; the weights may take 80% of it (54.4 GiB): 60 GiB does not fit
     assert est["budget_gib"] == 68.0 and not est["fits"] and est["min_tensor_parallel_size"] == 2
     assert len(problems) == 1 and "vllm.tensor_parallel_size=1" in problems[0]
     assert "use vllm.tensor_parallel_size=2" in problems[0]
-    est, problems, _ = vp.memory_check(folder, LLAMA, {**v, "tensor_parallel_size": 2})
+    est, problems, _ = vllm_sizing.memory_check(
+        folder, LLAMA, dataclasses.replace(v, tensor_parallel_size=2)
+    )
     assert est["fits"] and problems == []
 
 
@@ -139,11 +149,11 @@ def test_tensor_parallel_rules_follow_vllm(tmp_path):
         {**LLAMA, "hidden_size": 48, "num_attention_heads": 12, "num_key_value_heads": 6},
     )
     info = inspect_target(folder)
-    assert vp.parallel_problems(info, 3) == []  # 12 % 3, 6 % 3
-    assert vp.parallel_problems(info, 12) == []  # KV heads replicated: 12 % 6 == 0
-    (problem,) = vp.parallel_problems(info, 4)  # 12 % 4 == 0 but 6 and 4 neither way
+    assert vllm_sizing.parallel_problems(info, 3) == []  # 12 % 3, 6 % 3
+    assert vllm_sizing.parallel_problems(info, 12) == []  # KV heads replicated: 12 % 6 == 0
+    (problem,) = vllm_sizing.parallel_problems(info, 4)  # 12 % 4 == 0 but 6 and 4 neither way
     assert "num_key_value_heads=6 can be neither split" in problem
-    problems = vp.parallel_problems(info, 5)
+    problems = vllm_sizing.parallel_problems(info, 5)
     assert (
         "does not divide config.json: num_attention_heads=12; use one of [1, 2, 3, 4, 6, 12]"
         in problems[0]
@@ -151,7 +161,7 @@ def test_tensor_parallel_rules_follow_vllm(tmp_path):
 
 
 def test_quantization_reported_and_refused_only_when_unloadable(facts):
-    assert vp.quantization_check(LLAMA, facts["llama"]) == (None, [], [])
+    assert vllm_config.quantization_check(LLAMA, facts["llama"]) == (None, [], [])
     ct = {
         **KIMI_K25,
         "text_config": {
@@ -162,13 +172,13 @@ def test_quantization_reported_and_refused_only_when_unloadable(facts):
             },
         },
     }
-    report, problems, warnings = vp.quantization_check(ct, facts["kimi"])
+    report, problems, warnings = vllm_config.quantization_check(ct, facts["kimi"])
     assert report == {
         "quant_method": "compressed-tensors",
         "where": "text_config.quantization_config",
     }
     assert problems == warnings == []
-    _, _, warnings = vp.quantization_check(
+    _, _, warnings = vllm_config.quantization_check(
         {**LLAMA, "quantization_config": {"quant_method": "x9"}}, facts["llama"]
     )
     assert "'x9' is not one of vLLM 0.22" in warnings[0]
@@ -206,20 +216,20 @@ def test_missing_vllm_environment_is_a_problem_with_the_fix(tmp_path):
 def test_environment_without_vllm_is_a_problem_with_the_fix():
     # the training environment has eyrie but no vLLM: a real, quick failure of the gatherer
     with pytest.raises(
-        vp.VllmEnvError, match=r"No module named 'vllm'.*bash scripts/setup-vllm\.sh"
+        vllm_env.VllmEnvError, match=r"No module named 'vllm'.*bash scripts/setup-vllm\.sh"
     ):
-        vp.run_gatherer(sys.executable, [LLAMA])
+        vllm_env.run_gatherer(sys.executable, [LLAMA])
 
 
 def test_gatherer_timeout_is_a_problem():
-    with pytest.raises(vp.VllmEnvError, match=r"took more than 0 s"):
-        vp.run_gatherer(sys.executable, [LLAMA], timeout=0.01)
+    with pytest.raises(vllm_env.VllmEnvError, match=r"took more than 0 s"):
+        vllm_env.run_gatherer(sys.executable, [LLAMA], timeout=0.01)
 
 
 def test_relative_python_is_relative_to_the_checkout(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a Snakemake working directory elsewhere
-    assert vp.resolve_python(".venv-vllm/bin/python") == REPO / ".venv-vllm/bin/python"
-    assert vp.resolve_python(str(tmp_path / "py")) == tmp_path / "py"
+    assert vllm_env.resolve_python(".venv-vllm/bin/python") == REPO / ".venv-vllm/bin/python"
+    assert vllm_env.resolve_python(str(tmp_path / "py")) == tmp_path / "py"
 
 
 # ----------------------------------------------------------------------------- whole preflight runs
@@ -231,17 +241,7 @@ def test_preflight_report_names_the_path(target, tmp_path, facts, caplog):
     settings = vllm_settings()
     settings["eval"]["vllm"] = True
     with caplog.at_level(logging.INFO, logger="eyrie.preflight"):
-        rc = main(
-            [
-                "preflight",
-                "--target",
-                str(target),
-                "--out",
-                str(out),
-                "--settings",
-                json.dumps(settings),
-            ]
-        )
+        rc = main(stage_args("preflight", target=target, out=out, settings=settings))
     assert rc == 0
     v = json.loads(out.read_text())["vllm"]
     assert v["version"] == facts["llama"].version and v["adapter"] == "llama"
@@ -266,18 +266,7 @@ def test_preflight_cli_wall_time(target, tmp_path):
     out = tmp_path / "preflight.json"
     start = time.monotonic()
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eyrie.cli",
-            "preflight",
-            "--target",
-            str(target),
-            "--out",
-            str(out),
-            "--settings",
-            json.dumps(vllm_settings()),
-        ],
+        eyrie_cmd("preflight", target=target, out=out, settings=vllm_settings()),
         capture_output=True,
         text=True,
         timeout=120,

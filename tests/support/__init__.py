@@ -1,6 +1,7 @@
 """What tests share besides fixtures (tests/conftest.py): the repository's paths and the helpers
-that build tiny worlds (train_helpers), vLLM environments (vllm_helpers) and published templates
-(template_cases)."""
+that build tiny models (models), tiny worlds and training runs (train_helpers), the extraction
+case (extract_helpers), stage argvs and in-process runs (stages), Snakemake runs (workflow), vLLM
+environments (vllm_helpers) and published templates (template_cases)."""
 
 from pathlib import Path
 

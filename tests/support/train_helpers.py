@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig
+from safetensors.torch import load_file, save_file
 
 from eyrie.arch.hooks import capture_hidden_states
 from eyrie.arch.target import fingerprint, read_config, tokenizer_hash
 from eyrie.demo.tokenizer import build_chat_tokenizer
-from eyrie.formats.hidden import ShardMeta, ShardWriter
+from eyrie.formats.hidden import ShardMeta
+from eyrie.formats.hidden_writer import ShardWriter
+from tests.support.models import random_model, save_target, tiny_llama
+from tests.support.stages import stage_args
 
 AUX_IDS, FINAL_ID, HIDDEN, DRAFT_VOCAB = [1, 2, 3], 4, 32, 96
 
@@ -61,23 +65,9 @@ def build_world(root: Path, num_conversations: int = 24, shards: int = 2) -> dic
     """Target folder, preflight.json, vocab.safetensors and hidden-state shards under `root`."""
     texts = [m["content"] for conv in conversations(200, 1) for m in conv]
     tok = build_chat_tokenizer(texts, 300)
-    config = LlamaConfig(
-        hidden_size=HIDDEN,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=len(tok),
-        max_position_embeddings=512,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    target = root / "target"
-    model.save_pretrained(target)
-    tok.save_pretrained(target)
+    config = tiny_llama(len(tok), tok, hidden_size=HIDDEN, max_position_embeddings=512)
+    model = random_model(config).eval()
+    target = save_target(root / "target", model, tok)
 
     samples = []
     for conv in conversations(num_conversations, 2):
@@ -166,21 +156,8 @@ def save_chat_target(path: Path, texts: list[str], vocab_size: int = 320, **llam
     """A complete tiny Llama target folder (random weights, chat tokenizer) built from `texts`;
     `llama` overrides LlamaConfig fields (8 layers, hidden 32 by default)."""
     tok = build_chat_tokenizer(texts, vocab_size)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        **{
-            "vocab_size": len(tok),
-            "hidden_size": 32,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "intermediate_size": 64,
-            **llama,
-        }
-    )
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    shape = {"num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1}
+    return save_target(path, random_model(tiny_llama(len(tok), **{**shape, **llama})), tok)
 
 
 def write_eval_set(path: Path, prompts: list[list[int]]) -> Path:
@@ -227,15 +204,69 @@ def write_preflight(
     return path
 
 
-def train_paths(world: dict, root: Path):
-    """TrainPaths of a run on `world` with its run folder root/train and state root/state."""
-    from eyrie.train.recipe import TrainPaths
+def train_paths(world: dict, root: Path, shards: list[Path] | None = None):
+    """TrainPaths of a run on `world` (its shards unless `shards`) with its run folder root/train
+    and state root/state."""
+    from eyrie.train.inputs import TrainPaths
 
     return TrainPaths(
         world["target"],
         world["preflight"],
         world["vocab"],
-        world["shards"],
+        world["shards"] if shards is None else shards,
         root / "train",
         root / "state",
     )
+
+
+# DDP runs: 4 packs per step, so each of 2 ranks accumulates 2 packs (no_sync on the first).
+DDP = dict(epochs=4, packs_per_step=4, checkpoint_every=2, log_every=4)
+# 2 ranks x 2 packs against 1 process x 4 packs: the gradient sum is associated as (g0+g1)+(g2+g3)
+# instead of ((g0+g1)+g2)+g3, a few float32 ulps that Adam carries on (docs/training.md); with one
+# pack per rank the weights are bitwise equal. The tolerance leaves about 10x headroom.
+RTOL, ATOL = 2e-5, 3e-6
+
+
+def train_args(
+    world: dict, root: Path, settings: dict, shards: list[Path] | None = None, state: str = "state"
+) -> list[str]:
+    """`train ...` on `world` (its shards unless `shards`) into root/train, checkpoints in
+    root/`state`: the argv of eyrie.cli.main."""
+    return stage_args(
+        "train",
+        target=world["target"],
+        preflight=world["preflight"],
+        vocab=world["vocab"],
+        shards=world["shards"] if shards is None else shards,
+        out_dir=root / "train",
+        state_dir=root / state,
+        settings=settings,
+    )
+
+
+def eyrie_train(
+    world: dict, root: Path, settings: dict, *extra: str, threads: int = 2
+) -> list[str]:
+    """`python -m eyrie train ...`; --threads is the node's (under torchrun: 1 per rank)."""
+    head = [sys.executable, "-m", "eyrie", "--threads", str(threads)]
+    return [*head, *train_args(world, root, settings), *extra]
+
+
+def run_eyrie(cmd: list[str], cwd: Path):
+    """`cmd` run to its end in `cwd` (at most 4 minutes): the CompletedProcess."""
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240)
+
+
+def weights(root: Path) -> dict[str, torch.Tensor]:
+    """The trained draft's tensors of the run in `root`."""
+    return load_file(str(root / "train" / "draft" / "model.safetensors"))
+
+
+def assert_weights(a: dict, b: dict, exact: bool) -> None:
+    """The same tensors: bitwise with `exact`, else within DDP's float32 sum order."""
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            torch.testing.assert_close(a[k], b[k], rtol=RTOL, atol=ATOL, msg=k)

@@ -38,21 +38,46 @@ REFERENCE = {"kimi_k25": "deepseek_v3"}  # whose Hugging Face states a kind is c
 LENGTHS = [7, 64, 1, 130, 33, 250, 12, 90, 3, 48, 177, 20]
 
 
+# What the DeepSeek-V3 configs here share with the real checkpoints (vLLM needs their
+# scoring_func/topk_method to build the router)
+DEEPSEEK = dict(
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    n_group=1,
+    topk_group=1,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    torch_dtype="bfloat16",
+)
+
+
+# Llama widths, in the order of LLAMA_FIELDS
+LLAMA_FIELDS = (
+    "vocab_size hidden_size num_hidden_layers num_attention_heads num_key_value_heads "
+    "intermediate_size max_position_embeddings"
+).split()
+LLAMAS = {
+    "tiny": (1024, 256, 4, 4, 2, 512, 1024),
+    "llama-3.1-8b": (128256, 4096, 32, 32, 8, 14336, 8192),
+}
+
+
+def llama_config(name: str):
+    """The bfloat16 LlamaConfig of LLAMAS[name]."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**dict(zip(LLAMA_FIELDS, LLAMAS[name])), torch_dtype="bfloat16")
+
+
 def make_config(kind: str):
-    from transformers import DeepseekV3Config, LlamaConfig
+    from transformers import DeepseekV3Config
 
     if kind == "llama":
-        return LlamaConfig(
-            vocab_size=1024,
-            hidden_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=512,
-            max_position_embeddings=1024,
-            torch_dtype="bfloat16",
-        )
-    # vLLM needs scoring_func/topk_method of the real models to build the router
+        return llama_config("tiny")
     return DeepseekV3Config(
         vocab_size=1024,
         hidden_size=256,
@@ -63,19 +88,9 @@ def make_config(kind: str):
         moe_intermediate_size=128,
         n_routed_experts=8,
         num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=512,
         q_lora_rank=256,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        n_group=1,
-        topk_group=1,
-        topk_method="noaux_tc",
-        scoring_func="sigmoid",
         max_position_embeddings=1024,
-        torch_dtype="bfloat16",
+        **DEEPSEEK,
     )
 
 
@@ -270,19 +285,10 @@ KIMI_INT4 = Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.5-quantiz
 
 def rehearsal_config(kind: str) -> dict:
     """config.json of a rehearsal target: real widths, no weights (vLLM makes them up)."""
-    from transformers import DeepseekV3Config, LlamaConfig
+    from transformers import DeepseekV3Config
 
     if kind == "llama":  # Llama-3.1-8B's shape
-        config = LlamaConfig(
-            vocab_size=128256,
-            hidden_size=4096,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            intermediate_size=14336,
-            max_position_embeddings=8192,
-            torch_dtype="bfloat16",
-        ).to_dict()
+        config = llama_config("llama-3.1-8b").to_dict()
         config["architectures"] = ["LlamaForCausalLM"]
         return config
     # Kimi-K2.5's text model at full width (tests/support/vllm_helpers.py KIMI_K25), 4 layers and
@@ -299,19 +305,9 @@ def rehearsal_config(kind: str) -> dict:
         moe_intermediate_size=2048,
         n_routed_experts=384 if int4 else 64,
         num_experts_per_tok=8,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=512,
         q_lora_rank=1536,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        n_group=1,
-        topk_group=1,
-        topk_method="noaux_tc",
-        scoring_func="sigmoid",
         max_position_embeddings=4096,
-        torch_dtype="bfloat16",
+        **DEEPSEEK,
     ).to_dict()
     text["model_type"] = "kimi_k2"
     if int4:

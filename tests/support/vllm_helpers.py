@@ -1,17 +1,18 @@
 """Shared by the vLLM preflight tests: target configs, target folders and the REAL facts of the
 installed vLLM (.venv-vllm), gathered once per test session for all configs in one subprocess
-(eyrie.preflight.vllm_checks caches them per process)."""
+(eyrie.preflight.vllm_env caches them per process)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from eyrie.preflight import vllm_checks as vllm_preflight
+from eyrie.preflight.vllm_env import facts_for
 from eyrie.vllm.facts import VllmFacts
 from tests.support import REPO
 
@@ -46,6 +47,17 @@ def vllm_env(version: str) -> Path:
         )
         (pytest.fail if os.environ.get("EYRIE_REQUIRE_VLLM") else pytest.skip)(reason)
     return python
+
+
+def need_cuda(python: Path | str) -> None:
+    """Skip unless `python` (a vLLM environment's) sees a CUDA device."""
+    cuda = subprocess.run(
+        [str(python), "-c", "import torch; print(torch.cuda.is_available())"],
+        capture_output=True,
+        text=True,
+    )
+    if cuda.stdout.strip() != "True":
+        pytest.skip(f"{python} sees no CUDA device")
 
 
 LLAMA = {
@@ -160,7 +172,7 @@ REAL_CONFIGS = {
 def real_facts(python: Path = VLLM_PYTHON) -> dict[str, VllmFacts]:
     """An installed vLLM's facts for every REAL_CONFIGS entry (one subprocess per session and
     environment)."""
-    got = vllm_preflight.facts_for(python, list(REAL_CONFIGS.values()))
+    got = facts_for(python, list(REAL_CONFIGS.values()))
     return {name: VllmFacts.from_json(g) for name, g in zip(REAL_CONFIGS, got)}
 
 

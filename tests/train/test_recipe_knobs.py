@@ -14,13 +14,10 @@ import torch
 from eyrie.config.sections import TrainSettings, auto_learning_rate
 from eyrie.core.errors import EyrieError
 from eyrie.train.checkpoint import run_id
-from eyrie.train.recipe import add_hidden_noise, lr_factor, train
-from tests.support.train_helpers import HIDDEN, build_world, train_paths, train_settings
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("world"))
+from eyrie.train.model import lr_factor
+from eyrie.train.recipe import train
+from eyrie.train.step import add_hidden_noise
+from tests.support.train_helpers import HIDDEN, train_paths, train_settings
 
 
 def test_loss_is_a_name_or_a_weighted_sum_in_canonical_json():

@@ -13,67 +13,28 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from eyrie.cli import build_parser
 from eyrie.cli import main as cli_main
 from eyrie.core.errors import EyrieError
 from eyrie.train.launch import Dist, Workers, launch_command, rdzv_port
-from eyrie.train.recipe import TrainPaths, train
+from eyrie.train.recipe import train
 from eyrie.train.train import worker_args
-from tests.support.train_helpers import build_world, train_paths, train_settings
-
-# DDP runs: 4 packs per step, so each of the 2 ranks accumulates 2 packs (no_sync on the first).
-DDP = dict(epochs=4, packs_per_step=4, checkpoint_every=2, log_every=4)
-# 2 ranks x 2 packs against 1 process x 4 packs: the gradient sum is associated as (g0+g1)+(g2+g3)
-# instead of ((g0+g1)+g2)+g3, a few float32 ulps that Adam carries on (docs/training.md); with one
-# pack per rank the weights are bitwise equal. The tolerance leaves about 10x headroom.
-RTOL, ATOL = 2e-5, 3e-6
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("world"))
-
-
-def eyrie_train(
-    world: dict, root: Path, settings: dict, *extra: str, threads: int = 2
-) -> list[str]:
-    """`python -m eyrie train ...`; --threads is the node's (under torchrun: 1 per rank)."""
-    return [
-        sys.executable,
-        "-m",
-        "eyrie",
-        "--threads",
-        str(threads),
-        "train",
-        "--target",
-        str(world["target"]),
-        "--preflight",
-        str(world["preflight"]),
-        "--vocab",
-        str(world["vocab"]),
-        "--shards",
-        *map(str, world["shards"]),
-        "--out-dir",
-        str(root / "train"),
-        "--state-dir",
-        str(root / "state"),
-        "--settings",
-        json.dumps(settings),
-        *extra,
-    ]
-
-
-def run_eyrie(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240)
+from tests.support.train_helpers import (
+    DDP,
+    RTOL,
+    assert_weights,
+    eyrie_train,
+    run_eyrie,
+    train_paths,
+    train_settings,
+    weights,
+)
 
 
 def start_and_kill(cmd: list[str], root: Path, at_step: int) -> str:
@@ -100,21 +61,8 @@ def start_and_kill(cmd: list[str], root: Path, at_step: int) -> str:
     return log
 
 
-def weights(root: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(root / "train" / "draft" / "model.safetensors"))
-
-
 def metrics(root: Path) -> list[dict]:
     return [json.loads(ln) for ln in (root / "train" / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_weights(a: dict, b: dict, exact: bool) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if exact:
-            assert torch.equal(a[k], b[k]), k
-        else:
-            torch.testing.assert_close(a[k], b[k], rtol=RTOL, atol=ATOL, msg=k)
 
 
 @pytest.fixture(scope="module")
@@ -226,17 +174,7 @@ def test_packs_per_step_is_checked_against_world_size(world, tmp_path, monkeypat
     with pytest.raises(
         EyrieError, match=r"packs_per_step is 6 but the run has 4 processes .*e\.g\. 8"
     ):
-        train(
-            TrainPaths(
-                world["target"],
-                world["preflight"],
-                world["vocab"],
-                world["shards"],
-                tmp_path / "t",
-                tmp_path / "s",
-            ),
-            train_settings(packs_per_step=6),
-        )
+        train(train_paths(world, tmp_path), train_settings(packs_per_step=6))
 
 
 # ---------------------------------------------------------------- one process killed

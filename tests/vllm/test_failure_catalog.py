@@ -29,11 +29,12 @@ from eyrie.core import errors as pf_errors
 from eyrie.core.errors import EvaluateError, ExportError, TargetError, VocabError
 from eyrie.data.vocab import build_vocab
 from eyrie.demo.tokenizer import build_chat_tokenizer
-from eyrie.evaluate.vllm_eval import check_draft_config
+from eyrie.evaluate.vllm_check import check_draft_config
 from eyrie.export.export import export
 from eyrie.preflight import checks as pf_checks
 from eyrie.preflight import preflight as pf
-from eyrie.preflight.vllm_checks import VllmTarget, facts_for, vllm_checks
+from eyrie.preflight.vllm_checks import VllmTarget, vllm_checks
+from eyrie.preflight.vllm_env import facts_for
 from eyrie.vllm.adapters import engine_environment, llama_4_scaling
 from eyrie.vllm.facts import VllmFacts, inspect_classes
 from tests.support.train_helpers import train_settings
@@ -89,7 +90,7 @@ CATALOG = {
 # entries whose test lives in another file: entry -> (file, test)
 ELSEWHERE = {
     "quantization_package_missing": (
-        "test_vllm_quantization.py",
+        "vllm/test_vllm_quantization.py",
         "test_vllm_environment_without_humming_is_a_problem_with_the_fix",
     ),
 }
@@ -155,6 +156,12 @@ def run_checks(
     settings = vllm_settings(**vllm)
     settings["eval"]["vllm"] = eval_vllm
     return vllm_checks(VllmTarget(folder, info, aux, final), settings, facts=facts)
+
+
+def kimi_checks(tmp_path: Path, facts, config: dict = KIMI_K25, **vllm) -> dict:
+    """run_checks on Kimi-K2.5 (or `config`) with its published weights' size and the installed
+    vLLM's facts of Kimi."""
+    return run_checks(tmp_path, config, facts["kimi"], weights_gib=KIMI_INT4_GIB, **vllm)
 
 
 def one(problems: list[str], pattern: str) -> str:
@@ -438,14 +445,7 @@ def test_multimodal_wrapper(facts, tmp_path):
 def test_deepseek_native_final_layer(facts, tmp_path):
     # vLLM 0.22 captures DeepSeek states BEFORE each layer: id N (the training targets) never comes
     assert facts["kimi"].native_ids == facts["deepseek"].native_ids == "1..N-1"
-    got = run_checks(
-        tmp_path / "native",
-        KIMI_K25,
-        facts["kimi"],
-        weights_gib=KIMI_INT4_GIB,
-        extraction_path="native",
-        **H200,
-    )
+    got = kimi_checks(tmp_path / "native", facts, extraction_path="native", **H200)
     problem = one(got["problems"], "never returned")
     assert problem == (
         "vllm.extraction_path=native: vLLM 0.22.0: the kimi_k2 model captures states "
@@ -453,7 +453,7 @@ def test_deepseek_native_final_layer(facts, tmp_path):
         "training targets need) is never returned; set vllm.extraction_path to "
         "capture or auto"
     )
-    got = run_checks(tmp_path / "auto", KIMI_K25, facts["kimi"], weights_gib=KIMI_INT4_GIB, **H200)
+    got = kimi_checks(tmp_path / "auto", facts, **H200)
     path = got["report"]["extraction_path"]
     assert got["problems"] == [] and path["chosen"] == "capture"
     assert "id 61" in path["native_refused"][0]
@@ -558,14 +558,7 @@ def test_disk_too_small(tmp_path):
 
 @need_vllm
 def test_tensor_parallel_heads(facts, tmp_path):
-    got = run_checks(
-        tmp_path,
-        KIMI_K25,
-        facts["kimi"],
-        weights_gib=KIMI_INT4_GIB,
-        tensor_parallel_size=6,
-        gpu_memory_gib=141,
-    )
+    got = kimi_checks(tmp_path, facts, tensor_parallel_size=6, gpu_memory_gib=141)
     problem = one(got["problems"], "does not divide")
     assert problem == (
         "vllm.tensor_parallel_size=6 does not divide config.json: "
@@ -575,14 +568,7 @@ def test_tensor_parallel_heads(facts, tmp_path):
 
 @need_vllm
 def test_weights_too_large(facts, tmp_path):
-    got = run_checks(
-        tmp_path,
-        KIMI_K25,
-        facts["kimi"],
-        weights_gib=KIMI_INT4_GIB,
-        tensor_parallel_size=8,
-        gpu_memory_gib=80,
-    )
+    got = kimi_checks(tmp_path, facts, tensor_parallel_size=8, gpu_memory_gib=80)
     problem = one(got["problems"], "weights need")
     assert "the weights need ~595.0 GiB (1 *.safetensors file(s)" in problem
     assert (
@@ -615,13 +601,7 @@ def test_moe_routing_config_missing(facts, tmp_path):
 @need_vllm
 def test_quantization_without_method(facts, tmp_path):
     text = {**KIMI_K25["text_config"], "quantization_config": {"format": "pack-quantized"}}
-    got = run_checks(
-        tmp_path,
-        {**KIMI_K25, "text_config": text},
-        facts["kimi"],
-        weights_gib=KIMI_INT4_GIB,
-        **H200,
-    )
+    got = kimi_checks(tmp_path, facts, {**KIMI_K25, "text_config": text}, **H200)
     problem = one(got["problems"], "quant_method")
     assert problem.startswith("config.json: text_config.quantization_config has no quant_method")
     assert "add the method the checkpoint was quantized with" in problem

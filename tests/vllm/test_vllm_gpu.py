@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO
+from tests.support.vllm_helpers import need_cuda
 
 VLLM_PYTHON = os.environ.get("EYRIE_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
 CHECK = str(REPO / "tests" / "support" / "vllm_gpu_check.py")
@@ -31,13 +32,7 @@ def step(*args: str, timeout: int = 600) -> str:
 
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
-    cuda = subprocess.run(
-        [VLLM_PYTHON, "-c", "import torch; print(torch.cuda.is_available())"],
-        capture_output=True,
-        text=True,
-    )
-    if cuda.stdout.strip() != "True":
-        pytest.skip(f"{VLLM_PYTHON} sees no CUDA device")
+    need_cuda(VLLM_PYTHON)
     root = tmp_path_factory.mktemp("vllm_gpu")
     step("build", str(root))
     for kind in ("llama", "deepseek_v3", "kimi_k25"):

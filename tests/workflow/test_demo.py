@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -11,11 +10,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eyrie.core.errors import EyrieError
-from eyrie.demo import conversations as conv_mod
-from eyrie.demo import target as target_mod
 from eyrie.demo.conversations import clean_summary, write_conversations
 from eyrie.demo.corpus import read_conversations
 from eyrie.demo.target import train_target
+from tests.support.stages import options, run_stage
 
 TINY = {
     "seed": 0,
@@ -33,33 +31,18 @@ TINY = {
 }
 
 
-def _cli(module, argv: list[str]):
-    parser = argparse.ArgumentParser()
-    module.add_arguments(parser)
-    return module.run(parser.parse_args(argv))
-
-
 @pytest.fixture(scope="module")
 def conversations_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("demo") / "conversations.jsonl"
-    _cli(conv_mod, ["--out", str(path), "--settings", json.dumps({"demo": TINY})])
+    run_stage("demo-conversations", *options(out=path, settings={"demo": TINY}))
     return path
 
 
 @pytest.fixture(scope="module")
 def tiny_target(conversations_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("target") / "target"
-    _cli(
-        target_mod,
-        [
-            "--conversations",
-            str(conversations_file),
-            "--out-dir",
-            str(out),
-            "--settings",
-            json.dumps({"demo": TINY}),
-        ],
-    )
+    argv = options(conversations=conversations_file, out_dir=out, settings={"demo": TINY})
+    run_stage("demo-target", *argv)
     return out
 
 

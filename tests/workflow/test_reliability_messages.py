@@ -27,11 +27,10 @@ from eyrie.config.schema import (
 from eyrie.core.errors import ConfigError, DataError
 from eyrie.core.failures import failure_lines
 from eyrie.data.chat import load_chat_tokenizer
-from tests.support import REPO
+from tests.support import REPO, stages
+from tests.support.workflow import TINY, run_snakemake
 
-SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
-TINY = yaml.safe_load((REPO / ".test" / "config.yaml").read_text())
-SETTINGS = json.dumps({"demo": {"seed": 7, "num_conversations": 60}})
+SETTINGS = json.dumps(stages.DEMO)
 NO_TOKENIZER = (
     "no tokenizer files (looked for tokenizer.json, *.model, vocab.json, vocab.txt, *.tiktoken); "
     "copy the model's tokenizer files into this folder, or set target.path to the folder that "
@@ -46,8 +45,7 @@ SNAKEMAKE_PREAMBLE = (
 
 def snakemake(workdir: Path, config: dict, *args: str) -> subprocess.CompletedProcess:
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
-    cmd = [*SNAKEMAKE, "-d", str(workdir), "--configfile", str(workdir / "config.yaml"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return run_snakemake(workdir, *args, timeout=300)
 
 
 def model_without_tokenizer(folder: Path) -> Path:
@@ -421,9 +419,10 @@ def test_a_cut_or_fake_gzip_input_is_one_line_naming_the_file(tmp_path):
 def test_records_all_cut_by_max_seq_len_offer_raising_it(tmp_path):
     from types import SimpleNamespace
 
+    from eyrie.data.collect import Tally
     from eyrie.data.inputs import RawRecord
     from eyrie.data.records import RecordError
-    from eyrie.data.tokenize import Tally, _require_enough
+    from eyrie.data.tokenize import _require_enough
 
     tally = Tally(records_read=10)
     for i in range(10):

@@ -10,8 +10,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,8 +25,9 @@ from eyrie.store.fingerprint import file_digest, track_target
 from eyrie.store.store import Store
 from eyrie.train.recipe import train
 from tests.support import REPO
+from tests.support.stages import demo_conversations
 from tests.support.train_helpers import build_world, train_paths, train_settings, write_shard
-from tests.workflow.test_workflow import job_table, planned, snakemake, write_config
+from tests.support.workflow import job_table, planned, run_snakemake, snakemake, write_config
 
 TARGET_RULES = {  # what replaced weights rerun: everything that reads them, not tokenization
     "preflight": 1,
@@ -48,32 +47,12 @@ def _same_mtime_copy(src_bytes: bytes, dest: Path) -> None:
     os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def run_snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    """The workflow on `workdir`'s config.yaml, failing or not (the tests read its output)."""
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir)]
-    cmd += ["--configfile", str(workdir / "config.yaml"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True)
-
-
 @pytest.fixture(scope="module")
 def user_run(tmp_path_factory):
     """The tiny workflow, run to completion against a user target (the demo target copied into
     "my target/", a path with a space)."""
     work = tmp_path_factory.mktemp("user")
-    convs = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eyrie.cli",
-            "demo-conversations",
-            "--out",
-            str(work / "convs.jsonl"),
-            "--settings",
-            json.dumps({"demo": {"seed": 7, "num_conversations": 60}}),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    convs = demo_conversations(work / "convs.jsonl")
     assert convs.returncode == 0, convs.stderr
     write_config(work)
     snakemake(work, "results/tiny/target/model.safetensors")

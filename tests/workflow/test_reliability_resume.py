@@ -14,14 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyrie.train.recipe import train
-from tests.support.train_helpers import build_world, train_paths, train_settings
+from tests.support.train_helpers import assert_weights, train_paths, train_settings, weights
 
 SETTINGS = train_settings(epochs=2, checkpoint_every=4)  # 27 steps; checkpoints every 4
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("world"))
 
 
 def run_train(world, root, **kw):
@@ -57,11 +52,7 @@ def copy_of(stopped, tmp_path):
 
 
 def assert_same_as_full(full, root) -> None:
-    wa = load_file(str(full / "train" / "draft" / "model.safetensors"))
-    wb = load_file(str(root / "train" / "draft" / "model.safetensors"))
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
+    assert_weights(weights(full), weights(root), exact=True)
 
     def losses(r):
         return [json.loads(ln)["loss"] for ln in (r / "train" / "metrics.jsonl").open()]
@@ -71,6 +62,12 @@ def assert_same_as_full(full, root) -> None:
 
 def lines(caplog, word: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith(word)]
+
+
+def one_line(caplog, word: str, pattern: str) -> None:
+    """Exactly one logged line starts with `word`, and it is all of `pattern`."""
+    (line,) = lines(caplog, word)
+    assert re.fullmatch(pattern, line), line
 
 
 def cut_weights(ckpt):
@@ -120,12 +117,12 @@ def test_a_bad_newest_checkpoint_is_skipped_for_the_older_one(
     why = corrupt(run / "step_00000008")
     with caplog.at_level("INFO", logger="eyrie.train"):
         summary = run_train(world, root)
-    (skipped,) = lines(caplog, "skipped checkpoint")
-    assert re.fullmatch(
+    one_line(
+        caplog,
+        "skipped checkpoint",
         rf"skipped checkpoint {re.escape(str(run))}/step_00000008 \({why}\); "
         rf"resuming from {re.escape(str(run))}/step_00000004",
-        skipped,
-    ), skipped
+    )
     assert lines(caplog, "resumed from") == [
         f"resumed from {run}/step_00000004 (step 4, epoch 0, step 4 of the epoch)"
     ]
@@ -166,12 +163,12 @@ def test_no_checkpoint_verifies_trains_from_step_0_and_keeps_them_until_one_is_s
         summary = run_train(world, root)
     assert summary["resumed_from_step"] == 0 and not lines(caplog, "resumed from")
     # step 4's bad folder is replaced by the new step 4; step 8's goes once step 4 is saved
-    (removed,) = lines(caplog, "removed checkpoint")
-    assert re.fullmatch(
+    one_line(
+        caplog,
+        "removed checkpoint",
         rf"removed checkpoint {re.escape(str(run))}/step_00000008 \({why8}\): "
         rf"{re.escape(str(run))}/step_00000004 is saved",
-        removed,
-    ), removed
+    )
     assert_same_as_full(full, root)
 
 
@@ -222,7 +219,7 @@ def test_under_two_processes_every_rank_resumes_from_the_checkpoint_rank_0_verif
     its newest checkpoint cut, resumed by two: rank 0 verifies, skips step 4 and broadcasts
     step 2, both ranks load it, and the run ends with the weights of an uninterrupted one
     (up to DDP's float32 sum order, docs/training.md)."""
-    from tests.train.test_train_ddp import DDP, assert_weights, eyrie_train, run_eyrie, weights
+    from tests.support.train_helpers import DDP, eyrie_train, run_eyrie
 
     settings = train_settings(**DDP)  # checkpoints every 2 steps
 

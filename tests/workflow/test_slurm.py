@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO
-from tests.workflow.test_workflow import job_table, write_config
+from tests.support.stages import demo_conversations
+from tests.support.workflow import job_table, write_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -53,6 +54,11 @@ def cluster():
         pytest.skip(problem)
 
 
+def profile_cmd(work: Path) -> list[str]:
+    """`python -m snakemake --profile slurm-gpu` (polling fast) on `work`."""
+    return [sys.executable, "-m", "snakemake", "--profile", "slurm-gpu", *POLL, "-d", str(work)]
+
+
 def snakemake(
     work: Path,
     *args: str,
@@ -61,21 +67,9 @@ def snakemake(
     snakefile: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """The literal profile lookup: run from the repository root with `--profile slurm-gpu`."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "snakemake",
-        "--profile",
-        "slurm-gpu",
-        *POLL,
-        "-d",
-        str(work),
-        *args,
-    ]
     # last: --configfile takes every word after it
-    cmd += (
-        ["--configfile", str(work / "config.yaml")] if snakefile is None else ["-s", str(snakefile)]
-    )
+    last = ["--configfile", str(work / "config.yaml")] if snakefile is None else ["-s", snakefile]
+    cmd = [*profile_cmd(work), *args, *map(str, last)]
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         logs = "\n".join(
@@ -113,21 +107,7 @@ def visible_gpus(log: Path) -> list[str] | None:
 def built(tmp_path_factory):
     work = tmp_path_factory.mktemp("slurm")
     write_config(work, train__packs_per_step=2)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eyrie.cli",
-            "demo-conversations",
-            "--out",
-            str(work / "convs.jsonl"),
-            "--settings",
-            '{"demo": {"seed": 7, "num_conversations": 60}}',
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    demo_conversations(work / "convs.jsonl", check=True, timeout=120)
     t0 = time.monotonic()
     proc = snakemake(work)
     return {"work": work, "proc": proc, "seconds": time.monotonic() - t0}
@@ -213,21 +193,7 @@ def test_shards_killed_mid_write_leave_nothing_that_looks_complete(built, tmp_pa
     hidden = work / "results/tiny/hidden"
     engine_log = work / "logs/tiny/extract_engine/engine_000.log"
     shards = [f"results/tiny/hidden/shard_{i:03d}.h5" for i in range(4)]
-    cmd = [
-        sys.executable,
-        "-m",
-        "snakemake",
-        "--profile",
-        "slurm-gpu",
-        *POLL,
-        "-d",
-        str(work),
-        "--retries",
-        "0",
-        *shards,
-        "--configfile",
-        str(work / "config.yaml"),
-    ]
+    cmd = [*profile_cmd(work), "--retries", "0", *shards, "--configfile", str(work / "config.yaml")]
     run = subprocess.Popen(
         cmd,
         cwd=REPO,

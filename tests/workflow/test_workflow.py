@@ -12,57 +12,22 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.support import REPO
+from tests.support.stages import demo_conversations
+from tests.support.workflow import job_table, planned, run_snakemake, snakemake, write_config
 
-SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
-
-# The tiny config (.test/config.yaml); its data.conversations, convs.jsonl, is written by `built`.
-TINY = yaml.safe_load((REPO / ".test" / "config.yaml").read_text())
+# What a changed training setting reruns, and every change upstream of training after its own jobs.
+FROM_TRAINING = {"train_draft": 1, "export_draft": 1, "evaluate_draft": 1, "all": 1}
 
 
-def write_config(workdir: Path, **overrides) -> Path:
-    cfg = json.loads(json.dumps(TINY))
-    for dotted, value in overrides.items():
-        section, key = dotted.split("__")
-        cfg.setdefault(section, {})[key] = value
-    path = workdir / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def snakemake(workdir: Path, *args: str, timeout: int = 600, python: Path | None = None) -> str:
-    cmd = [
-        str(python or sys.executable),
-        *SNAKEMAKE[1:],
-        "-d",
-        str(workdir),
-        "--configfile",
-        str(workdir / "config.yaml"),
-        "--cores",
-        "2",
-        *args,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in workdir.glob("logs/**/*.log"))
-        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{out[-6000:]}\n{logs}")
-    return out
-
-
-def job_table(out: str) -> dict[str, int]:
-    """Rule -> job count from Snakemake's "Job stats" table ({} when nothing is to be done)."""
-    if "Nothing to be done" in out:
-        return {}
-    table = out.split("Job stats:", 1)[1].split("total", 1)[0]
-    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", table, re.M)}
-
-
-def planned(workdir: Path, *targets: str) -> dict[str, int]:
-    """Rule -> job count that a dry run plans ({} when nothing is to be done)."""
-    return job_table(snakemake(workdir, "-n", *targets))
+def planned_with(workdir: Path, **overrides) -> dict[str, int]:
+    """What a dry run plans with `overrides` in the config (write_config's); the config is put
+    back afterwards."""
+    write_config(workdir, **overrides)
+    try:
+        return planned(workdir)
+    finally:
+        write_config(workdir)
 
 
 def engine_log(workdir: Path, group: str = "000") -> str:
@@ -78,20 +43,7 @@ def built(tmp_path_factory):
     """A tiny workflow run to completion once; tests below dry-run against it."""
     work = tmp_path_factory.mktemp("wf")
     write_config(work)
-    convs = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eyrie.cli",
-            "demo-conversations",
-            "--out",
-            str(work / "convs.jsonl"),
-            "--settings",
-            json.dumps({"demo": {"seed": 7, "num_conversations": 60}}),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    convs = demo_conversations(work / "convs.jsonl")
     assert convs.returncode == 0, convs.stderr
     # Before anything is built: asking for one shard plans only what that shard needs.
     one = planned(work, "results/tiny/hidden/shard_001.h5")
@@ -141,16 +93,7 @@ def test_second_run_plans_nothing(built):
 
 @pytest.mark.slow
 def test_training_setting_reruns_only_train_export_evaluate(built):
-    write_config(built, train__learning_rate=1e-3)
-    try:
-        assert planned(built) == {
-            "train_draft": 1,
-            "export_draft": 1,
-            "evaluate_draft": 1,
-            "all": 1,
-        }
-    finally:
-        write_config(built)
+    assert planned_with(built, train__learning_rate=1e-3) == FROM_TRAINING
 
 
 def dag_styles(workdir: Path) -> dict[str, set[str]]:
@@ -173,63 +116,35 @@ def test_dag_draws_built_jobs_dashed(built):
         styles = dag_styles(built)
     finally:
         write_config(built)
-    assert {r for r, s in styles.items() if s == {"solid"}} == {
-        "train_draft",
-        "export_draft",
-        "evaluate_draft",
-        "all",
-    }
+    assert {r for r, s in styles.items() if s == {"solid"}} == set(FROM_TRAINING)
     # everything upstream stays dashed (the graph holds only the jobs the targets need)
     assert styles["tokenize_conversations"] == styles["preflight"] == {"dashed"}
 
 
 @pytest.mark.slow
 def test_eval_setting_reruns_only_evaluation(built):
-    write_config(built, eval__max_new_tokens=12)
-    try:
-        assert planned(built) == {"evaluate_draft": 1, "all": 1}
-    finally:
-        write_config(built)
+    assert planned_with(built, eval__max_new_tokens=12) == {"evaluate_draft": 1, "all": 1}
 
 
 @pytest.mark.slow
 def test_vllm_evaluation_and_environment_rerun_no_extraction(built):
     """Asking for the vLLM evaluation, or pointing at another vLLM environment or GPU size, reruns
     neither preflight nor what depends on it: only the new evaluation is planned."""
-    write_config(
+    jobs = planned_with(
         built, eval__vllm=True, vllm__gpu_memory_gib=40, vllm__python="/opt/vllm/bin/python"
     )
-    try:
-        jobs = planned(built)
-    finally:
-        write_config(built)
     assert jobs == {"evaluate_vllm": 1, "all": 1}
 
 
 @pytest.mark.slow
 def test_extract_setting_reruns_extraction_not_preflight(built):
-    write_config(built, extract__max_tokens_per_batch=256)
-    try:
-        jobs = planned(built)
-    finally:
-        write_config(built)
-    assert jobs == {
-        "extract_engine": 1,
-        "extract_hidden_states": 4,
-        "train_draft": 1,
-        "export_draft": 1,
-        "evaluate_draft": 1,
-        "all": 1,
-    }
+    jobs = planned_with(built, extract__max_tokens_per_batch=256)
+    assert jobs == {"extract_engine": 1, "extract_hidden_states": 4, **FROM_TRAINING}
 
 
 @pytest.mark.slow
 def test_aux_ids_rerun_extraction_not_tokenization(built):
-    write_config(built, layers__aux_ids=[1, 3])
-    try:
-        jobs = planned(built)
-    finally:
-        write_config(built)
+    jobs = planned_with(built, layers__aux_ids=[1, 3])
     assert (
         jobs["extract_hidden_states"] == 4
         and jobs["extract_engine"] == 1
@@ -261,10 +176,7 @@ def test_edited_conversations_rerun_everything_downstream(built):
         "preflight": 1,
         "extract_engine": 1,
         "extract_hidden_states": 4,
-        "train_draft": 1,
-        "export_draft": 1,
-        "evaluate_draft": 1,
-        "all": 1,
+        **FROM_TRAINING,
     }
 
 
@@ -280,8 +192,7 @@ def test_a_misspelt_input_after_a_finished_run_is_one_line(built, tmp_path, over
     """Snakemake runs no job whose outputs exist: a path that does not exist would pass as
     "Nothing to be done". Every input path is checked at each parse instead."""
     config = write_config(tmp_path, **override)
-    cmd = [*SNAKEMAKE, "-d", str(built), "--configfile", str(config), "-n"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = run_snakemake(built, "-n", configfiles=(config,), timeout=300)
     missing = next(iter(override.values()))
     missing = missing[-1] if isinstance(missing, list) else missing
     assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
@@ -311,11 +222,7 @@ def test_deleted_shard_rebuilds_alone_with_its_engine(built):
 def test_scheduling_settings_rerun_nothing(built, override):
     """engine_wait_s and group_size change no shard's content (they are not in params); a larger
     group_size that keeps every shard in its group changes no input path either."""
-    write_config(built, **override)
-    try:
-        assert planned(built) == {}
-    finally:
-        write_config(built)
+    assert planned_with(built, **override) == {}
 
 
 @pytest.mark.slow
@@ -328,14 +235,7 @@ def test_group_size_reruns_the_shards_that_change_group(built):
         jobs = planned(built)
     finally:
         write_config(built)
-    assert jobs == {
-        "extract_engine": 1,
-        "extract_hidden_states": 2,
-        "train_draft": 1,
-        "export_draft": 1,
-        "evaluate_draft": 1,
-        "all": 1,
-    }
+    assert jobs == {"extract_engine": 1, "extract_hidden_states": 2, **FROM_TRAINING}
     changed = re.findall(r"^results/tiny/hidden/(shard_\d+)\.h5$", out, re.M)
     assert sorted(changed) == ["shard_002", "shard_003"]
 
@@ -354,10 +254,7 @@ def test_ten_thousand_shards_plan_in_a_dry_run(tmp_path):
         "preflight": 1,
         "extract_engine": 625,
         "extract_hidden_states": 10_000,
-        "train_draft": 1,
-        "export_draft": 1,
-        "evaluate_draft": 1,
-        "all": 1,
+        **FROM_TRAINING,
     }
 
 
