@@ -156,7 +156,7 @@ class Eagle3Proposer:
         if impl not in ("sdpa", "eager"):
             raise ValueError(
                 f"draft attention {impl!r}: the proposer passes dense causal masks; "
-                "load the draft with eyrie.evaluate.evaluate.load_draft (sdpa)"
+                "load the draft with eyrie.evaluate.inputs.load_draft (sdpa)"
             )
         self.draft = draft.eval()
 

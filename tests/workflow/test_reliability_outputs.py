@@ -282,7 +282,7 @@ def test_reliability_docs_name_real_tests_and_count_their_rows():
     """docs/reliability.md: every test it names exists, and its figure counts its rows."""
     text = (REPO / "docs" / "reliability.md").read_text()
     rows = [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith("| case")]
-    named = re.findall(r"`(tests/\w+\.py)::(\w+)`", text)
+    named = re.findall(r"`(tests/(?:\w+/)*\w+\.py)::(\w+)`", text)
     assert rows and named
     for path, name in named:
         assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), f"{path}::{name}"
