@@ -3,6 +3,8 @@ functions included:
 
 - an entry module (a stage of eyrie/cli.py's STAGES, or a module run by `python -m`) is imported
   by no eyrie module: entries are leaves, only the dispatcher reaches them, by name;
+- the library folders (LIBRARY: core, config, arch, formats, store, vllm) import no stage folder:
+  the imports between folders point one way, from the stages down;
 - no module that runs in the vLLM environment (VLLM_ENV: eyrie.vllm, the stages the rules run
   with vllm.python, the modules vLLM loads by name) reaches eyrie.train code;
 - the shard client (`eyrie extract`) and the extraction engine start without torch, numpy, h5py,
@@ -242,6 +244,28 @@ def test_entry_modules_are_imported_by_no_eyrie_module():
         if edge.target in entries and edge.source not in DISPATCHERS and edge.target != edge.source
     ]
     fail_if(bad, "entry modules are leaves: move what these imports need into a library module:")
+
+
+LIBRARY = ("core", "config", "arch", "formats", "store", "vllm")
+STAGE_FOLDERS = ("data", "demo", "preflight", "extract", "train", "export", "evaluate")
+
+
+def test_library_folders_import_no_stage_folder():
+    def folder(module: str) -> str:
+        return module.split(".")[1] if module.count(".") >= 1 else ""
+
+    assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        *LIBRARY,
+        *STAGE_FOLDERS,
+    }
+    bad = [
+        str(edge)
+        for edge in IMPORTS
+        if folder(edge.source) in LIBRARY
+        and edge.target.startswith("eyrie.")
+        and folder(edge.target) in STAGE_FOLDERS
+    ]
+    fail_if(bad, "library folders import stage folders (move the shared code down):")
 
 
 # stages the rules run with vllm.python (rules/*.smk), and what runs inside vLLM's processes: the
