@@ -1,23 +1,34 @@
 """The capture path's last leg on the host, side by side in one run: request files in /dev/shm
 (written by eyrie.extract.requestfile, as the capture worker writes them) into an HDF5 shard on
-local disk, by the extractor's writer threads (batches.Writers), three ways:
+local disk, by the extractor's writer threads (batches.Writers), each row timed until its
+writers are done ("write") and through the shard's close (validation, the fsync before its
+rename, the rename and the folder's fsync: "close"):
 
-  (a) the disk's raw write rate for the same bytes (pwrite threads from one buffer);
+  (a) the disk's raw write rate for the same bytes (pwrite threads from one buffer; its close
+      is the fsync), without and with write-back started as each piece is written;
   (b) "mapped": each call's files mapped and written as one batch by one writer
       (put_stored from the mapping; what the H200's round 4 ran);
   (c) "sendfile": each call's files cut into WRITERS batches, the kernel copying the rows
       (FileBatch, ShardWriter.put_from_file; what the backend does now).
 
-No GPU and no vLLM: this is the part of the capture path the H200's round 4 found limiting.
+(b) and (c) run three ways each: every page left to the fsync at close (as before the
+write-back), write-back started as each range is written and never waited for, and as
+ShardWriter does now (write-back started, a writer thread waiting past WRITEBACK_AHEAD bytes).
+Rows run in turn, `--repeats` times; the table gives each row's best total, and the median and
+range of its totals. No GPU and no vLLM: this is the part of the capture path the H200's round 4
+found limiting.
 
     python benchmarks/capture_writes.py [--gib 0.8] [--shape kimi4|llama8b] [--storage bfloat16]
+        [--repeats 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -64,16 +75,36 @@ def mapped(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def run(kind: str, root: Path, lengths: list[int], n_aux: int, H: int, storage: str) -> float:
-    """Seconds to write every prompt's files into a new shard, `kind` mapped | sendfile."""
+# (c)'s ways: write-back on, and the bytes a writer thread may have under way before it waits
+WRITEBACK = {"fsync at close only": (False, None), "write-back, no wait": (True, None)}
+
+
+@contextlib.contextmanager
+def writeback(on: bool, ahead: int | None):
+    """ShardWriter with write-back on or off (off: as before it had any) and WRITEBACK_AHEAD."""
+    from eyrie.formats import hidden_writer
+
+    saved = hidden_writer.start_writeback, hidden_writer.WRITEBACK_AHEAD
+    if not on:
+        hidden_writer.start_writeback = lambda fd, at, nbytes: False
+    hidden_writer.WRITEBACK_AHEAD = ahead
+    try:
+        yield
+    finally:
+        hidden_writer.start_writeback, hidden_writer.WRITEBACK_AHEAD = saved
+
+
+def run(
+    kind: str, root: Path, paths: list[Path], lengths: list[int], n_aux: int, H: int, storage: str
+) -> tuple[float, float]:
+    """Seconds to write every prompt's files into a new shard (until the writers are done) and
+    to close it, `kind` mapped | sendfile."""
     from eyrie.extract.batches import WRITERS, FileBatch, StagedBatch, Writers
     from eyrie.extract.requestfile import BAD, TOKEN_IDS, RequestFile
     from eyrie.extract.vllm_backend import _CloseWithLast, _parts
     from eyrie.formats.hidden import ShardMeta
     from eyrie.formats.hidden_writer import ShardWriter
 
-    scratch = Path(tempfile.mkdtemp(dir="/dev/shm"))
-    paths = make_files(scratch, lengths, n_aux, H, storage)
     calls, call, n = [], [], 0
     for j, T in enumerate(lengths):
         if call and n + T > CALL_TOKENS:
@@ -115,12 +146,10 @@ def run(kind: str, root: Path, lengths: list[int], n_aux: int, H: int, storage: 
                         )
                     )
             writers.join()
-            seconds = time.perf_counter() - t0  # the shard's fsync and rename on exit not timed
-    for p in paths:
-        p.unlink()
-    scratch.rmdir()
+            written = time.perf_counter() - t0
+    closed = time.perf_counter() - t0
     shard.unlink()
-    return seconds
+    return written, closed - written
 
 
 def main() -> None:
@@ -145,22 +174,41 @@ def main() -> None:
     nbytes = total * per_token
     from extraction_vllm import raw_writes  # (d) of the GPU benchmark: the same pwrite threads
 
-    cached = min(raw_writes(root / "raw", nbytes)[0] for _ in range(args.repeats))
-    rows = {"disk (raw pwrite)": cached}
-    for kind in ("mapped", "sendfile"):
-        rows[kind] = min(
-            run(kind, root, lengths, n_aux, H, args.storage) for _ in range(args.repeats)
-        )
+    from eyrie.formats.hidden_writer import WRITEBACK_AHEAD
+
+    now = (True, WRITEBACK_AHEAD)
+    ways = {**WRITEBACK, f"write-back, wait past {WRITEBACK_AHEAD >> 20} MiB (now)": now}
+    times: dict[str, list[tuple[float, float]]] = {}
+    scratch = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        paths = make_files(scratch, lengths, n_aux, H, args.storage)
+        for _ in range(args.repeats):  # rows in turn: the machine's other load falls on each
+            for name, on in (("", False), (", write-back", True)):
+                cached, synced = raw_writes(root / "raw", nbytes, writeback=on)
+                times.setdefault(f"disk (raw pwrite){name}", []).append((cached, synced - cached))
+            for kind in ("mapped", "sendfile"):
+                for way, setting in ways.items():
+                    with writeback(*setting):
+                        times.setdefault(f"{kind}, {way}", []).append(
+                            run(kind, root, paths, lengths, n_aux, H, args.storage)
+                        )
+    finally:
+        shutil.rmtree(scratch)
     root.rmdir()
     print(
         f"{args.shape}, {args.storage}: {len(lengths)} prompts, {total:,} tokens, "
-        f"{nbytes / 2**30:.2f} GiB, {os.cpu_count()} cores"
+        f"{nbytes / 2**30:.2f} GiB, {os.cpu_count()} cores, best of {args.repeats}"
     )
-    print("| row | seconds | GB/s | tokens/s | of disk |")
-    print("|---|---|---|---|---|")
-    disk = rows["disk (raw pwrite)"]
-    for name, s in rows.items():
-        print(f"| {name} | {s:.2f} | {nbytes / s / 1e9:.2f} | {total / s:,.0f} | {disk / s:.2f} |")
+    print("| row | write s | close s | total s | GB/s | tokens/s | of disk | median s | range s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    disk = min(w + c for name, ts in times.items() if name.startswith("disk") for w, c in ts)
+    for name, ts in times.items():
+        w, c = min(ts, key=sum)
+        s, totals = w + c, [sum(t) for t in ts]
+        print(
+            f"| {name} | {w:.2f} | {c:.2f} | {s:.2f} | {nbytes / s / 1e9:.2f} | {total / s:,.0f} "
+            f"| {disk / s:.2f} | {np.median(totals):.2f} | {min(totals):.2f}–{max(totals):.2f} |"
+        )
 
 
 if __name__ == "__main__":

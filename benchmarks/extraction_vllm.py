@@ -248,11 +248,16 @@ def child_eyrie(root: Path, shape: str, path: str, storages: list[str], passes: 
     return out
 
 
-def raw_writes(path: Path, nbytes: int, threads: int = 4) -> tuple[float, float]:
+def raw_writes(
+    path: Path, nbytes: int, threads: int = 4, writeback: bool = False
+) -> tuple[float, float]:
     """(d): `nbytes` into one preallocated file by `threads` pwrite threads, 64 MiB pieces:
     (seconds into the page cache, seconds until fsync returns: on the disk, as a shard is
-    before its rename)."""
+    before its rename). `writeback`: each piece's write-back started once written, as
+    ShardWriter does."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from eyrie.formats.pagecache import start_writeback
 
     piece = 64 << 20
     buf = np.random.default_rng(0).integers(0, 255, piece, dtype=np.uint8)
@@ -265,6 +270,8 @@ def raw_writes(path: Path, nbytes: int, threads: int = 4) -> tuple[float, float]
             done = 0
             while done < len(view):
                 done += os.pwrite(fd, view[done:], at + done)
+            if writeback:
+                start_writeback(fd, at, len(view))
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:

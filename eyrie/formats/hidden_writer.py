@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,6 +21,11 @@ from eyrie.core.errors import ShardError
 from eyrie.core.io import remove_stale_temporaries, sync_path
 from eyrie.formats.codecs import HIDDEN, SCALES, STORAGE, non_finite_dataset, stored_arrays
 from eyrie.formats.hidden import FORMAT, SCHEMA_VERSION, ShardMeta, validate_shard
+from eyrie.formats.pagecache import start_writeback, wait_writeback
+
+# Bytes a writer thread has written whose write-back may still be under way; past this it waits
+# for its oldest ranges' write-back to finish (None: never waits). docs/shard-format.md ("Writing").
+WRITEBACK_AHEAD: int | None = 256 << 20
 
 
 def non_finite_sample(path: Path, i: int, name: str, storage_dtype: str) -> str:
@@ -165,6 +171,7 @@ class ShardWriter:
                 done = 0
                 while done < len(buf):
                     done += os.pwrite(self.fd, buf[done:], at + a * row + done)
+                self._written(self.fd, at + a * row, len(buf))
         self.written[i] = True
 
     def put_from_file(self, i: int, sources: dict[str, tuple[int, int, int]]) -> None:
@@ -195,7 +202,24 @@ class ShardWriter:
                 if sent == 0:
                     raise ShardError(f"{self.path}: sample {i}: {name}: its source ended early")
                 done += sent
+            self._written(out, self.raw[name] + a * row, nbytes)
         self.written[i] = True
+
+    def _written(self, fd: int, at: int, nbytes: int) -> None:
+        """Start the write-back of bytes at:at+nbytes, just written, so that the fsync before
+        the rename has little left; past WRITEBACK_AHEAD bytes of this thread's, wait for its
+        oldest ranges. Durability stays the fsync's (no-op where unavailable)."""
+        if not start_writeback(fd, at, nbytes) or WRITEBACK_AHEAD is None:
+            return
+        local = self._local
+        if not hasattr(local, "pending"):
+            local.pending, local.ahead = deque(), 0
+        local.pending.append((fd, at, nbytes))
+        local.ahead += nbytes
+        while local.ahead > WRITEBACK_AHEAD:
+            old = local.pending.popleft()
+            wait_writeback(*old)
+            local.ahead -= old[2]
 
     def _thread_fd(self) -> int:
         """This thread's own descriptor of the file (sendfile writes at a descriptor's position)."""

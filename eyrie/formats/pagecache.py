@@ -1,12 +1,15 @@
-"""Private file maps through libc: `map_private` maps a byte range of an open file
-copy-on-write and, when its first page is not in the page cache, asks the kernel for the whole
-range at once. `_LIBC` is None where this is unavailable (no MAP_NORESERVE, no libc mmap): the
-reader then copies with pread instead. docs/shard-format.md ("Reading") says why.
+"""The page cache through libc. `map_private` maps a byte range of an open file copy-on-write
+and, when its first page is not in the page cache, asks the kernel for the whole range at once.
+`_LIBC` is None where this is unavailable (no MAP_NORESERVE, no libc mmap): the reader then
+copies with pread instead. `start_writeback` and `wait_writeback` (Linux sync_file_range) let
+a writer have its pages written to disk while it writes, not all at its fsync.
+docs/shard-format.md ("Reading", "Writing") says why.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import platform
@@ -39,6 +42,56 @@ def _libc_mmap():
 
 
 _LIBC = _libc_mmap() if MAP_NORESERVE is not None else None
+
+# sync_file_range(2) flags (linux/fs.h)
+SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE = 1, 2
+
+
+def _libc_sync_file_range():
+    if platform.system() != "Linux":
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return call
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+
+
+# what a file that cannot do write-back on request answers (a pipe, some filesystems, an old
+# kernel): left to the kernel and the fsync
+UNSUPPORTED = {errno.ESPIPE, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def _sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> bool:
+    """sync_file_range(2); False where it is unavailable or the file refuses it (UNSUPPORTED).
+    A failed write (EIO, ENOSPC) raises: a wait that saw it marks it seen, so a later fsync
+    through another descriptor would not report it."""
+    if _SYNC_FILE_RANGE is None or nbytes <= 0:
+        return False
+    while _SYNC_FILE_RANGE(fd, offset, nbytes, flags) != 0:
+        err = ctypes.get_errno()
+        if err in UNSUPPORTED:
+            return False
+        if err != errno.EINTR:
+            raise OSError(err, f"write-back of {nbytes} bytes at {offset}: {os.strerror(err)}")
+    return True
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
+    """Have the kernel start writing the dirty pages of bytes offset:offset+nbytes of the file
+    open as `fd` to its disk, without waiting for them. Not durability: that is still the
+    fsync's. False where this is unavailable (the call is then a no-op)."""
+    return _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
+
+
+def wait_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Wait until the write-back started on bytes offset:offset+nbytes has finished (the disk's
+    own cache is still the fsync's to flush)."""
+    _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WAIT_BEFORE)
 
 
 class _Map:

@@ -101,7 +101,13 @@ def test_capture_writes_benchmark_tiny(tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [ln.split("|")[1].strip() for ln in run.stdout.splitlines() if ln.startswith("| ")]
-    assert rows == ["row", "disk (raw pwrite)", "mapped", "sendfile"], run.stdout
+    ways = ["fsync at close only", "write-back, no wait", "write-back, wait past 256 MiB (now)"]
+    assert rows == [
+        "row",
+        "disk (raw pwrite)",
+        "disk (raw pwrite), write-back",
+        *(f"{kind}, {way}" for kind in ("mapped", "sendfile") for way in ways),
+    ], run.stdout
     assert list((tmp_path / "work").iterdir()) == []
 
 

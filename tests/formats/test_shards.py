@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import gc
 import json
 import os
@@ -15,8 +17,9 @@ import torch
 
 from eyrie.core.errors import ShardError
 from eyrie.formats import hidden as shards
+from eyrie.formats import hidden_writer
 from eyrie.formats import pagecache as shards_pagecache
-from eyrie.formats.codecs import bytes_per_token, quantize_e4m3
+from eyrie.formats.codecs import bytes_per_token, quantize_e4m3, stored_arrays
 from eyrie.formats.hidden import (
     CHECKED_FIELDS,
     ShardMeta,
@@ -335,6 +338,182 @@ def test_writer_layout_is_contiguous_and_read_by_offset(tmp_path, storage):
             assert ds.chunks is None and ds.compression is None and ds.id.get_offset() is not None
     with ShardReader(path) as r:  # hidden states mapped, the small datasets read by pread
         assert r.access == {n: "mmap" if n.endswith("hidden") else "pread" for n in r.access}
+
+
+def write_from_files(path, tmp_path, storage, values):
+    """Write the shard of `values` {i: (aux, final)} by put_from_file: each sample's stored
+    bytes lie in a source file of their own, after a few bytes of something else."""
+    sids, ids, masks = tokens()
+    fds = []
+    try:
+        with ShardWriter(path, meta(storage), sids, ids, masks) as w:
+            for i in (2, 0, 1):
+                src = tmp_path / f"src{i}"
+                with open(src, "wb") as f:
+                    f.write(b"head")
+                    sources = {}
+                    for name, x in stored_arrays(*values[i], storage).items():
+                        sources[name] = (f.tell(), x.nbytes)
+                        f.write(x.tobytes())
+                fds.append(os.open(src, os.O_RDONLY))
+                w.put_from_file(i, {n: (fds[-1], at, nb) for n, (at, nb) in sources.items()})
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def hidden_values(storage, rng) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    return {
+        i: (
+            torch.from_numpy(rng.standard_normal((T, N_AUX * H))).to(torch.bfloat16),
+            torch.from_numpy(rng.standard_normal((T, H))).to(torch.bfloat16),
+        )
+        for i, T in enumerate(LENGTHS)
+    }
+
+
+def assert_reads(path, values, storage):
+    """The shard at `path` is complete and holds the stored bytes of `values`, scales too."""
+    ShardReader(path).close()
+    with h5py.File(path, "r") as f:
+        for i, (aux, final) in values.items():
+            a, b = f["offsets"][i], f["offsets"][i + 1]
+            for name, x in stored_arrays(aux, final, storage).items():
+                assert f[name][a:b].tobytes() == x.tobytes(), (i, name)
+
+
+@pytest.fixture
+def writeback_calls(monkeypatch):
+    """Every write-back the writer starts and waits for: [(start|wait, fd, offset, bytes)]."""
+    calls = []
+
+    def recorded(kind, real):
+        def call(fd, at, nbytes):
+            calls.append((kind, fd, at, nbytes))
+            return real(fd, at, nbytes)
+
+        return call
+
+    monkeypatch.setattr(
+        hidden_writer, "start_writeback", recorded("start", hidden_writer.start_writeback)
+    )
+    monkeypatch.setattr(
+        hidden_writer, "wait_writeback", recorded("wait", hidden_writer.wait_writeback)
+    )
+    return calls
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3"])
+@pytest.mark.parametrize("how", ["put", "put_from_file"])
+def test_writeback_is_started_for_every_byte_of_the_hidden_datasets(
+    tmp_path, writeback_calls, storage, how
+):
+    """Each range put_stored or put_from_file writes has its write-back started at once, and
+    together those ranges are exactly the bytes of the hidden datasets (and scales)."""
+    path = tmp_path / "s.h5"
+    values = hidden_values(storage, np.random.default_rng(3))
+    if how == "put":
+        write(path, storage, values=dict(values))
+    else:
+        write_from_files(path, tmp_path, storage, values)
+    assert_reads(path, values, storage)
+    started = sorted((at, at + n) for kind, _, at, n in writeback_calls if kind == "start")
+    with h5py.File(path, "r") as f:
+        names = [n for n in ("aux_hidden", "final_hidden", "aux_scale", "final_scale") if n in f]
+        datasets = sorted(
+            (f[n].id.get_offset(), f[n].id.get_offset() + f[n].id.get_storage_size()) for n in names
+        )
+    covered, end = [], None
+    for a, b in started:  # merge the touching ranges; none may overlap another
+        assert end is None or a >= end, (a, end)
+        if covered and a == covered[-1][1]:
+            covered[-1] = (covered[-1][0], b)
+        else:
+            covered.append((a, b))
+        end = b
+    merged = []
+    for a, b in datasets:
+        if merged and a == merged[-1][1]:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    assert covered == merged
+
+
+def test_writeback_waits_for_the_oldest_ranges_past_its_bound(
+    tmp_path, writeback_calls, monkeypatch
+):
+    """With WRITEBACK_AHEAD 0 every range is waited for right after its write-back starts, on
+    the range and descriptor it was started on; the shard is the same."""
+    monkeypatch.setattr(hidden_writer, "WRITEBACK_AHEAD", 0)
+    values = write(tmp_path / "s.h5")
+    assert_reads(tmp_path / "s.h5", values, "bfloat16")
+    kinds = [c[0] for c in writeback_calls]
+    assert kinds == ["start", "wait"] * (len(kinds) // 2) and kinds
+    assert writeback_calls[0::2] == [("start", *c[1:]) for c in writeback_calls[1::2]]
+
+
+def failing_sync_file_range(err):
+    def call(fd, offset, nbytes, flags):
+        ctypes.set_errno(err)
+        return -1
+
+    return call
+
+
+@pytest.mark.parametrize("err", [errno.ESPIPE, errno.EINVAL, errno.ENOSYS, None])
+def test_writeback_refused_or_unavailable_changes_nothing(tmp_path, monkeypatch, err):
+    """A filesystem that refuses write-back on request (or no sync_file_range at all): the
+    shard is written, fsynced and renamed as without it."""
+    call = None if err is None else failing_sync_file_range(err)
+    monkeypatch.setattr(shards_pagecache, "_SYNC_FILE_RANGE", call)
+    monkeypatch.setattr(hidden_writer, "WRITEBACK_AHEAD", 0)  # the waits too
+    path = tmp_path / "s.h5"
+    values = write(path)
+    assert_reads(path, values, "bfloat16")
+    assert leftovers(tmp_path) == ["s.h5"]
+    values = hidden_values("bfloat16", np.random.default_rng(4))
+    write_from_files(path, tmp_path, "bfloat16", values)
+    assert_reads(path, values, "bfloat16")
+
+
+def test_a_failed_writeback_fails_the_shard(tmp_path, monkeypatch):
+    """A write error seen by the write-back (EIO) is raised, not ignored (a wait that saw it
+    would hide it from the fsync): nothing appears at the shard's path."""
+    monkeypatch.setattr(shards_pagecache, "_SYNC_FILE_RANGE", failing_sync_file_range(errno.EIO))
+    with pytest.raises(OSError, match="write-back of"):
+        write(tmp_path / "s.h5")
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.skipif(shards_pagecache._SYNC_FILE_RANGE is None, reason="no sync_file_range")
+def test_writeback_through_libc(tmp_path):
+    """The real call: started and waited for on a file, refused (ESPIPE) on a pipe."""
+    with open(tmp_path / "f", "wb") as f:
+        f.write(b"x" * 8192)
+        f.flush()
+        assert shards_pagecache.start_writeback(f.fileno(), 0, 8192)
+        shards_pagecache.wait_writeback(f.fileno(), 0, 8192)
+    r, w = os.pipe()
+    try:
+        assert not shards_pagecache.start_writeback(w, 0, 1)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_the_shard_is_fsynced_before_its_rename_and_its_folder_after(tmp_path, monkeypatch):
+    """Write-back during the write leaves the close as it was: the fsync before the rename."""
+    path = tmp_path / "s.h5"
+    calls, real = [], os.fsync
+
+    def fsync(fd):
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), path.exists()))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    write(path)
+    assert calls == [(str(tmp_path / f".s.h5.tmp-{os.getpid()}"), False), (str(tmp_path), True)]
 
 
 @pytest.fixture
