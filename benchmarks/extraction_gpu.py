@@ -157,7 +157,7 @@ def eyrie_extract(
 ) -> float:
     """(b): eyrie's Extractor.extract on the in-memory model (its load skipped, nothing else)."""
     from eyrie.arch.target import inspect_target, resolve_layer_ids
-    from eyrie.extract.extractor import Extractor, parse_settings
+    from eyrie.extract.extractor import Extractor, ExtractSettings
     from eyrie.extract.hf import HFBackend
 
     folder = out.parent / "target"
@@ -174,7 +174,7 @@ def eyrie_extract(
         "trust_remote_code": False,
     }
     ex = Extractor.__new__(Extractor)
-    ex.target, ex.settings, ex.cfg = folder, settings, parse_settings(settings)
+    ex.target, ex.settings, ex.cfg = folder, settings, ExtractSettings.from_settings(settings)
     ex.info = inspect_target(folder)
     ex.aux_ids, ex.final_id = resolve_layer_ids(aux_ids, ex.info.num_hidden_layers)
     ex.tokenizer_hash, ex.load_s = "benchmark", 0.0

@@ -209,7 +209,7 @@ def child_eyrie(root: Path, shape: str, path: str, storages: list[str], passes: 
     """(b)/(c) in this process: one engine, every storage dtype; delivered and end to end."""
     import torch
 
-    from eyrie.extract.extractor import Extractor, parse_settings
+    from eyrie.extract.extractor import Extractor, ExtractSettings
     from eyrie.formats.codecs import transfer_dtype
     from eyrie.formats.tokenized import read_tokenized
 
@@ -220,7 +220,7 @@ def child_eyrie(root: Path, shape: str, path: str, storages: list[str], passes: 
     tokenized = read_tokenized(root / f"{shape}.parquet", ex.info.vocab_size)
     out = {"ready_s": ready, "path": ex.backend.path, "storage": {}}
     for storage in storages:
-        ex.cfg = ex.backend.cfg = parse_settings(settings(path, aux, storage))
+        ex.cfg = ex.backend.cfg = ExtractSettings.from_settings(settings(path, aux, storage))
         dtype = transfer_dtype(storage, ex.cfg.dtype)
         delivered = end_to_end = float("inf")
         shard = root / f"{shape}-{path}.h5"

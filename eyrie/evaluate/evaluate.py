@@ -19,10 +19,10 @@ from eyrie.core.io import keep_last_good, provenance, write_json
 from eyrie.evaluate.inputs import (
     UNTRAINED_SEED,
     EvalPaths,
+    EvalSettings,
     build_proposers,
     check_inputs,
     load_target,
-    parse_settings,
 )
 from eyrie.evaluate.plot import plot
 from eyrie.evaluate.specdec import (
@@ -128,7 +128,7 @@ def decode_prompts(decoder: Decoder, prompts: list, where) -> int:
 
 def evaluate(paths: EvalPaths, settings: dict) -> dict:
     """Run the evaluation and write eval.json and eval.png; returns the report."""
-    cfg = parse_settings(settings)
+    cfg = EvalSettings.from_settings(settings)
     inputs = check_inputs(paths, cfg)
     model, eos_id = load_target(paths.target, cfg.device, cfg.dtype)
     proposers = build_proposers(paths.target, inputs, cfg.device, cfg.dtype)

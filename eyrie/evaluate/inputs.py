@@ -1,9 +1,9 @@
 """The evaluate stage's inputs, checked before any model is loaded, and its models.
 
-The settings (`parse_settings`), the preflight report, the vocabulary map, the prompts and the
-exported draft are each checked against the target (`check_inputs`: one error naming the file
-and the fix); then the target is loaded (eyrie.arch.loader) and the trained draft and an
-untrained baseline of its shape become EAGLE-3 proposers (`build_proposers`).
+The settings (`EvalSettings.from_settings`), the preflight report, the vocabulary map, the
+prompts and the exported draft are each checked against the target (`check_inputs`: one error
+naming the file and the fix); then the target is loaded (eyrie.arch.loader) and the trained draft
+and an untrained baseline of its shape become EAGLE-3 proposers (`build_proposers`).
 """
 
 from __future__ import annotations
@@ -37,16 +37,16 @@ class EvalSettings:
     device: str  # resolved: cpu | cuda
     dtype: str  # resolved: float32 | bfloat16 | float16, the target's and the draft's
 
-
-def parse_settings(settings: dict) -> EvalSettings:
-    """The eval settings, checked by the schema (every problem at once, each naming its key), with
-    the device resolved."""
-    ev = load_settings(settings, ["eval"], EvaluateError)["eval"]
-    device = auto_device("eval.device", ev["device"], EvaluateError)
-    dtype = auto_dtype(ev["dtype"], device)
-    return EvalSettings(
-        ev["num_speculative_tokens"], ev["max_new_tokens"], ev["num_prompts"], device, dtype
-    )
+    @classmethod
+    def from_settings(cls, settings: dict) -> EvalSettings:
+        """The eval settings, checked by the schema (every problem at once, each naming its
+        key), with the device resolved."""
+        ev = load_settings(settings, ["eval"], EvaluateError)["eval"]
+        device = auto_device("eval.device", ev["device"], EvaluateError)
+        dtype = auto_dtype(ev["dtype"], device)
+        return cls(
+            ev["num_speculative_tokens"], ev["max_new_tokens"], ev["num_prompts"], device, dtype
+        )
 
 
 def read_preflight(path: str | Path, fingerprint: str, num_layers: int) -> list[int]:

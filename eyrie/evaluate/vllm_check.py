@@ -37,19 +37,19 @@ class VllmEvalSettings:
         """vllm.rehearsal: the target with random weights (docs/rehearsal.md)."""
         return self.vllm.rehearsal
 
+    @classmethod
+    def from_settings(
+        cls, settings: dict, gpu_memory_utilization: float | None = None
+    ) -> VllmEvalSettings:
+        """The eval and vllm settings, checked by the schema (every problem at once, each naming its
+        key); `gpu_memory_utilization` (the CLI flag) replaces vllm.gpu_memory_utilization."""
+        loaded, vllm = load_with_vllm(settings, ["eval"], EvaluateError, gpu_memory_utilization)
+        ev = loaded["eval"]
+        return cls(ev["num_speculative_tokens"], ev["max_new_tokens"], ev["num_prompts"], vllm)
+
 
 def _posint(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def parse_settings(settings: dict, gpu_memory_utilization: float | None = None) -> VllmEvalSettings:
-    """The eval and vllm settings, checked by the schema (every problem at once, each naming its
-    key); `gpu_memory_utilization` (the CLI flag) replaces vllm.gpu_memory_utilization."""
-    loaded, vllm = load_with_vllm(settings, ["eval"], EvaluateError, gpu_memory_utilization)
-    ev = loaded["eval"]
-    return VllmEvalSettings(
-        ev["num_speculative_tokens"], ev["max_new_tokens"], ev["num_prompts"], vllm
-    )
 
 
 def read_draft_config(draft_dir: Path) -> dict:
@@ -278,7 +278,7 @@ def plan_evaluation(
     paths: VllmEvalPaths, settings: dict, gpu_memory_utilization: float | None
 ) -> VllmPlan:
     """Every check that needs no GPU, in the order a user fixes them."""
-    cfg = parse_settings(settings, gpu_memory_utilization)
+    cfg = VllmEvalSettings.from_settings(settings, gpu_memory_utilization)
     try:
         info = inspect_target(paths.target)
     except TargetError as exc:

@@ -55,6 +55,39 @@ class ExtractSettings:
     # the config's vllm section (the vllm backend's; None: --settings has none)
     vllm: VllmSettings | None = None
 
+    @classmethod
+    def from_settings(cls, settings: dict) -> ExtractSettings:
+        """The stage's settings, checked by the schema (every problem at once, each naming its key),
+        with the autos resolved."""
+        import torch
+
+        # the vllm backend reads the config's vllm section: with it, --settings must carry one
+        ext, problems = settings.get("extract"), []
+        if isinstance(ext, dict) and ext.get("backend") == "vllm" and not settings.get("vllm"):
+            problems.append(
+                "extract.backend=vllm but --settings has no vllm section; pass the config's "
+                "vllm section"
+            )
+        if is_rehearsal(settings) and isinstance(ext, dict) and ext.get("backend") != "vllm":
+            problems.append(
+                f"vllm.rehearsal: true but extract.backend is {ext.get('backend')!r}: only the "
+                "vllm backend builds the target with random weights; set extract.backend: vllm"
+            )
+        loaded = load_settings(settings, ["extract", "layers"], ExtractError, problems)
+        ext, vllm = loaded["extract"], loaded.get("vllm")
+        device = auto_device("extract.device", ext["device"], ExtractError)
+        dtype = auto_dtype(ext["dtype"], device)
+        return cls(
+            backend=ext["backend"],
+            device=device,
+            dtype=getattr(torch, dtype),
+            storage_dtype=ext["storage_dtype"],
+            max_tokens_per_batch=ext["max_tokens_per_batch"],
+            aux_ids=loaded["layers"]["aux_ids"],
+            trust_remote_code=loaded["trust_remote_code"],
+            vllm=VllmSettings.from_section(vllm, ExtractError) if vllm else None,
+        )
+
 
 class Backend(Protocol):
     """What a backend provides. The constructor is the (one) model load: `Backend(target: Path,
@@ -67,39 +100,6 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release the model (GPU memory, worker processes)."""
-
-
-def parse_settings(settings: dict) -> ExtractSettings:
-    """The stage's settings, checked by the schema (every problem at once, each naming its key),
-    with the autos resolved."""
-    import torch
-
-    # the vllm backend reads the config's vllm section: with it, --settings must carry one
-    ext, problems = settings.get("extract"), []
-    if isinstance(ext, dict) and ext.get("backend") == "vllm" and not settings.get("vllm"):
-        problems.append(
-            "extract.backend=vllm but --settings has no vllm section; pass the config's "
-            "vllm section"
-        )
-    if is_rehearsal(settings) and isinstance(ext, dict) and ext.get("backend") != "vllm":
-        problems.append(
-            f"vllm.rehearsal: true but extract.backend is {ext.get('backend')!r}: only the vllm "
-            "backend builds the target with random weights; set extract.backend: vllm"
-        )
-    loaded = load_settings(settings, ["extract", "layers"], ExtractError, problems)
-    ext, vllm = loaded["extract"], loaded.get("vllm")
-    device = auto_device("extract.device", ext["device"], ExtractError)
-    dtype = auto_dtype(ext["dtype"], device)
-    return ExtractSettings(
-        backend=ext["backend"],
-        device=device,
-        dtype=getattr(torch, dtype),
-        storage_dtype=ext["storage_dtype"],
-        max_tokens_per_batch=ext["max_tokens_per_batch"],
-        aux_ids=loaded["layers"]["aux_ids"],
-        trust_remote_code=loaded["trust_remote_code"],
-        vllm=VllmSettings.from_section(vllm, ExtractError) if vllm else None,
-    )
 
 
 def backend_class(name: str) -> type:
@@ -125,7 +125,7 @@ class Extractor:
 
     def __init__(self, target: str | Path, preflight: str | Path, settings: dict):
         self.target, self.settings = Path(target), settings
-        self.cfg = parse_settings(settings)
+        self.cfg = ExtractSettings.from_settings(settings)
         self.info = inspect_target(target)
         from eyrie.formats.report import read_report
 
@@ -272,7 +272,7 @@ def extract_shard(
     """Extract `shard` into `out` with a model load of its own (standalone `eyrie extract`).
 
     The settings and the shard are checked before the load, so a bad shard fails in seconds."""
-    parse_settings(settings)
+    ExtractSettings.from_settings(settings)
     tokenized = read_tokenized(shard, inspect_target(target).vocab_size)
     with Extractor(target, preflight, settings) as extractor:
         return extractor.extract(shard, out, tokenized=tokenized)

@@ -186,7 +186,7 @@ def test_vllm_extraction_benchmark_inputs_are_what_the_extractor_reads(tmp_path,
 
     from eyrie.arch.target import inspect_target
     from eyrie.core.rehearsal import is_rehearsal
-    from eyrie.extract.extractor import parse_settings
+    from eyrie.extract.extractor import ExtractSettings
     from eyrie.formats.report import read_report
     from eyrie.formats.tokenized import read_tokenized
 
@@ -204,7 +204,7 @@ def test_vllm_extraction_benchmark_inputs_are_what_the_extractor_reads(tmp_path,
     for path in ("native", "capture"):
         settings = bench.settings(path, made["aux"], "float8_e4m3")
         assert is_rehearsal(settings)
-        assert parse_settings(settings).storage_dtype == "float8_e4m3"
+        assert ExtractSettings.from_settings(settings).storage_dtype == "float8_e4m3"
 
 
 def test_long_record_benchmark_small():

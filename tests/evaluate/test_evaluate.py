@@ -329,7 +329,7 @@ def test_mt_bench_questions_as_the_eval_set(case, tmp_path):
 
 def test_bad_settings_listed_together():
     with pytest.raises(ev_errors.EvaluateError, match="eval.device.*eval.num_speculative_tokens"):
-        ev.parse_settings(
+        ev.EvalSettings.from_settings(
             {
                 "eval": {
                     "num_speculative_tokens": 0,

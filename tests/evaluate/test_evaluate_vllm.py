@@ -251,7 +251,7 @@ def test_settings_every_problem_at_once():
         vllm__gpu_memory_utilization=1.5,
     )
     with pytest.raises(EvaluateError) as err:
-        vllm_check.parse_settings(bad)
+        vllm_check.VllmEvalSettings.from_settings(bad)
     msg = str(err.value)
     for key in (
         "eval.num_speculative_tokens: 0 is less than the minimum of 1",
@@ -263,13 +263,13 @@ def test_settings_every_problem_at_once():
     ):
         assert key in msg
     with pytest.raises(EvaluateError, match="eval: missing.*vllm: missing"):
-        vllm_check.parse_settings({})
+        vllm_check.VllmEvalSettings.from_settings({})
     # the workflow passes gpu_memory_utilization as a flag (it changes no result)
     with pytest.raises(
         EvaluateError, match="--gpu-memory-utilization: 0 is less than or equal to the min"
     ):
-        vllm_check.parse_settings(settings(), gpu_memory_utilization=0)
-    cfg = vllm_check.parse_settings(
+        vllm_check.VllmEvalSettings.from_settings(settings(), gpu_memory_utilization=0)
+    cfg = vllm_check.VllmEvalSettings.from_settings(
         {"eval": settings()["eval"], "vllm": {}}, gpu_memory_utilization=0.6
     )
     assert (cfg.K, cfg.max_new_tokens, cfg.num_prompts) == (K, MAX_NEW, NUM_PROMPTS)

@@ -19,7 +19,7 @@ from eyrie.config.schema import validate_config
 from eyrie.core.errors import EyrieError
 from eyrie.extract import hf as extract_stage_hf
 from eyrie.extract.batches import plan_batches
-from eyrie.extract.extractor import Extractor, backend_class, extract_shard, parse_settings
+from eyrie.extract.extractor import Extractor, ExtractSettings, backend_class, extract_shard
 from eyrie.extract.hf import HFBackend
 from eyrie.formats.hidden import ShardReader
 from eyrie.formats.tokenized import read_tokenized
@@ -231,23 +231,23 @@ def test_one_extractor_loads_the_target_once_for_many_shards(tmp_path, monkeypat
 
 def test_backend_registry_and_vllm_settings_pass_through():
     s = settings(64)
-    assert parse_settings(s).vllm is None and backend_class("hf") is HFBackend
+    assert ExtractSettings.from_settings(s).vllm is None and backend_class("hf") is HFBackend
     s["extract"]["backend"] = "vllm"
     with pytest.raises(EyrieError, match="extract.backend=vllm but --settings has no vllm section"):
-        parse_settings(s)
+        ExtractSettings.from_settings(s)
     # the vllm section reaches the backend as the config has it (schema defaults filled)
     s["vllm"] = {"tensor_parallel_size": 2}
-    cfg = parse_settings(s)
+    cfg = ExtractSettings.from_settings(s)
     defaults = validate_config({"target": {"name": "t"}})["vllm"]
     assert cfg.backend == "vllm"
     assert dataclasses.asdict(cfg.vllm) == {**defaults, "tensor_parallel_size": 2}
     s["vllm"]["anything"] = ["kept"]
     with pytest.raises(EyrieError, match="vllm.anything: unknown key"):
-        parse_settings(s)
+        ExtractSettings.from_settings(s)
     s["extract"]["backend"] = "tpu"
     s["vllm"] = 3
     with pytest.raises(EyrieError) as err:
-        parse_settings(s)
+        ExtractSettings.from_settings(s)
     assert "extract.backend: 'tpu' is not one of ['hf', 'vllm']" in str(err.value)
     assert "vllm: 3 is not of type 'object'" in str(err.value)
 

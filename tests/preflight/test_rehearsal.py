@@ -293,7 +293,7 @@ def test_vllm_evaluation_of_a_rehearsal(world, rehearsed, tmp_path, monkeypatch,
 
 def test_real_vllm_evaluation_requests_are_unchanged(world, tmp_path):
     """Without the switch the engine has no load_format and the draft no load config."""
-    cfg = ev.parse_settings(vllm_eval_settings(False))
+    cfg = ev.VllmEvalSettings.from_settings(vllm_eval_settings(False))
     assert cfg.rehearsal is False
     paths = ev.VllmEvalPaths(world["target"], tmp_path, world["eval_set"], None, tmp_path / "o")
     plan = ev.VllmPlan(paths, cfg, {}, {}, {"eos_token_id": 2}, [("a", [1, 2])], 16)
@@ -370,7 +370,7 @@ def test_extraction_marks_a_rehearsal_shard_and_keys_it_apart(world, tmp_path, m
 
 def test_hugging_face_extraction_refuses_the_switch():
     with pytest.raises(ExtractError) as err:
-        extractor_mod.parse_settings(extract_settings("hf", True))
+        extractor_mod.ExtractSettings.from_settings(extract_settings("hf", True))
     assert str(err.value) == (
         "invalid --settings: vllm.rehearsal: true but extract.backend is 'hf': only the vllm "
         "backend builds the target with random weights; set extract.backend: vllm"
