@@ -158,7 +158,11 @@ class VllmSettings:
     ) -> VllmSettings:
         """A `vllm` section (as the config or a stage's --settings has it, in part or whole)
         checked against the schema, its defaults filled; every problem at once in one `error`."""
-        section = load_settings({"vllm": section or {}}, ["vllm"], error)["vllm"]
+        return cls.of(load_settings({"vllm": section or {}}, ["vllm"], error)["vllm"])
+
+    @classmethod
+    def of(cls, section: dict) -> VllmSettings:
+        """The section as load_settings returns it: already checked, its defaults filled."""
         return cls(
             **{
                 f.name: float(section[f.name]) if f.type == "float" else section[f.name]
@@ -183,7 +187,7 @@ def load_with_vllm(
         "vllm.gpu_memory_utilization", gpu_memory_utilization, "--gpu-memory-utilization"
     )
     loaded = load_settings(settings, [*sections, "vllm"], error, problems)
-    vllm = VllmSettings.from_section(loaded["vllm"], error)
+    vllm = VllmSettings.of(loaded["vllm"])
     if gpu_memory_utilization is not None:
         vllm = dataclasses.replace(vllm, gpu_memory_utilization=float(gpu_memory_utilization))
     return loaded, vllm

@@ -23,10 +23,8 @@ from eyrie.data.regen_jobs import Generated, split_at_end
 from eyrie.data.regeneration import (
     CHUNK_RECORDS,
     RegenSettings,
-    ShardPaths,
-    StoredShard,
     add_shard_arguments,
-    regenerate_shard,
+    run_shard,
     target_context,
 )
 from eyrie.vllm.adapters import engine_environment
@@ -132,12 +130,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg, vllm = parse_settings(args.settings, args.gpu_memory_utilization)
     log.info("regenerate: provenance %s", json.dumps(provenance(args.settings), default=str))
-    paths = ShardPaths(args.inputs, args.shard, args.out)
-    stored = StoredShard.of(args.target, paths, args.settings)
-    if stored is not None and stored.restore(args.out):
-        return 0  # regenerated before from the same target, inputs and settings
-    backend = load_backend(args.target, cfg, vllm)
-    regenerate_shard(backend, paths, cfg)
-    if stored is not None:
-        stored.put(args.out)
-    return 0
+    return run_shard(args, cfg, lambda: load_backend(args.target, cfg, vllm))

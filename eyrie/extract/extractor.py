@@ -85,7 +85,7 @@ class ExtractSettings:
             max_tokens_per_batch=ext["max_tokens_per_batch"],
             aux_ids=loaded["layers"]["aux_ids"],
             trust_remote_code=loaded["trust_remote_code"],
-            vllm=VllmSettings.from_section(vllm, ExtractError) if vllm else None,
+            vllm=VllmSettings.of(vllm) if vllm else None,
         )
 
 

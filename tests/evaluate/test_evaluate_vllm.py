@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from eyrie import cli as cli
 from eyrie.arch.draft import DraftSpec, build_draft
@@ -31,6 +29,7 @@ from eyrie.evaluate import vllm_eval as ev
 from eyrie.evaluate.specdec import SpecStats
 from eyrie.export.export import export
 from tests.support import REPO
+from tests.support.models import random_model, random_vocab_map, save_target, tiny_llama
 from tests.support.train_helpers import train_settings, write_eval_set, write_preflight
 
 VLLM_PYTHON = Path(os.environ.get("EYRIE_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -79,44 +78,22 @@ def settings(**overrides) -> dict:
 def write_target(root: Path, tok) -> Path:
     """A tiny Llama (head_dim 32, as the demo's; weights large enough for clear argmax margins in
     bfloat16) saved with `tok`."""
-    config = LlamaConfig(
-        vocab_size=len(tok),
+    config = tiny_llama(
+        len(tok),
+        tok,
         hidden_size=64,
-        num_hidden_layers=4,
         num_attention_heads=2,
         num_key_value_heads=1,
         intermediate_size=128,
         max_position_embeddings=256,
         tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.3)
-    target = root / "target"
-    model.save_pretrained(target)
-    tok.save_pretrained(target)
-    return target
+    return save_target(root / "target", random_model(config, std=0.3), tok)
 
 
 def write_vocab(root: Path, tok) -> tuple[Path, torch.Tensor, torch.Tensor]:
     """A random vocabulary map of DRAFT_VOCAB entries that keeps eos: (file, d2t, t2d)."""
-    gen = torch.Generator().manual_seed(0)
-    kept = torch.sort(torch.randperm(len(tok), generator=gen)[:DRAFT_VOCAB]).values
-    if tok.eos_token_id not in kept:
-        kept[-1] = tok.eos_token_id
-    kept = torch.sort(kept).values
-    d2t = kept - torch.arange(DRAFT_VOCAB)
-    t2d = torch.zeros(len(tok), dtype=torch.bool)
-    t2d[kept] = True
-    vocab = root / "vocab.safetensors"
-    save_file({"d2t": d2t, "t2d": t2d}, str(vocab))
-    return vocab, d2t, t2d
+    return random_vocab_map(root / "vocab.safetensors", tok, DRAFT_VOCAB)
 
 
 def write_draft(root: Path, target: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
