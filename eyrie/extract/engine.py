@@ -5,7 +5,9 @@ The contract with Snakemake's service() jobs (docs/extraction.md):
 - the socket is bound first; the model loads on the first request (a group whose shards the
   output store restores loads nothing), and clients that connect during the load wait in the
   listen backlog;
-- requests run one at a time on the loaded model, in the main thread;
+- requests run one at a time on the loaded model, in the main thread; a shard's last writes,
+  fsync and rename run in a thread behind it (`Behind`), so the next shard computes meanwhile,
+  and its client hears once the shard is complete;
 - every failure reaches the client as a reply (a failed load is the reply to every client that
   connects), since Snakemake never checks a service's exit status;
 - the engine exits after `--idle-exit-s` without a connection (first answering any
@@ -25,9 +27,10 @@ import socket
 import threading
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from eyrie.core.errors import EngineError
 from eyrie.extract.protocol import READ_TIMEOUT_S, error_reply, read_line, send, sun_path
@@ -101,15 +104,58 @@ class _StopSignals:
 _stop = _StopSignals()
 
 
+# what a request handler returns: the reply, or a callable that makes it (run by Behind)
+Reply = dict | Callable[[], dict]
+
+
+class Behind:
+    """Shards finished one behind: `hand(finish, done)` runs `finish()` (a shard's last writes,
+    fsync and rename) in a thread of its own and gives `done` its result or its error, once the
+    shard handed before it has finished. At most one shard finishes while the caller computes
+    the next: the engine's GPU works while the last shard reaches the disk, and what waits for
+    the writers (buffers, request files) is held for two shards at most."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="eyrie-finish")
+        self.current: Future | None = None
+
+    def hand(self, finish: Callable[[], Any], done: Callable[[Any, Exception | None], None]):
+        self.wait()
+        self.current = self.pool.submit(self._run, finish, done)
+
+    def busy(self) -> bool:
+        return self.current is not None and not self.current.done()
+
+    def wait(self) -> None:
+        """Until the shard handed last has finished and its `done` has run."""
+        if self.current is not None:
+            self.current.result()
+
+    def close(self) -> None:
+        self.wait()
+        self.pool.shutdown()
+
+    @staticmethod
+    def _run(finish: Callable[[], Any], done: Callable[[Any, Exception | None], None]) -> None:
+        try:
+            result = finish()
+        except Exception as exc:  # the caller's error, for `done` to report
+            done(None, exc)
+        else:
+            done(result, None)
+
+
 class Engine:
     """A unix socket bound at construction (before any model load) and the loop that answers it,
-    one connection at a time."""
+    one connection at a time (a handler may return its reply as a callable, run `Behind`)."""
 
     def __init__(self, socket_path: str | Path, idle_exit_s: float = DEFAULT_IDLE_EXIT_S):
         self.path = Path(socket_path)
         self.idle_exit_s = idle_exit_s
-        self.busy = False  # a load or a request is in progress (for the exit status on a signal)
+        self._busy = False  # a load or a request is in progress (for the exit status on a signal)
+        self.behind = Behind()
         self.served = self.failed = 0
+        self._count = threading.Lock()
         if self.path.is_dir() and not self.path.is_symlink():
             raise EngineError(f"--socket {self.path}: is a folder; give a file path")
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,6 +169,11 @@ class Engine:
         self.sock.settimeout(POLL_S)
         self.inode = os.lstat(self.path).st_ino
         log.info("engine: listening on %s (pid %d)", self.path, os.getpid())
+
+    @property
+    def busy(self) -> bool:
+        """A load, a request or a shard's finish is in progress."""
+        return self._busy or self.behind.busy()
 
     def close(self) -> None:
         """Close the socket, leaving an empty placeholder file where it was."""
@@ -140,7 +191,7 @@ class Engine:
                 placeholder.touch()
                 os.replace(placeholder, self.path)
 
-    def _drain(self, handle: Callable[[dict], dict]) -> None:
+    def _drain(self, handle: Callable[[dict], Reply]) -> None:
         """Idle exit without dropping a client that connected at the last moment: once the
         placeholder has replaced the socket no new connection can arrive, so answering what is
         already queued in the backlog leaves no one to reset when the socket closes."""
@@ -150,19 +201,23 @@ class Engine:
             try:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError, socket.timeout):
+                self.behind.wait()
                 return
-            with conn:
-                log.info("engine: answering a client that connected as the engine went idle")
-                self._answer(conn, handle)
+            log.info("engine: answering a client that connected as the engine went idle")
+            self._answer(conn, handle)
 
-    def serve(self, handle: Callable[[dict], dict]) -> None:
-        """Answer connections one at a time with `handle(request) -> reply` until idle."""
+    def serve(self, handle: Callable[[dict], Reply]) -> None:
+        """Answer connections one at a time with `handle(request) -> reply` until idle (not
+        counted while a shard finishes)."""
         idle_since = time.monotonic()
         while True:
             try:
                 conn, _ = self.sock.accept()
             except socket.timeout:
                 _stop.check()  # swallowed somewhere on its way here
+                if self.behind.busy():
+                    idle_since = time.monotonic()
+                    continue
                 idle = time.monotonic() - idle_since
                 if idle >= self.idle_exit_s:
                     self._drain(handle)
@@ -176,18 +231,20 @@ class Engine:
                     )
                     return
                 continue
-            with conn:
-                self._answer(conn, handle)
+            self._answer(conn, handle)
             idle_since = time.monotonic()
 
-    def _answer(self, conn: socket.socket, handle: Callable[[dict], dict]) -> None:
+    def _answer(self, conn: socket.socket, handle: Callable[[dict], Reply]) -> None:
+        """Read one request, answer it and close the connection; a callable reply is run by
+        `Behind`, which answers and closes once it returns."""
         conn.settimeout(READ_TIMEOUT_S)
-        self.busy = True  # stays True if a signal unwinds the request (exit status 128 + signal)
+        self._busy = True  # stays True if a signal unwinds the request (exit status 128 + signal)
         try:
             line = read_line(conn)
             if not line:
                 log.info("engine: a client connected and closed without a request")
-                self.busy = False
+                conn.close()
+                self._busy = False
                 return
             request = json.loads(line)
             if not isinstance(request, dict):
@@ -195,17 +252,23 @@ class Engine:
             reply = handle(request)
         except Exception as exc:  # every failure goes to the client (and the log)
             _stop.check(exc)
-            log.error(
-                "engine: request failed: %s: %s\n%s",
-                type(exc).__name__,
-                exc,
-                traceback.format_exc(),
-            )
-            reply = error_reply(exc)
-        self.served += 1
-        self.failed += not reply.get("ok")
+            reply = _failed(exc)
+        except BaseException:
+            conn.close()
+            raise
+        if callable(reply):
+            self.behind.hand(reply, lambda got, exc: self._reply(conn, got or _failed(exc)))
+        else:
+            self._reply(conn, reply)
+        self._busy = False
+
+    def _reply(self, conn: socket.socket, reply: dict) -> None:
+        with self._count:
+            self.served += 1
+            self.failed += not reply.get("ok")
         try:
-            send(conn, reply)
+            with conn:
+                send(conn, reply)
         except OSError as exc:
             log.error(
                 "engine: could not reply (the client is gone): %s: %s\n%s",
@@ -213,11 +276,23 @@ class Engine:
                 exc,
                 traceback.format_exc(),
             )
-        self.busy = False
 
 
-def _extract_handler(extractor, settings: dict) -> Callable[[dict], dict]:
-    def handle(request: dict) -> dict:
+def _failed(exc: BaseException) -> dict:
+    """A failed request's reply, logged with its traceback."""
+    log.error(
+        "engine: request failed: %s: %s\n%s",
+        type(exc).__name__,
+        exc,
+        "".join(traceback.format_exception(exc)),
+    )
+    return error_reply(exc)
+
+
+def _extract_handler(extractor, settings: dict) -> Callable[[dict], Reply]:
+    """Each request's shard computed now; its close, and the reply, left to Behind."""
+
+    def handle(request: dict) -> Reply:
         missing = [k for k in ("shard", "out") if not isinstance(request.get(k), str)]
         if missing:
             raise EngineError(
@@ -231,8 +306,13 @@ def _extract_handler(extractor, settings: dict) -> Callable[[dict], dict]:
             )
         t0 = time.monotonic()
         log.info("engine: request %s -> %s", request["shard"], request["out"])
-        out = extractor.extract(request["shard"], request["out"])
-        return {"ok": True, "out": str(out), "seconds": round(time.monotonic() - t0, 3)}
+        pending = extractor.start(request["shard"], request["out"])
+
+        def finish() -> dict:
+            out = pending.finish()
+            return {"ok": True, "out": str(out), "seconds": round(time.monotonic() - t0, 3)}
+
+        return finish
 
     return handle
 
@@ -296,15 +376,15 @@ class _Lazy:
     def __init__(self, engine: Engine, load: Load):
         self.engine, self.load = engine, load
         self.extractor = None
-        self.handle: Callable[[dict], dict] | None = None
+        self.handle: Callable[[dict], Reply] | None = None
         self.failed = False
 
-    def __call__(self, request: dict) -> dict:
+    def __call__(self, request: dict) -> Reply:
         if self.handle is None:
             self.handle = self._load()
         return self.handle(request)
 
-    def _load(self) -> Callable[[dict], dict]:
+    def _load(self) -> Callable[[dict], Reply]:
         log.info("engine: loading target %s for the first request", self.load.target)
         t0 = time.monotonic()
         try:
@@ -335,6 +415,7 @@ def _load_and_serve(engine: Engine, load: Load) -> int:
     try:
         engine.serve(lazy)
     finally:
+        engine.behind.close()  # a shard finishing completes (on a signal: within STOP_GRACE_S)
         if lazy.extractor is not None:
             lazy.extractor.close()
     if lazy.handle is None:

@@ -10,8 +10,10 @@ docs/extraction.md (the engine and its clients), docs/shard-format.md ("Extracti
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +163,15 @@ class Extractor:
     ) -> Path:
         """Extract the hidden states of every sample of `shard` into the HDF5 shard `out`
         (`tokenized`: the shard already read by read_tokenized, to skip reading it again)."""
+        return self.start(shard, out, tokenized).finish()
+
+    def start(
+        self, shard: str | Path, out: str | Path, tokenized: Tokenized | None = None
+    ) -> PendingShard:
+        """The model's part of `extract`: every sample through the backend, every batch handed
+        to the writers. Returns once the backend has yielded its last batch; the last writes,
+        the fsync and the rename are `PendingShard.finish`'s, which the engine runs while the
+        next shard computes. A failure here leaves no shard (its temporary file is removed)."""
         import torch
 
         from eyrie.formats.codecs import transfer_dtype
@@ -180,23 +191,22 @@ class Extractor:
         )
         storage = transfer_dtype(self.cfg.storage_dtype, self.cfg.dtype)
         progress = _Progress(lengths)
-        with (
-            ShardWriter(out, self._meta(), sample_ids, input_ids, loss_masks) as writer,
-            Writers(writer) as writers,
-            torch.inference_mode(),
-        ):
-            for item in self.backend.states(input_ids, storage):
-                try:
-                    self._check(item, lengths)
-                except BaseException:
-                    item.release()  # the backend's buffers outlive this shard
-                    raise
-                writers.submit(item)
-                progress.add(item.batch)
-            writers.join()
-        self.write_wait_s = writers.wait_s  # the benchmark's breakdown reads it
-        progress.wrote(out, writers.wait_s, self.load_s)
-        return Path(out)
+        with contextlib.ExitStack() as stack:
+            writer = stack.enter_context(
+                ShardWriter(out, self._meta(), sample_ids, input_ids, loss_masks)
+            )
+            writers = stack.enter_context(Writers(writer))
+            with torch.inference_mode():
+                for item in self.backend.states(input_ids, storage):
+                    try:
+                        self._check(item, lengths)
+                    except BaseException:
+                        item.release()  # the backend's buffers outlive this shard
+                        raise
+                    writers.submit(item)
+                    progress.add(item.batch)
+            # kept open for finish(): a failure above closed them (the temporary file removed)
+            return PendingShard(Path(out), stack.pop_all(), writers, progress, self)
 
     def _meta(self) -> ShardMeta:
         from eyrie.formats.hidden import ShardMeta
@@ -227,6 +237,39 @@ class Extractor:
                     f"backend {self.cfg.backend}: sample {i} has {lengths[i]} tokens "
                     f"but {f[0]} final / {a[0]} aux rows"
                 )
+
+
+class PendingShard:
+    """A shard whose batches are all with the writers (`Extractor.start`): `finish()` waits for
+    the writes, then closes the shard (validation, fsync, rename: complete only then) and
+    returns its path; `abandon()` removes it instead. Either may run in another thread than
+    the start; one of them must run. `compute_s`, `writes_s`, `close_s`: where its time went
+    (the backend's loop; waiting for the writers after it; the close)."""
+
+    def __init__(self, out: Path, held, writers: Writers, progress: _Progress, owner: Extractor):
+        self.out, self.held, self.writers, self.progress = out, held, writers, progress
+        self.owner = owner
+        self.compute_s = time.monotonic() - progress.start
+        self.writes_s = self.close_s = 0.0
+
+    def finish(self) -> Path:
+        t0 = time.monotonic()
+        try:
+            self.writers.join()
+        except BaseException:
+            self.held.__exit__(*sys.exc_info())  # the shard's temporary file goes
+            raise
+        t1 = time.monotonic()
+        self.held.close()  # Writers, then ShardWriter: validation, fsync, rename
+        self.writes_s, self.close_s = t1 - t0, time.monotonic() - t1
+        self.owner.write_wait_s = self.writers.wait_s  # the benchmark's breakdown reads it
+        self.progress.wrote(self.out, self.writers.wait_s, self.owner.load_s)
+        return self.out
+
+    def abandon(self) -> None:
+        """No shard: the writes under way end, the temporary file is removed."""
+        why = ExtractError(f"{self.out}: abandoned before its close")
+        self.held.__exit__(ExtractError, why, None)
 
 
 class _Progress:

@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 FILE_WAIT_S = 60.0  # how long a request's file may lag behind generate() returning
 SHM = Path("/dev/shm")
 # generate() calls whose request files (or their mapped memory) may be held at once: the call
-# ahead, the one being read, and up to three waiting for or in the writers (batches.Writers)
-SCRATCH_CALLS = 5
+# ahead, the one being read, up to three waiting for or in the writers (batches.Writers), and
+# three more in the writers of the shard finishing behind this one (engine.Behind)
+SCRATCH_CALLS = 8
 
 
 def scratch_folder(need_bytes: int) -> Path:
