@@ -3,19 +3,22 @@ built from a config (`load_format="dummy"`: no download, any width), the same en
 the same prompts for every row:
 
   (a) bare prefill: `LLM.generate(max_tokens=1)` in the same chunks, no capture, no copies;
-  (b) eyrie's native path and (c) eyrie's capture path: `Extractor.extract`, end to end into an
-      HDF5 shard on local disk (the engine's load not timed), and what `VllmBackend.states()`
-      alone delivers (no HDF5);
-  (d) the disk's raw write rate for the shard's bytes (pwrite threads into one file, the
-      writers' call), into the page cache and until fsync returns (a shard is fsynced before
-      its rename, inside (b)/(c)'s end to end);
+  (b) eyrie's native path and (c) eyrie's capture path: what `VllmBackend.states()` alone
+      delivers (no HDF5); one shard end to end (`Extractor.extract` into an HDF5 shard on local
+      disk; the engine's load not timed); and `--shards` shards back to back as the engine
+      serves them, each one's close (last writes, fsync, rename) behind the next one's compute
+      (`Extractor.start`, `engine.Behind`);
+  (d) the disk's raw write rate for one shard's bytes (pwrite threads into one file, the
+      writers' call), into the page cache without and with write-back started as each piece is
+      written, and until fsync returns (a shard is fsynced before its rename);
 
 each once per storage dtype, the best of `--passes`. A row's ratio is its tokens/s over
-min(a, d-as-tokens/s): the goal is >= 0.85. Each engine runs in its own process (its GPU memory
-goes with it).
+min(a, d) with d the faster page-cache rate: the goal is >= 0.85. Each engine runs in its own
+process (its GPU memory goes with it). Shape `kimideepint4` is Kimi-K2.5 with as many layers as
+this GPU holds in int4 (`deepest_kimi`).
 
     python benchmarks/extraction_vllm.py --shapes llama8b kimi4 [--prompts 160] [--passes 2]
-        [--paths native capture] [--storage bfloat16 float8_e4m3]
+        [--paths native capture] [--storage bfloat16 float8_e4m3] [--shards 3]
 
 Runs in the vLLM environment (the GPU machine's image plus the vLLM pack). Prints a table and
 writes benchmarks/results/extraction-vllm-<gpu>.json.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -107,10 +111,64 @@ SHAPES = {
         [1, 2, 3],
     ),
 }
+DEEP = ["kimideepint4"]  # made for the GPU at hand (shape_config)
 MAX_TOKENS_PER_CALL = 32768  # extract.max_tokens_per_batch of every row
+GIB = 2**30
+# what the deepest Kimi row leaves beside its weights, within gpu_memory_utilization: the
+# activations of a 32,768-token call (Llama-3.1-8B's took 2.7 GiB on the H200, 384 experts' fused
+# MoE buffers more), the KV cache of one 8,192-token prompt, and the driver's staging
+KIMI_DEEP_HEADROOM = 16 * GIB
 
 
-def write_target(root: Path, shape: str, n_prompts: int, seed: int = 0) -> dict:
+def mla_bytes(text: dict) -> int:
+    """bf16 bytes of one MLA attention block of a DeepSeek-V3-shaped text config."""
+    H, heads = text["hidden_size"], text["num_attention_heads"]
+    qk = text["qk_nope_head_dim"] + text["qk_rope_head_dim"]
+    params = (
+        H * text["q_lora_rank"]
+        + text["q_lora_rank"] * heads * qk
+        + H * (text["kv_lora_rank"] + text["qk_rope_head_dim"])
+        + text["kv_lora_rank"] * heads * (text["qk_nope_head_dim"] + text["v_head_dim"])
+        + heads * text["v_head_dim"] * H
+    )
+    return 2 * params
+
+
+def moe_layer_bytes(text: dict, bits: int = 4, group: int = 32) -> int:
+    """Bytes of one MoE layer: routed experts in int`bits` with a bf16 scale per `group`
+    weights (Kimi-K2.5's compressed-tensors scheme), the rest (MLA, shared experts) in bf16."""
+    H, inter = text["hidden_size"], text["moe_intermediate_size"]
+    routed = text["n_routed_experts"] * 3 * H * inter * (bits / 8 + 2 / group)
+    shared = text["n_shared_experts"] * 3 * H * inter * 2
+    return int(routed + shared + mla_bytes(text) + text["n_routed_experts"] * H * 4)
+
+
+def deepest_kimi(gpu_bytes: int, utilization: float = 0.85) -> dict:
+    """Kimi-K2.5's text config with all 384 int4 experts and as many layers (1 dense, the rest
+    MoE) as fit in `utilization` of `gpu_bytes` beside KIMI_DEEP_HEADROOM, in its wrapper."""
+    text = {**KIMI_TEXT, "n_routed_experts": 384, "quantization_config": KIMI_INT4}
+    H = text["hidden_size"]
+    fixed = 2 * text["vocab_size"] * H * 2 + mla_bytes(text) + 3 * H * text["intermediate_size"] * 2
+    room = gpu_bytes * utilization - fixed - KIMI_DEEP_HEADROOM
+    moe = math.floor(room / moe_layer_bytes(text))
+    if moe < 3:
+        raise SystemExit(f"kimideepint4: {gpu_bytes / GIB:.0f} GiB holds {moe} MoE layers (< 3)")
+    return kimi({**text, "num_hidden_layers": 1 + moe})
+
+
+def shape_config(shape: str, gpu_bytes: int | None = None) -> tuple[dict, list[int]]:
+    """(config.json, aux ids) of `shape`; kimideepint4 needs the GPU's memory in bytes."""
+    if shape != "kimideepint4":
+        return SHAPES[shape]
+    from eyrie.arch.target import default_aux_ids
+
+    config = deepest_kimi(gpu_bytes)
+    return config, default_aux_ids(config["text_config"]["num_hidden_layers"])
+
+
+def write_target(
+    root: Path, shape: str, n_prompts: int, seed: int = 0, gpu_bytes: int | None = None
+) -> dict:
     """config.json, a tokenizer_config.json (hashed only: vLLM gets token ids), a passed preflight
     report and one tokenized shard of random prompts of 1,024-2,048 tokens."""
     import pyarrow as pa
@@ -119,7 +177,7 @@ def write_target(root: Path, shape: str, n_prompts: int, seed: int = 0) -> dict:
     from eyrie.arch.target import fingerprint
     from eyrie.formats.tokenized import SHARD_SCHEMA
 
-    config, aux = SHAPES[shape]
+    config, aux = shape_config(shape, gpu_bytes)
     target = root / shape
     target.mkdir(parents=True, exist_ok=True)
     (target / "config.json").write_text(json.dumps(config, indent=1))
@@ -142,7 +200,9 @@ def write_target(root: Path, shape: str, n_prompts: int, seed: int = 0) -> dict:
     (root / f"{shape}-preflight.json").write_text(
         json.dumps({"ok": True, "target": {"fingerprint": fingerprint(config)}})
     )
-    return {"tokens": int(sum(len(x) for x in ids)), "aux": aux}
+    (root / f"{shape}-aux.json").write_text(json.dumps(aux))
+    layers = config.get("text_config", config)["num_hidden_layers"]
+    return {"tokens": int(sum(len(x) for x in ids)), "aux": aux, "layers": layers}
 
 
 def settings(path: str, aux: list[int], storage: str) -> dict:
@@ -205,15 +265,18 @@ def child_bare(root: Path, shape: str, passes: int) -> dict:
     return {"seconds": best, "ready_s": ready}
 
 
-def child_eyrie(root: Path, shape: str, path: str, storages: list[str], passes: int) -> dict:
-    """(b)/(c) in this process: one engine, every storage dtype; delivered and end to end."""
+def child_eyrie(
+    root: Path, shape: str, path: str, storages: list[str], passes: int, shards: int
+) -> dict:
+    """(b)/(c) in this process: one engine, every storage dtype; delivered, one shard end to
+    end, and `shards` shards back to back with each close behind the next compute."""
     import torch
 
     from eyrie.extract.extractor import Extractor, ExtractSettings
     from eyrie.formats.codecs import transfer_dtype
     from eyrie.formats.tokenized import read_tokenized
 
-    _, aux = SHAPES[shape]
+    aux = json.loads((root / f"{shape}-aux.json").read_text())
     t0 = time.perf_counter()
     ex = Extractor(root / shape, root / f"{shape}-preflight.json", settings(path, aux, storages[0]))
     ready = time.perf_counter() - t0
@@ -222,30 +285,70 @@ def child_eyrie(root: Path, shape: str, path: str, storages: list[str], passes: 
     for storage in storages:
         ex.cfg = ex.backend.cfg = ExtractSettings.from_settings(settings(path, aux, storage))
         dtype = transfer_dtype(storage, ex.cfg.dtype)
-        delivered = end_to_end = float("inf")
-        shard = root / f"{shape}-{path}.h5"
+        delivered, one, many = float("inf"), None, None
         for _ in range(passes):
             t0 = time.perf_counter()
             with torch.inference_mode():
                 for item in ex.backend.states(tokenized[1], dtype):
                     item.release()
             delivered = min(delivered, time.perf_counter() - t0)
-            ex.backend.waits.update(engine_s=0.0, read_s=0.0)
-            t0 = time.perf_counter()
-            ex.extract(root / f"{shape}.parquet", shard, tokenized=tokenized)
-            if time.perf_counter() - t0 < end_to_end:
-                end_to_end = time.perf_counter() - t0
-                # where the end-to-end time went, as the driver saw it
-                waits = {**ex.backend.waits, "writers_s": ex.write_wait_s}
+            got = run_shards(ex, tokenized, root / f"{shape}-{path}", 1, behind=False)
+            one = got if one is None or got["seconds"] < one["seconds"] else one
+            got = run_shards(ex, tokenized, root / f"{shape}-{path}", shards, behind=True)
+            many = got if many is None or got["seconds"] < many["seconds"] else many
         out["storage"][storage] = {
             "delivered_s": delivered,
-            "end_to_end_s": end_to_end,
-            "shard_bytes": shard.stat().st_size,
-            "waits": {k: round(v, 2) for k, v in waits.items()},
+            "end_to_end_s": one["seconds"],
+            "one": one,
+            "shards": many,
+            "shard_bytes": one.pop("shard_bytes"),
         }
-        shard.unlink()
+        many.pop("shard_bytes")
     ex.close()
     return out
+
+
+def run_shards(ex, tokenized, stem: Path, shards: int, behind: bool) -> dict:
+    """`shards` shards of `tokenized` back to back through the Extractor `ex`, as the engine
+    serves them (behind: each close handed to engine.Behind while the next computes; else one
+    at a time, extract() each): seconds, and per shard (mean) where the time went as the driver
+    saw it: waiting for the engine's next call, reading its files, waiting for the writers, and
+    the close (validation, fsync, rename)."""
+    from eyrie.extract.engine import Behind
+
+    waits = getattr(ex.backend, "waits", {})
+    for k in waits:
+        waits[k] = 0.0
+    done: list = []
+    queue = Behind() if behind else None
+    t0 = time.perf_counter()
+    for k in range(shards):
+        pending = ex.start(f"{stem}.parquet", f"{stem}-{k}.h5", tokenized=tokenized)
+        if queue is None:
+            pending.finish()
+            done.append(pending)
+        else:
+            queue.hand(pending.finish, lambda got, exc, p=pending: done.append(exc or p))
+    if queue is not None:
+        queue.close()
+    seconds = time.perf_counter() - t0
+    failed = [p for p in done if isinstance(p, BaseException)]
+    if failed:
+        raise failed[0]
+    nbytes = Path(f"{stem}-0.h5").stat().st_size
+    for k in range(shards):
+        Path(f"{stem}-{k}.h5").unlink()
+    n = len(done)
+    return {
+        "shards": n,
+        "seconds": seconds,
+        "shard_bytes": nbytes,
+        "engine_s": round(waits.get("engine_s", 0.0) / n, 3),
+        "read_s": round(waits.get("read_s", 0.0) / n, 3),
+        "writers_s": round(sum(p.writers.wait_s for p in done) / n, 3),
+        "close_s": round(sum(p.close_s for p in done) / n, 3),
+        "compute_s": round(sum(p.compute_s for p in done) / n, 3),
+    }
 
 
 def raw_writes(
@@ -300,11 +403,13 @@ def spawn(*args: str, timeout: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--shapes", nargs="+", default=["llama8b", "kimi4"], choices=list(SHAPES))
+    shapes = [*SHAPES, *DEEP]
+    p.add_argument("--shapes", nargs="+", default=["llama8b", "kimi4"], choices=shapes)
     p.add_argument("--paths", nargs="+", default=["native", "capture"])
     p.add_argument("--storage", nargs="+", default=["bfloat16", "float8_e4m3"])
     p.add_argument("--prompts", type=int, default=160)
     p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--shards", type=int, default=3, help="shards back to back (close behind)")
     p.add_argument("--work", type=Path, default=None, help="scratch on local disk")
     p.add_argument("--timeout", type=int, default=420, help="per engine process (s)")
     p.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
@@ -314,18 +419,26 @@ def main() -> None:
         if kind == "bare":
             got = child_bare(Path(root), shape, args.passes)
         else:
-            got = child_eyrie(Path(root), shape, kind, args.storage, args.passes)
+            got = child_eyrie(Path(root), shape, kind, args.storage, args.passes, args.shards)
         print("RESULT " + json.dumps(got), flush=True)
         return
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    gpu_bytes = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
     root = Path(tempfile.mkdtemp(prefix="eyrie-xv-", dir=args.work))
-    results = {"date": str(date.today()), "gpu": gpu, "prompts": args.prompts, "shapes": {}}
+    results = {
+        "date": str(date.today()),
+        "gpu": gpu,
+        "prompts": args.prompts,
+        "shards": args.shards,
+        "shapes": {},
+    }
     for shape in args.shapes:
-        made = write_target(root, shape, args.prompts)
-        row = {"tokens": made["tokens"], "aux_ids": made["aux"]}
-        common = ["--passes", str(args.passes), "--storage", *args.storage]
+        made = write_target(root, shape, args.prompts, gpu_bytes=gpu_bytes)
+        row = {"tokens": made["tokens"], "aux_ids": made["aux"], "layers": made["layers"]}
+        common = ["--passes", str(args.passes), "--shards", str(args.shards)]
+        common += ["--storage", *args.storage]
         row["bare"] = spawn("bare", str(root), shape, *common, timeout=args.timeout)
         for path in args.paths:
             row[path] = spawn(path, str(root), shape, *common, timeout=args.timeout)
@@ -335,9 +448,11 @@ def main() -> None:
             if "storage" in row[path]
             for s in row[path]["storage"].values()
         ]
-        disk = {str(n): raw_writes(root / "raw.bin", n) for n in sorted(set(sizes))}
-        row["disk"] = {n: cached for n, (cached, _) in disk.items()}
-        row["disk_fsync"] = {n: synced for n, (_, synced) in disk.items()}
+        for n in sorted(set(sizes)):
+            for name, on in (("disk", False), ("disk_writeback", True)):
+                cached, synced = raw_writes(root / "raw.bin", n, writeback=on)
+                row.setdefault(name, {})[str(n)] = cached
+                row.setdefault(f"{name}_fsync", {})[str(n)] = synced
         results["shapes"][shape] = row
         print(json.dumps({shape: row}, indent=1), flush=True)
         save(results, gpu)  # after each shape: a run cut short keeps what it measured
@@ -353,11 +468,15 @@ def save(results: dict, gpu: str) -> None:
 
 
 def table(results: dict) -> None:
+    """Tokens/s per row; ratio = the back-to-back shards' end to end over min(bare, disk), disk
+    the faster page-cache rate; the last four columns are seconds per shard of those shards
+    (engine wait, read, writers wait, close)."""
+    n = results.get("shards", 1)
     print(
-        "| shape | storage | bare prefill | disk limit | disk with fsync | row | delivered "
-        "| end to end | ratio | engine wait s | read s | writers wait s |"
+        "| shape | storage | bare (a) | disk (d) | disk durable | path | delivered | one shard "
+        f"| {n} shards, close behind | ratio | engine s | read s | writers s | close s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for shape, row in results["shapes"].items():
         T = row["tokens"]
         bare = T / row["bare"]["seconds"] if "seconds" in row["bare"] else float("nan")
@@ -365,18 +484,23 @@ def table(results: dict) -> None:
             got = row.get(path) or {}
             if "storage" not in got:
                 why = got.get("error", "not run")
-                print(f"| {shape} | | {bare:,.0f} | | | {path} | {why} | | |")
+                print(f"| {shape} | | {bare:,.0f} | | | {path} | {why} | | | | | | | |")
                 continue
             for storage, s in got["storage"].items():
-                disk = T / row["disk"][str(s["shard_bytes"])]
-                synced = row.get("disk_fsync", {}).get(str(s["shard_bytes"]))
-                synced = f"{T / synced:,.0f}" if synced else ""
-                e2e = T / s["end_to_end_s"]
-                w = s.get("waits", {})
+                size = str(s["shard_bytes"])
+                cached = [
+                    row[k][size] for k in ("disk", "disk_writeback") if size in row.get(k, {})
+                ]
+                durable = [row[k][size] for k in ("disk_fsync", "disk_writeback_fsync") if k in row]
+                disk, synced = T / min(cached), T / min(durable)
+                many = s.get("shards") or {}
+                e2e = many["shards"] * T / many["seconds"] if many else T / s["end_to_end_s"]
                 print(
-                    f"| {shape} | {storage} | {bare:,.0f} | {disk:,.0f} | {synced} | {path} | "
-                    f"{T / s['delivered_s']:,.0f} | {e2e:,.0f} | {e2e / min(bare, disk):.2f} | "
-                    f"{w.get('engine_s', '')} | {w.get('read_s', '')} | {w.get('writers_s', '')} |"
+                    f"| {shape} | {storage} | {bare:,.0f} | {disk:,.0f} | {synced:,.0f} | {path} "
+                    f"| {T / s['delivered_s']:,.0f} | {T / s['end_to_end_s']:,.0f} | {e2e:,.0f} "
+                    f"| {e2e / min(bare, disk):.2f} | {many.get('engine_s', '')} "
+                    f"| {many.get('read_s', '')} | {many.get('writers_s', '')} "
+                    f"| {many.get('close_s', '')} |"
                 )
 
 

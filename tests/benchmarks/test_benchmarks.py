@@ -177,26 +177,35 @@ def test_train_step_benchmark_tiny(tmp_path):
     assert refused.returncode != 0 and "attn=sdpa only" in refused.stderr
 
 
-@pytest.mark.parametrize("shape", ["llama8b", "kimi4"])
-def test_vllm_extraction_benchmark_inputs_are_what_the_extractor_reads(tmp_path, shape):
-    """benchmarks/extraction_vllm.py runs only on a GPU; what it hands eyrie's Extractor (the
-    target folder, the preflight report, the shard, the settings of a rehearsal) is checked here
-    by the readers the Extractor uses."""
-    import importlib.util
+H200_BYTES = 143_771 * 2**20  # nvidia-smi's memory.total of the lent H200
 
-    from eyrie.arch.target import inspect_target
-    from eyrie.core.rehearsal import is_rehearsal
-    from eyrie.extract.extractor import ExtractSettings
-    from eyrie.formats.report import read_report
-    from eyrie.formats.tokenized import read_tokenized
+
+def vllm_bench():
+    import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         "extraction_vllm", REPO / "benchmarks" / "extraction_vllm.py"
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    made = bench.write_target(tmp_path, shape, 8)
+    return bench
+
+
+@pytest.mark.parametrize("shape", ["llama8b", "kimi4", "kimideepint4"])
+def test_vllm_extraction_benchmark_inputs_are_what_the_extractor_reads(tmp_path, shape):
+    """benchmarks/extraction_vllm.py runs only on a GPU; what it hands eyrie's Extractor (the
+    target folder, the preflight report, the shard, the settings of a rehearsal) is checked here
+    by the readers the Extractor uses."""
+    from eyrie.arch.target import inspect_target
+    from eyrie.core.rehearsal import is_rehearsal
+    from eyrie.extract.extractor import ExtractSettings
+    from eyrie.formats.report import read_report
+    from eyrie.formats.tokenized import read_tokenized
+
+    bench = vllm_bench()
+    made = bench.write_target(tmp_path, shape, 8, gpu_bytes=H200_BYTES)
     info = inspect_target(tmp_path / shape)
+    assert info.num_hidden_layers == made["layers"]
     read_report(tmp_path / f"{shape}-preflight.json", info.fingerprint)
     _, ids, masks = read_tokenized(tmp_path / f"{shape}.parquet", info.vocab_size)
     assert len(ids) == 8 and all(1024 <= len(x) <= 2048 for x in ids)
@@ -205,6 +214,56 @@ def test_vllm_extraction_benchmark_inputs_are_what_the_extractor_reads(tmp_path,
         settings = bench.settings(path, made["aux"], "float8_e4m3")
         assert is_rehearsal(settings)
         assert ExtractSettings.from_settings(settings).storage_dtype == "float8_e4m3"
+
+
+def test_deepest_kimi_fits_the_gpu_it_is_made_for():
+    """The deep Kimi row's layer count: its weights by the benchmark's arithmetic fill
+    gpu_memory_utilization less the headroom, and one more MoE layer would not fit. The same
+    arithmetic gives the 61-layer Kimi-K2.5 text model ~595 GB, the size class of the int4
+    checkpoints Moonshot publishes (~600 GB with the vision tower)."""
+    bench = vllm_bench()
+    text = bench.deepest_kimi(H200_BYTES)["text_config"]
+    assert text["n_routed_experts"] == 384 and text["quantization_config"]["format"]
+    moe, H = bench.moe_layer_bytes(text), text["hidden_size"]
+    fixed = 2 * text["vocab_size"] * H * 2 + bench.mla_bytes(text) + 3 * H * 18432 * 2
+    room = 0.85 * H200_BYTES - bench.KIMI_DEEP_HEADROOM
+    layers = text["num_hidden_layers"]
+    assert fixed + (layers - 1) * moe <= room < fixed + layers * moe
+    assert layers == 11  # 1 dense + 10 MoE on an H200
+    assert 550e9 < fixed + 60 * moe < 650e9
+    with pytest.raises(SystemExit, match="holds"):
+        bench.deepest_kimi(40 * 2**30)
+
+
+def test_shard_overlap_benchmark_tiny(tmp_path):
+    """benchmarks/shard_overlap.py on a few prompts: shards back to back through the real
+    Extractor and engine.Behind after a paced stand-in engine, every row in the table, the
+    scratch and the shards removed."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this machine (the capture path's scratch folder)")
+    args = "--gib 0.01 --shards 2 --repeats 1 --engine-tokens-per-s 400000"
+    run = subprocess.run(
+        bench("shard_overlap.py", args, work=tmp_path / "work"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {
+        ln.split("|")[1].strip(): ln.split("|")[2:-1]
+        for ln in run.stdout.splitlines()
+        if ln.startswith("| ")
+    }
+    assert list(rows)[1:] == [
+        "engine alone (a)",
+        "disk, write-back, fsync per shard (d)",
+        "one at a time (before)",
+        "close behind (now)",
+    ], run.stdout
+    for name in ("one at a time (before)", "close behind (now)"):
+        seconds, tokens, _, ratio, compute, writers, close, _ = (c.strip() for c in rows[name])
+        assert float(seconds) > 0 and float(ratio) > 0 and float(close) >= 0
+    assert list((tmp_path / "work").iterdir()) == []
 
 
 def test_long_record_benchmark_small():
