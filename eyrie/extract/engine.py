@@ -104,8 +104,17 @@ class _StopSignals:
 _stop = _StopSignals()
 
 
-# what a request handler returns: the reply, or a callable that makes it (run by Behind)
-Reply = dict | Callable[[], dict]
+@dataclass(frozen=True)
+class Later:
+    """A reply made later, by Behind: `finish()` makes it (a shard's close); `abandon()` undoes
+    the work instead if the engine stops before handing it over."""
+
+    finish: Callable[[], dict]
+    abandon: Callable[[], None]
+
+
+# what a request handler returns: the reply now, or Later
+Reply = dict | Later
 
 
 class Behind:
@@ -147,7 +156,7 @@ class Behind:
 
 class Engine:
     """A unix socket bound at construction (before any model load) and the loop that answers it,
-    one connection at a time (a handler may return its reply as a callable, run `Behind`)."""
+    one connection at a time (a handler may return its reply as `Later`, run by `Behind`)."""
 
     def __init__(self, socket_path: str | Path, idle_exit_s: float = DEFAULT_IDLE_EXIT_S):
         self.path = Path(socket_path)
@@ -235,8 +244,8 @@ class Engine:
             idle_since = time.monotonic()
 
     def _answer(self, conn: socket.socket, handle: Callable[[dict], Reply]) -> None:
-        """Read one request, answer it and close the connection; a callable reply is run by
-        `Behind`, which answers and closes once it returns."""
+        """Read one request, answer it and close the connection; a `Later` reply is made by
+        `Behind`, which answers and closes once it is."""
         conn.settimeout(READ_TIMEOUT_S)
         self._busy = True  # stays True if a signal unwinds the request (exit status 128 + signal)
         try:
@@ -256,8 +265,13 @@ class Engine:
         except BaseException:
             conn.close()
             raise
-        if callable(reply):
-            self.behind.hand(reply, lambda got, exc: self._reply(conn, got or _failed(exc)))
+        if isinstance(reply, Later):
+            try:  # waits for the shard closing before it: a stop may land here
+                self.behind.hand(reply.finish, lambda got, e: self._reply(conn, got or _failed(e)))
+            except BaseException:
+                reply.abandon()
+                conn.close()
+                raise
         else:
             self._reply(conn, reply)
         self._busy = False
@@ -312,7 +326,7 @@ def _extract_handler(extractor, settings: dict) -> Callable[[dict], Reply]:
             out = pending.finish()
             return {"ok": True, "out": str(out), "seconds": round(time.monotonic() - t0, 3)}
 
-        return finish
+        return Later(finish, pending.abandon)
 
     return handle
 

@@ -6,6 +6,9 @@ close reaches its own client and leaves no shard, and at most one shard closes a
 from __future__ import annotations
 
 import errno
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -165,3 +168,65 @@ def test_behind_finishes_one_at_a_time_and_hands_errors_to_done():
     behind.close()
     assert log == [(0, "NoneType"), (None, "ValueError"), (2, "NoneType")]
     assert not behind.busy()
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_shard_closes_completes_it_and_leaves_no_other(tmp_path):
+    """The real engine process, SIGTERMed while shard 0 closes behind shard 1: shard 0 is
+    finished and its client told; shard 1 (computed, waiting to be handed over) is abandoned,
+    its temporary file removed; the queued client hears the engine went away; exit 128+15."""
+    target, shard0, preflight, ids, masks = build_case(tmp_path, "llama")
+    paths = shards(tmp_path, shard0, ids, masks)
+    cfg = settings(96)
+    sock, log = tmp_path / "e.sock", tmp_path / "engine.log"
+    script = f"""
+import logging, sys, time
+from pathlib import Path
+from eyrie.extract import engine
+from eyrie.formats import hidden_writer
+
+real = hidden_writer.sync_path
+def slow(path):
+    if not Path(path).is_dir():
+        print("closing", Path(path).name, flush=True)
+        time.sleep({SLOW_CLOSE_S * 2})
+    real(path)
+hidden_writer.sync_path = slow
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+load = engine.Load({str(target)!r}, {str(preflight)!r}, {cfg!r}, torch_threads=1)
+sys.exit(engine.serve({str(sock)!r}, load, idle_exit_s=60))
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
+    replies: dict[str, object] = {}
+
+    def client(path: Path) -> None:
+        out = tmp_path / f"out_{path.stem}.h5"
+        try:
+            replies[out.stem] = request(EngineSocket(sock, wait_s=60), path, out, settings=cfg)
+        except EngineError as exc:
+            replies[out.stem] = exc
+
+    threads = [threading.Thread(target=client, args=(p,), daemon=True) for p in paths]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    deadline = time.monotonic() + 60
+    while "closing .out_shard_000" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # shard 1 computes meanwhile, then waits for shard 0's close
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=30)
+    for t in threads:
+        t.join(timeout=30)
+    text = log.read_text()
+    assert rc == 128 + signal.SIGTERM and "SIGTERM received while busy" in text, text[-3000:]
+    assert replies["out_shard_000"]["ok"], replies
+    with h5py.File(tmp_path / "out_shard_000.h5", "r") as f:
+        assert len(f["sample_ids"]) == len(ids)
+    assert isinstance(replies["out_shard_001"], EngineError)
+    assert isinstance(replies["out_shard_002"], EngineError)
+    assert not (tmp_path / "out_shard_001.h5").exists()
+    assert not list(tmp_path.glob(".out_shard_*.h5.tmp*")), list(tmp_path.iterdir())
+    assert "forcing the exit" not in text
