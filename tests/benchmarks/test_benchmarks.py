@@ -216,6 +216,45 @@ def test_vllm_extraction_benchmark_inputs_are_what_the_extractor_reads(tmp_path,
         assert ExtractSettings.from_settings(settings).storage_dtype == "float8_e4m3"
 
 
+def test_vllm_extraction_table_ratios(capsys):
+    """The table's two ratios: the back-to-back shards' tokens/s over min(bare, the faster
+    page-cache rate) and over min(bare, the faster rate until fsync returns)."""
+    bench = vllm_bench()
+    one = {"shards": 1, "seconds": 2.5, "engine_s": 0.1, "read_s": 0.2, "writers_s": 0.3}
+    many = {**one, "shards": 3, "seconds": 6.0, "close_s": 0.05}
+    results = {
+        "shards": 3,
+        "shapes": {
+            "llama8b": {
+                "tokens": 1000,
+                "bare": {"seconds": 1.0},
+                "disk": {"7": 0.8},
+                "disk_writeback": {"7": 0.5},
+                "disk_fsync": {"7": 3.0},
+                "disk_writeback_fsync": {"7": 2.0},
+                "capture": {
+                    "storage": {
+                        "bfloat16": {
+                            "delivered_s": 1.25,
+                            "end_to_end_s": 2.5,
+                            "shard_bytes": 7,
+                            "one": one,
+                            "shards": many,
+                        }
+                    }
+                },
+            }
+        },
+    }
+    bench.table(results)
+    row = [ln for ln in capsys.readouterr().out.splitlines() if "| capture |" in ln][0]
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    # bare 1,000; disk 2,000 (write-back); durable 500; 3 shards of 1,000 tokens in 6 s
+    assert cells[2:5] == ["1,000", "2,000", "500"]
+    assert cells[6:11] == ["800", "400", "500", "0.50", "1.00"]
+    assert cells[11:] == ["0.1", "0.2", "0.3", "0.05"]
+
+
 def test_deepest_kimi_fits_the_gpu_it_is_made_for():
     """The deep Kimi row's layer count: its weights by the benchmark's arithmetic fill
     gpu_memory_utilization less the headroom, and one more MoE layer would not fit. The same
