@@ -13,10 +13,10 @@ the same prompts for every row:
       written, and until fsync returns (a shard is fsynced before its rename);
 
 each once per storage dtype, the best of `--passes`. A row's ratio is its tokens/s over
-min(a, d) with d the faster page-cache rate (the goal is >= 0.85), and its durable ratio the same
-with d's rate until fsync returns, which bounds any run of durable shards. Each engine runs in its own
-process (its GPU memory goes with it). Shape `kimideepint4` is Kimi-K2.5 with as many layers as
-this GPU holds in int4 (`deepest_kimi`).
+min(a, d) with d the faster page-cache rate (the goal is >= 0.85), and its durable ratio the
+same with d's rate until fsync returns, which bounds any run of durable shards. Each engine runs
+in its own process (its GPU memory goes with it). Shape `kimideepint4` is Kimi-K2.5 with as
+many layers as this GPU holds in int4 (`deepest_kimi`).
 
     python benchmarks/extraction_vllm.py --shapes llama8b kimi4 [--prompts 160] [--passes 2]
         [--paths native capture] [--storage bfloat16 float8_e4m3] [--shards 3]

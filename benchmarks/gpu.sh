@@ -33,7 +33,7 @@ for part in "${parts[@]}"; do
   case $part in
     extraction) "$PY" benchmarks/extraction_gpu.py --models llama8b deepseek ;;
     # needs vLLM importable by $PY (the vLLM pack on PYTHONPATH: docs/rehearsal.md)
-    extraction_vllm) "$PY" benchmarks/extraction_vllm.py --shapes llama8b kimi4 kimi4int4 ;;
+    extraction_vllm) "$PY" benchmarks/extraction_vllm.py --shapes llama8b kimi4 kimi4int4 kimideepint4 ;;
     read_path)  "$PY" benchmarks/read_path.py --gb 5 --repeats 3 ;;
     training)   "$PY" benchmarks/training_gpu.py --gpus "$gpus" ;;
     # the workflow through Snakemake (needs VLLM_SITE, an unpacked vLLM pack, and .whl/)

@@ -198,7 +198,10 @@ def main() -> None:
     )
     # the slower of the two limits, in seconds: ratio = tokens/s over min(a, d) tokens/s
     limit = max(min(r["seconds"] for r in times[k]) for k in times if k.endswith(("(a)", "(d)")))
-    print("| row | seconds | tokens/s | GB/s | ratio | compute s | writers s | close s | range s |")
+    print(
+        "| row | seconds | tokens/s | GB/s | ratio | in start() s | writers wait s | close s "
+        "| range s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, rows in times.items():
         best = min(rows, key=lambda r: r["seconds"])
