@@ -147,11 +147,13 @@ class Behind:
     @staticmethod
     def _run(finish: Callable[[], Any], done: Callable[[Any, Exception | None], None]) -> None:
         try:
-            result = finish()
+            result, error = finish(), None
         except Exception as exc:  # the caller's error, for `done` to report
-            done(None, exc)
-        else:
-            done(result, None)
+            result, error = None, exc
+        try:
+            done(result, error)
+        except Exception:  # never raised into the next hand(): the engine serves on
+            log.exception("engine: reporting a shard's close failed")
 
 
 class Engine:

@@ -170,6 +170,19 @@ def test_behind_finishes_one_at_a_time_and_hands_errors_to_done():
     assert not behind.busy()
 
 
+def test_behind_keeps_going_when_a_report_fails(caplog):
+    """A `done` that raises (a reply that cannot be sent) is logged; the next hand() works."""
+    behind, log = Behind(), []
+
+    def broken(got, exc):
+        raise RuntimeError("reply failed")
+
+    behind.hand(lambda: 1, broken)
+    behind.hand(lambda: 2, lambda got, exc: log.append(got))
+    behind.close()
+    assert log == [2] and "reporting a shard's close failed" in caplog.text
+
+
 @pytest.mark.slow
 def test_sigterm_while_a_shard_closes_completes_it_and_leaves_no_other(tmp_path):
     """The real engine process, SIGTERMed while shard 0 closes behind shard 1: shard 0 is
