@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import glob
 import json
 import os
@@ -134,7 +135,9 @@ def write_json(path: str | Path, obj) -> None:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+@functools.cache
 def _git_sha() -> str | None:
+    """The checkout's commit, once per process (a subprocess per shard otherwise)."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],

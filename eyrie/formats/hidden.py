@@ -70,9 +70,16 @@ class ShardMeta:
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
 
 
+# HDF5's own file locks (flock) stay off. A shard is complete only once renamed, so they guard
+# nothing here, and a lock outlives its file's close in a child forked meanwhile: a subprocess
+# started by another thread while a shard closed (the engine computing the next shard) made the
+# writer's validation of its own file fail with EAGAIN.
+LOCKING = False
+
+
 def _open(path) -> h5py.File:
     try:
-        return h5py.File(path, "r")
+        return h5py.File(path, "r", locking=LOCKING)
     except OSError as exc:  # missing, truncated or corrupted file
         raise ShardError(
             f"{path}: unreadable HDF5 ({exc}); delete it and rebuild this shard"

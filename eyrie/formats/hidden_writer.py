@@ -20,7 +20,7 @@ import torch
 from eyrie.core.errors import ShardError
 from eyrie.core.io import remove_stale_temporaries, sync_path
 from eyrie.formats.codecs import HIDDEN, SCALES, STORAGE, non_finite_dataset, stored_arrays
-from eyrie.formats.hidden import FORMAT, SCHEMA_VERSION, ShardMeta, validate_shard
+from eyrie.formats.hidden import FORMAT, LOCKING, SCHEMA_VERSION, ShardMeta, validate_shard
 from eyrie.formats.pagecache import start_writeback, wait_writeback
 
 # Bytes a writer thread has written whose write-back may still be under way; past this it waits
@@ -71,7 +71,7 @@ class ShardWriter:
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(self.path)  # a killed writer's (SIGKILL runs no cleanup)
-        self.f = h5py.File(self.tmp, "w")
+        self.f = h5py.File(self.tmp, "w", locking=LOCKING)
         try:
             self._create(sample_ids, loss_masks)
         except BaseException:

@@ -221,6 +221,9 @@ sys.exit(engine.serve({str(sock)!r}, load, idle_exit_s=60))
         except EngineError as exc:
             replies[out.stem] = exc
 
+    deadline = time.monotonic() + 60  # bound first: the clients then queue in their order
+    while not sock.is_socket() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     threads = [threading.Thread(target=client, args=(p,), daemon=True) for p in paths]
     for t in threads:
         t.start()
