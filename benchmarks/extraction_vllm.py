@@ -7,7 +7,7 @@ the same prompts for every row:
       delivers (no HDF5); one shard end to end (`Extractor.extract` into an HDF5 shard on local
       disk; the engine's load not timed); and `--shards` shards back to back as the engine
       serves them, each one's close (last writes, fsync, rename) behind the next one's compute
-      (`Extractor.start`, `engine.Behind`);
+      (`Extractor.start`, `serving.Behind`);
   (d) the disk's raw write rate for one shard's bytes (pwrite threads into one file, the
       writers' call), into the page cache without and with write-back started as each piece is
       written, and until fsync returns (a shard is fsynced before its rename);
@@ -311,11 +311,11 @@ def child_eyrie(
 
 def run_shards(ex, tokenized, stem: Path, shards: int, behind: bool) -> dict:
     """`shards` shards of `tokenized` back to back through the Extractor `ex`, as the engine
-    serves them (behind: each close handed to engine.Behind while the next computes; else one
+    serves them (behind: each close handed to serving.Behind while the next computes; else one
     at a time, extract() each): seconds, and per shard (mean) where the time went as the driver
     saw it: waiting for the engine's next call, reading its files, waiting for the writers, and
     the close (validation, fsync, rename)."""
-    from eyrie.extract.engine import Behind
+    from eyrie.extract.serving import Behind
 
     waits = getattr(ex.backend, "waits", {})
     for k in waits:

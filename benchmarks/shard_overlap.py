@@ -1,5 +1,5 @@
 """Shards back to back through one engine, the close of one behind the next one's compute
-(eyrie.extract.engine.Behind) against one shard at a time (the engine before it), side by side
+(eyrie.extract.serving.Behind) against one shard at a time (the engine before it), side by side
 in one run, on a CPU, with the real Extractor, writer threads, ShardWriter and Behind:
 
   (a) the engine alone: a stand-in for the capture path's engine (`PacedCaptureStandin`, named

@@ -42,7 +42,7 @@ FILE_WAIT_S = 60.0  # how long a request's file may lag behind generate() return
 SHM = Path("/dev/shm")
 # generate() calls whose request files (or their mapped memory) may be held at once: the call
 # ahead, the one being read, up to three waiting for or in the writers (batches.Writers), and
-# three more in the writers of the shard finishing behind this one (engine.Behind)
+# three more in the writers of the shard finishing behind this one (serving.Behind)
 SCRATCH_CALLS = 8
 
 

@@ -276,7 +276,7 @@ def test_deepest_kimi_fits_the_gpu_it_is_made_for():
 
 def test_shard_overlap_benchmark_tiny(tmp_path):
     """benchmarks/shard_overlap.py on a few prompts: shards back to back through the real
-    Extractor and engine.Behind after a paced stand-in engine, every row in the table, the
+    Extractor and serving.Behind after a paced stand-in engine, every row in the table, the
     scratch and the shards removed."""
     if not Path("/dev/shm").is_dir():
         pytest.skip("no /dev/shm on this machine (the capture path's scratch folder)")

@@ -22,8 +22,8 @@ import pytest
 
 from eyrie.cli import main as cli_main
 from eyrie.core.errors import EngineError
-from eyrie.extract.engine import STOP_GRACE_S, Engine
 from eyrie.extract.protocol import EngineSocket, request
+from eyrie.extract.serving import STOP_GRACE_S, Engine
 from tests.support.extract_helpers import build_case, extract_args, settings, write_tokenized
 from tests.support.stages import eyrie_cmd, run_stage
 

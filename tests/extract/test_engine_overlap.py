@@ -1,5 +1,5 @@
 """A shard's close (last writes, fsync, rename) runs behind the next shard's compute in the
-engine (engine.Behind): the next shard starts before the last one is on the disk, each client
+engine (serving.Behind): the next shard starts before the last one is on the disk, each client
 hears only once its shard is complete, the bytes are those of one shard at a time, a failed
 close reaches its own client and leaves no shard, and at most one shard closes at a time."""
 
@@ -19,9 +19,10 @@ import pytest
 
 from eyrie.core.errors import EngineError
 from eyrie.extract import engine as engine_mod
-from eyrie.extract.engine import Behind, Engine, Load
+from eyrie.extract.engine import Load
 from eyrie.extract.extractor import Extractor
 from eyrie.extract.protocol import EngineSocket, request
+from eyrie.extract.serving import Behind, Engine
 from eyrie.formats import hidden_writer
 from tests.support.extract_helpers import build_case, settings, write_tokenized
 
