@@ -40,7 +40,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 SHAPES = {"kimi4": (3, 7168), "llama8b": (3, 4096)}  # (aux ids, hidden size)
-CALL_TOKENS = 32768  # extract.max_tokens_per_batch of extraction_vllm.py's rows
 
 
 def make_files(scratch: Path, lengths: list[int], n_aux: int, H: int, storage: str) -> list[Path]:
@@ -94,25 +93,41 @@ def writeback(on: bool, ahead: int | None):
         hidden_writer.start_writeback, hidden_writer.WRITEBACK_AHEAD = saved
 
 
+def file_batches(paths: list[Path], lengths: list[int], call: list[int]):
+    """One generate() call's request files as the capture path's FileBatches: cut into one
+    batch per writer thread, rows copied by the kernel, the files closed with the last."""
+    from eyrie.extract.batches import WRITERS, FileBatch
+    from eyrie.extract.requestfile import BAD, TOKEN_IDS, RequestFile
+    from eyrie.extract.vllm_backend import _CloseWithLast, _parts
+
+    files = [RequestFile(paths[j]) for j in call]
+    parts = _parts([lengths[j] for j in call], WRITERS)
+    free = _CloseWithLast(files, len(parts))
+    for part in parts:
+        fs = [files[p] for p in part]
+        yield FileBatch(
+            [call[p] for p in part],
+            [lengths[call[p]] for p in part],
+            [{n: f.source(n) for n in f.arrays if n not in (BAD, TOKEN_IDS)} for f in fs],
+            [(f.arrays["aux_hidden"][1], f.arrays["final_hidden"][1]) for f in fs],
+            np.concatenate([f.read(BAD) for f in fs]),
+            free=free,
+        )
+
+
 def run(
     kind: str, root: Path, paths: list[Path], lengths: list[int], n_aux: int, H: int, storage: str
 ) -> tuple[float, float]:
     """Seconds to write every prompt's files into a new shard (until the writers are done) and
     to close it, `kind` mapped | sendfile."""
-    from eyrie.extract.batches import WRITERS, FileBatch, StagedBatch, Writers
-    from eyrie.extract.requestfile import BAD, TOKEN_IDS, RequestFile
-    from eyrie.extract.vllm_backend import _CloseWithLast, _parts
+    from extraction_vllm import calls_of
+
+    from eyrie.extract.batches import StagedBatch, Writers
+    from eyrie.extract.requestfile import BAD, TOKEN_IDS
     from eyrie.formats.hidden import ShardMeta
     from eyrie.formats.hidden_writer import ShardWriter
 
-    calls, call, n = [], [], 0
-    for j, T in enumerate(lengths):
-        if call and n + T > CALL_TOKENS:
-            calls.append(call)
-            call, n = [], 0
-        call.append(j)
-        n += T
-    calls.append(call)
+    calls = calls_of(lengths)
     meta = ShardMeta("fp", "tok", list(range(1, n_aux + 1)), n_aux + 1, H, storage)
     ids = [[1] * T for T in lengths]
     shard = root / f"{kind}.h5"
@@ -127,24 +142,8 @@ def run(
                     lens = [lengths[j] for j in call]
                     writers.submit(StagedBatch(call, lens, rows, bad, None, free=got.clear))
                     continue
-                files = [RequestFile(paths[j]) for j in call]
-                parts = _parts([lengths[j] for j in call], WRITERS)
-                free = _CloseWithLast(files, len(parts))
-                for part in parts:
-                    fs = [files[p] for p in part]
-                    writers.submit(
-                        FileBatch(
-                            [call[p] for p in part],
-                            [lengths[call[p]] for p in part],
-                            [
-                                {n: f.source(n) for n in f.arrays if n not in (BAD, TOKEN_IDS)}
-                                for f in fs
-                            ],
-                            [(f.arrays["aux_hidden"][1], f.arrays["final_hidden"][1]) for f in fs],
-                            np.concatenate([f.read(BAD) for f in fs]),
-                            free=free,
-                        )
-                    )
+                for batch in file_batches(paths, lengths, call):
+                    writers.submit(batch)
             writers.join()
             written = time.perf_counter() - t0
     closed = time.perf_counter() - t0

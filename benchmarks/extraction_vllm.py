@@ -114,6 +114,21 @@ SHAPES = {
 }
 DEEP = ["kimideepint4"]  # made for the GPU at hand (shape_config)
 MAX_TOKENS_PER_CALL = 32768  # extract.max_tokens_per_batch of every row
+
+
+def calls_of(lengths: list[int]) -> list[list[int]]:
+    """Prompt indices in order, grouped into generate() calls of at most MAX_TOKENS_PER_CALL
+    tokens, as VllmBackend groups them."""
+    calls, call, n = [], [], 0
+    for j, T in enumerate(lengths):
+        if call and n + T > MAX_TOKENS_PER_CALL:
+            calls.append(call)
+            call, n = [], 0
+        call.append(j)
+        n += T
+    return [*calls, call] if call else calls
+
+
 GIB = 2**30
 # what the deepest Kimi row leaves beside its weights, within gpu_memory_utilization: the
 # activations of a 32,768-token call (Llama-3.1-8B's took 2.7 GiB on the H200, 384 experts' fused
@@ -249,14 +264,10 @@ def child_bare(root: Path, shape: str, passes: int) -> dict:
     )
     ready = time.perf_counter() - t0
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    chunks, chunk, n = [], [], 0
-    for x in ids:
-        if chunk and n + len(x) > MAX_TOKENS_PER_CALL:
-            chunks.append(chunk)
-            chunk, n = [], 0
-        chunk.append({"prompt_token_ids": x.astype(np.int64).tolist()})
-        n += len(x)
-    chunks.append(chunk)
+    chunks = [
+        [{"prompt_token_ids": ids[j].astype(np.int64).tolist()} for j in call]
+        for call in calls_of([len(x) for x in ids])
+    ]
     best = float("inf")
     for _ in range(passes):
         t0 = time.perf_counter()

@@ -37,28 +37,17 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 # (aux ids, hidden size, the H200's bare prefill in tokens/s: round 4, 160 prompts)
 SHAPES = {"llama8b": (3, 4096, 41_906), "kimi4": (3, 7168, 48_719)}
-CALL_TOKENS = 32768  # extract.max_tokens_per_batch of extraction_vllm.py's rows
 
 
 def paced_standin(paths: list[Path], lengths: list[int], rate: float):
     """A backend class whose states() yields the request files' rows as the capture path's
     FileBatches, a call no sooner than an engine at `rate` tokens/s would have computed it."""
-    from eyrie.extract.batches import WRITERS, FileBatch
-    from eyrie.extract.requestfile import BAD, TOKEN_IDS, RequestFile
-    from eyrie.extract.vllm_backend import _CloseWithLast, _parts
+    from capture_writes import file_batches
+    from extraction_vllm import calls_of
 
-    calls, call, n = [], [], 0
-    for j, T in enumerate(lengths):
-        if call and n + T > CALL_TOKENS:
-            calls.append(call)
-            call, n = [], 0
-        call.append(j)
-        n += T
-    calls.append(call)
+    calls = calls_of(lengths)
 
     class PacedCaptureStandin:
-        waited_s = 0.0  # time states() slept for the stand-in engine
-
         def __init__(self, *args):
             pass
 
@@ -69,26 +58,9 @@ def paced_standin(paths: list[Path], lengths: list[int], rate: float):
                 now = time.monotonic()
                 if ready > now:
                     time.sleep(ready - now)
-                    PacedCaptureStandin.waited_s += ready - now
-                taken = max(now, ready)
                 if k + 1 < len(calls):
-                    ready = taken + sum(lengths[j] for j in calls[k + 1]) / rate
-                files = [RequestFile(paths[j]) for j in call]
-                parts = _parts([lengths[j] for j in call], WRITERS)
-                free = _CloseWithLast(files, len(parts))
-                for part in parts:
-                    fs = [files[p] for p in part]
-                    yield FileBatch(
-                        [call[p] for p in part],
-                        [lengths[call[p]] for p in part],
-                        [
-                            {n: f.source(n) for n in f.arrays if n not in (BAD, TOKEN_IDS)}
-                            for f in fs
-                        ],
-                        [(f.arrays["aux_hidden"][1], f.arrays["final_hidden"][1]) for f in fs],
-                        np.concatenate([f.read(BAD) for f in fs]),
-                        free=free,
-                    )
+                    ready = max(now, ready) + sum(lengths[j] for j in calls[k + 1]) / rate
+                yield from file_batches(paths, lengths, call)
 
         def close(self):
             pass
@@ -98,6 +70,8 @@ def paced_standin(paths: list[Path], lengths: list[int], rate: float):
 
 def extractor(root: Path, n_aux: int, H: int, storage: str, backend):
     """An Extractor on a config-only target (no weights: the stand-in is its backend)."""
+    from extraction_vllm import MAX_TOKENS_PER_CALL
+
     from eyrie.arch.target import fingerprint
     from eyrie.extract import extractor as module
 
@@ -124,7 +98,7 @@ def extractor(root: Path, n_aux: int, H: int, storage: str, backend):
             "device": "cpu",
             "dtype": "bfloat16",
             "storage_dtype": storage,
-            "max_tokens_per_batch": CALL_TOKENS,
+            "max_tokens_per_batch": MAX_TOKENS_PER_CALL,
         },
         "layers": {"aux_ids": list(range(1, n_aux + 1))},
         "trust_remote_code": False,

@@ -206,7 +206,7 @@ class Extractor:
                     writers.submit(item)
                     progress.add(item.batch)
             # kept open for finish(): a failure above closed them (the temporary file removed)
-            return PendingShard(Path(out), stack.pop_all(), writers, progress, self)
+            return PendingShard(Path(out), stack.pop_all(), writers, progress, self.load_s)
 
     def _meta(self) -> ShardMeta:
         from eyrie.formats.hidden import ShardMeta
@@ -243,27 +243,25 @@ class PendingShard:
     """A shard whose batches are all with the writers (`Extractor.start`): `finish()` waits for
     the writes, then closes the shard (validation, fsync, rename: complete only then) and
     returns its path; `abandon()` removes it instead. Either may run in another thread than
-    the start; one of them must run. `compute_s`, `writes_s`, `close_s`: where its time went
-    (the backend's loop; waiting for the writers after it; the close)."""
+    the start; one of them must run. `compute_s`, `close_s`: where its time went (the
+    backend's loop; the close), beside `writers.wait_s` (waiting for the writers)."""
 
-    def __init__(self, out: Path, held, writers: Writers, progress: _Progress, owner: Extractor):
+    def __init__(self, out: Path, held, writers: Writers, progress: _Progress, load_s: float):
         self.out, self.held, self.writers, self.progress = out, held, writers, progress
-        self.owner = owner
+        self.load_s = load_s
         self.compute_s = time.monotonic() - progress.start
-        self.writes_s = self.close_s = 0.0
+        self.close_s = 0.0
 
     def finish(self) -> Path:
-        t0 = time.monotonic()
         try:
             self.writers.join()
         except BaseException:
             self.held.__exit__(*sys.exc_info())  # the shard's temporary file goes
             raise
-        t1 = time.monotonic()
+        t0 = time.monotonic()
         self.held.close()  # Writers, then ShardWriter: validation, fsync, rename
-        self.writes_s, self.close_s = t1 - t0, time.monotonic() - t1
-        self.owner.write_wait_s = self.writers.wait_s  # the benchmark's breakdown reads it
-        self.progress.wrote(self.out, self.writers.wait_s, self.owner.load_s)
+        self.close_s = time.monotonic() - t0
+        self.progress.wrote(self.out, self.writers.wait_s, self.load_s)
         return self.out
 
     def abandon(self) -> None:

@@ -40,6 +40,28 @@ def shards(tmp: Path, first: Path, ids, masks) -> list[Path]:
     return [first, *more]
 
 
+def start_clients(sock: Path, paths: list[Path], cfg: dict) -> tuple[list, dict, dict]:
+    """One `request` per shard in a thread of its own, started 0.2 s apart (the backlog is first
+    in, first out): (threads, replies: out stem -> reply or EngineError, when each heard)."""
+    replies: dict[str, object] = {}
+    heard: dict[str, float] = {}
+
+    def client(path: Path) -> None:
+        out = path.parent / f"out_{path.stem}.h5"
+        try:
+            replies[out.stem] = request(EngineSocket(sock, wait_s=60), path, out, settings=cfg)
+        except EngineError as exc:
+            replies[out.stem] = exc
+        heard[out.stem] = time.monotonic()
+
+    threads = []
+    for path in paths:
+        threads.append(threading.Thread(target=client, args=(path,), daemon=True))
+        threads[-1].start()
+        time.sleep(0.2)
+    return threads, replies, heard
+
+
 def serve_three(tmp: Path, monkeypatch, fail_close_of: str | None = None):
     """Three clients, connected in order, served by one in-process engine whose shard closes
     (the fsync before the rename) take SLOW_CLOSE_S each; events: (what, shard stem, time)."""
@@ -68,22 +90,7 @@ def serve_three(tmp: Path, monkeypatch, fail_close_of: str | None = None):
     monkeypatch.setattr(Extractor, "start", start)
     sock = tmp / "engine.sock"
     engine = Engine(sock, idle_exit_s=1.0)
-    replies: dict[str, object] = {}
-    heard: dict[str, float] = {}
-
-    def client(path: Path) -> None:
-        out = tmp / f"out_{path.stem}.h5"
-        try:
-            replies[out.stem] = request(EngineSocket(sock, wait_s=60), path, out, settings=cfg)
-        except EngineError as exc:
-            replies[out.stem] = exc
-        heard[out.stem] = time.monotonic()
-
-    threads = []
-    for path in paths:  # connected in this order: the backlog is first in, first out
-        threads.append(threading.Thread(target=client, args=(path,)))
-        threads[-1].start()
-        time.sleep(0.2)
+    threads, replies, heard = start_clients(sock, paths, cfg)
     rc = engine_mod._load_and_serve(engine, Load(target, preflight, cfg))
     engine.close()
     for t in threads:
@@ -213,22 +220,10 @@ sys.exit(engine.serve({str(sock)!r}, load, idle_exit_s=60))
     proc = subprocess.Popen(
         [sys.executable, "-c", script], stdout=log.open("w"), stderr=subprocess.STDOUT
     )
-    replies: dict[str, object] = {}
-
-    def client(path: Path) -> None:
-        out = tmp_path / f"out_{path.stem}.h5"
-        try:
-            replies[out.stem] = request(EngineSocket(sock, wait_s=60), path, out, settings=cfg)
-        except EngineError as exc:
-            replies[out.stem] = exc
-
     deadline = time.monotonic() + 60  # bound first: the clients then queue in their order
     while not sock.is_socket() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    threads = [threading.Thread(target=client, args=(p,), daemon=True) for p in paths]
-    for t in threads:
-        t.start()
-        time.sleep(0.2)
+    threads, replies, _ = start_clients(sock, paths, cfg)
     deadline = time.monotonic() + 60
     while "closing .out_shard_000" not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
