@@ -118,16 +118,10 @@ MAX_TOKENS_PER_CALL = 32768  # extract.max_tokens_per_batch of every row
 
 
 def calls_of(lengths: list[int]) -> list[list[int]]:
-    """Prompt indices in order, grouped into generate() calls of at most MAX_TOKENS_PER_CALL
-    tokens, as VllmBackend groups them."""
-    calls, call, n = [], [], 0
-    for j, T in enumerate(lengths):
-        if call and n + T > MAX_TOKENS_PER_CALL:
-            calls.append(call)
-            call, n = [], 0
-        call.append(j)
-        n += T
-    return [*calls, call] if call else calls
+    """Prompt indices grouped into generate() calls as every row's VllmBackend groups them."""
+    from eyrie.extract.vllm_backend import generate_calls
+
+    return generate_calls(lengths, MAX_TOKENS_PER_CALL)
 
 
 GIB = 2**30

@@ -62,6 +62,19 @@ def scratch_folder(need_bytes: int) -> Path:
 AUX, FINAL = HIDDEN
 
 
+def generate_calls(lengths: list[int], tokens_per_call: int) -> list[list[int]]:
+    """Samples in order, grouped into generate() calls of at most `tokens_per_call` tokens (a
+    longer sample is a call of its own)."""
+    calls, call, tokens = [], [], 0
+    for i, n in enumerate(lengths):
+        if call and tokens + n > tokens_per_call:
+            calls.append(call)
+            call, tokens = [], 0
+        call.append(i)
+        tokens += n
+    return [*calls, call] if call else calls
+
+
 def _parts(lengths: list[int], n: int) -> list[list[int]]:
     """Indices 0..len-1 in order, cut into at most n runs of about equal total length."""
     total, parts, run, acc = sum(lengths), [], [], 0
@@ -191,7 +204,7 @@ class VllmBackend:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        chunks = list(self._chunks([len(x) for x in input_ids]))
+        chunks = generate_calls([len(x) for x in input_ids], self.tokens_per_call)
         with ThreadPoolExecutor(1, thread_name_prefix="eyrie-generate") as ahead:
             self._ahead = (
                 ahead.submit(self._generate, input_ids, chunks[0], 0, params) if chunks else None
@@ -319,18 +332,6 @@ class VllmBackend:
                 "this target: try vllm.extraction_path: capture"
             )
         return hs
-
-    def _chunks(self, lengths: list[int]) -> Iterator[list[int]]:
-        """Samples in order, grouped into generate() calls of at most tokens_per_call tokens."""
-        chunk, tokens = [], 0
-        for i, n in enumerate(lengths):
-            if chunk and tokens + n > self.tokens_per_call:
-                yield chunk
-                chunk, tokens = [], 0
-            chunk.append(i)
-            tokens += n
-        if chunk:
-            yield chunk
 
     def _file_of(self, out) -> Path:
         """The native connector's file of request `out`."""

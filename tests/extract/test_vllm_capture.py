@@ -358,3 +358,15 @@ def test_a_request_file_for_other_tokens_is_one_clear_line(tmp_path, monkeypatch
     (tmp_path / "junk.safetensors").write_bytes(b"\x01")
     with pytest.raises(ExtractError, match="junk.safetensors: not a readable request file"):
         read_request(tmp_path / "junk.safetensors")
+
+
+def test_generate_calls_keep_order_and_the_token_bound():
+    """The driver's generate() calls: samples in order, at most the bound's tokens per call, and
+    a sample longer than the bound alone in its call (never split, never dropped)."""
+    from eyrie.extract.vllm_backend import generate_calls
+
+    lengths = [10, 20, 5, 40, 1, 1, 30]
+    calls = generate_calls(lengths, 32)
+    assert calls == [[0, 1], [2], [3], [4, 5, 6]]  # 1 + 1 + 30: exactly the bound
+    assert [i for call in calls for i in call] == list(range(len(lengths)))
+    assert generate_calls([], 32) == []
