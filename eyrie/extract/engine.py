@@ -123,8 +123,8 @@ class _Lazy:
     the output store restores asks nothing and loads nothing (docs/store.md). A failed load is
     the reply to that request and every later one."""
 
-    def __init__(self, engine: Engine, load: Load):
-        self.engine, self.load = engine, load
+    def __init__(self, load: Load):
+        self.load = load
         self.extractor = None
         self.handle: Callable[[dict], Reply] | None = None
         self.failed = False
@@ -161,7 +161,7 @@ class _Lazy:
 
 def _load_and_serve(engine: Engine, load: Load) -> int:
     """0 after serving shards until idle; 1 after serving a failed load's error until idle."""
-    lazy = _Lazy(engine, load)
+    lazy = _Lazy(load)
     try:
         engine.serve(lazy)
     finally:
