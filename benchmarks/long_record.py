@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 CHILD = """
 import json, sys
 from transformers import AutoTokenizer
-from eyrie.data.records import to_conversation
-from eyrie.data.turns import MaskSettings, masked_samples
+from eyrie.chat.records import to_conversation
+from eyrie.chat.samples import MaskSettings, masked_samples
 tok = AutoTokenizer.from_pretrained({target!r})
 conv = to_conversation(json.loads(open({record!r}).read()))
 (ids, mask), = masked_samples(tok, conv, MaskSettings("prefix"), max_tokens={max_tokens}).samples

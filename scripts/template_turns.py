@@ -34,13 +34,13 @@ def trained_runs() -> dict:
     sys.path.insert(0, str(TESTS / "support"))
     from template_cases import CASES, PUBLISHED, standin_tokenizer, trained_text
 
-    from eyrie.data.records import RecordError, to_conversation
+    from eyrie.chat.records import RecordError, to_conversation
 
     try:  # this tree: a ChatTemplate with the generation config's stop tokens
-        from eyrie.data.chat import ChatTemplate
-        from eyrie.data.turns import MaskSettings, masked_samples
+        from eyrie.chat.samples import MaskSettings, masked_samples
+        from eyrie.chat.template import ChatTemplate
     except ImportError:  # before: the bare tokenizer
-        from eyrie.data.chat import MaskSettings, masked_samples
+        from eyrie.chat.template import MaskSettings, masked_samples
 
         ChatTemplate = None
     out = {}

@@ -1,7 +1,7 @@
 """The usable records of the conversation files, tokenized: what the tokenize stage collects.
 
 `collect_records` reads every input in order and tokenizes each record into its samples
-(eyrie.data.turns), counting the unusable ones by reason in a `Tally` (data.strict: the first
+(eyrie.chat.samples), counting the unusable ones by reason in a `Tally` (data.strict: the first
 stops the stage); `split_records` holds out the eval records and cuts the rest into shards;
 `regenerated_shards` puts the regenerate stage's responses in place of the training records'.
 docs/data.md.
@@ -15,19 +15,19 @@ import random
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from eyrie.config.schema import load_settings
-from eyrie.core.errors import DataError
-from eyrie.data.chat import ChatTemplate
-from eyrie.data.inputs import read_records
-from eyrie.data.jsonlines import read_json_lines
-from eyrie.data.records import (
+from eyrie.chat.records import (
     REASONS,
     Conversation,
     RawRecord,
     RecordError,
     to_conversation,
 )
-from eyrie.data.turns import MaskSettings, masked_samples
+from eyrie.chat.samples import MaskSettings, masked_samples
+from eyrie.chat.template import ChatTemplate
+from eyrie.config.schema import load_settings
+from eyrie.core.errors import DataError
+from eyrie.data.inputs import read_records
+from eyrie.data.jsonlines import read_json_lines
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class Record:
     mode: str  # the mask mode that made the samples: prefix | per_turn | generation
     truncated: int = 0  # samples cut to max_seq_len
     dropped_samples: int = 0  # samples with no assistant token left after the cut
-    turns: dict = field(default_factory=dict)  # eyrie.data.turns.TURN_COUNTS
+    turns: dict = field(default_factory=dict)  # eyrie.chat.samples.TURN_COUNTS
 
     @property
     def sample_id(self) -> str:

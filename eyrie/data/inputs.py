@@ -18,8 +18,8 @@ from typing import IO, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eyrie.chat.records import REASONS, RawRecord, RecordError, _one_line
 from eyrie.core.errors import DataError
-from eyrie.data.records import REASONS, RawRecord, RecordError, _one_line
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet")
 

@@ -57,7 +57,7 @@ def _question(record, where: str, n: int) -> tuple[str, str]:
 
 def question_prompts(template, questions: list[tuple[str, str]]) -> list[tuple[str, list[int]]]:
     """(sample_id, prompt ids): each first turn as a user message with the generation prompt
-    (`template`: an eyrie.data.chat.ChatTemplate, with data.chat_template_kwargs)."""
+    (`template`: an eyrie.chat.template.ChatTemplate, with data.chat_template_kwargs)."""
     out = []
     for sample_id, text in questions:
         rendered = template.render([{"role": "user", "content": text}], add_generation_prompt=True)
@@ -89,7 +89,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from eyrie.data.chat import ChatTemplate
+    from eyrie.chat.template import ChatTemplate
 
     questions = read_questions(args.questions)
     trust = args.settings.get("trust_remote_code", False)

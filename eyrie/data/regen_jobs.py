@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from eyrie.data.chat import ChatTemplate
-from eyrie.data.records import Conversation, RecordError, _one_line
+from eyrie.chat.records import Conversation, RecordError, _one_line
+from eyrie.chat.template import ChatTemplate
 
 if TYPE_CHECKING:
     from eyrie.data.regeneration import RegenSettings

@@ -16,10 +16,10 @@ import logging
 from pathlib import Path
 
 from eyrie.arch.loader import load_causal_lm
+from eyrie.chat.template import end_token_ids, load_chat_tokenizer
 from eyrie.core.errors import DataError
 from eyrie.core.io import provenance
 from eyrie.core.runtime import auto_device, auto_dtype
-from eyrie.data.chat import end_token_ids, load_chat_tokenizer
 from eyrie.data.regen_jobs import Generated, split_at_end
 from eyrie.data.regeneration import RegenSettings, add_shard_arguments, run_shard, target_context
 

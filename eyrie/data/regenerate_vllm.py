@@ -15,10 +15,10 @@ import json
 import logging
 from pathlib import Path
 
+from eyrie.chat.template import end_token_ids, generation_eos, load_chat_tokenizer
 from eyrie.config.sections import VllmSettings, load_with_vllm
 from eyrie.core.errors import DataError
 from eyrie.core.io import provenance
-from eyrie.data.chat import end_token_ids, generation_eos, load_chat_tokenizer
 from eyrie.data.regen_jobs import Generated, split_at_end
 from eyrie.data.regeneration import (
     CHUNK_RECORDS,

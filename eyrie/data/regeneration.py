@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 from eyrie.arch.target import read_config
+from eyrie.chat.records import RawRecord, RecordError, to_conversation
+from eyrie.chat.template import ChatTemplate
 from eyrie.config.schema import load_settings, schema_default
 from eyrie.core.errors import DataError
 from eyrie.core.io import atomic_path
-from eyrie.data.chat import ChatTemplate
 from eyrie.data.inputs import read_records
-from eyrie.data.records import RawRecord, RecordError, to_conversation
 from eyrie.data.regen_jobs import Generated, Job, Request
 from eyrie.store import store
 from eyrie.store.fingerprint import content_digest

@@ -17,9 +17,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eyrie.chat.samples import (
+    TURN_COUNTS,
+    check_mode,
+    prompt_ids,
+    template_traits,
+)
+from eyrie.chat.template import ChatTemplate
 from eyrie.core.errors import DataError, TargetError
 from eyrie.core.io import atomic_path, keep_last_good, provenance
-from eyrie.data.chat import ChatTemplate
 from eyrie.data.collect import (
     TOP_REASONS,
     DataSettings,
@@ -30,12 +36,6 @@ from eyrie.data.collect import (
     read_regenerated,
     regenerated_shards,
     split_records,
-)
-from eyrie.data.turns import (
-    TURN_COUNTS,
-    check_mode,
-    prompt_ids,
-    template_traits,
 )
 from eyrie.formats.tokenized import EVAL_SCHEMA, SHARD_SCHEMA
 

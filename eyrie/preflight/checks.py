@@ -147,9 +147,9 @@ def check_tokenizer(
     anything."""
     from transformers import AutoTokenizer
 
-    from eyrie.data.chat import ChatTemplate, tokenizer_files_problem
-    from eyrie.data.records import Conversation, _one_line
-    from eyrie.data.turns import MaskSettings, masked_samples, template_traits
+    from eyrie.chat.records import Conversation, _one_line
+    from eyrie.chat.samples import MaskSettings, masked_samples, template_traits
+    from eyrie.chat.template import ChatTemplate, tokenizer_files_problem
 
     problem = tokenizer_files_problem(path, trust_remote_code)
     if problem:
@@ -193,7 +193,7 @@ def check_tokenizer(
 def _eos(path: Path):
     """generation_config.json's eos ids (else config.json's); None where neither can be read:
     read_target reports those files."""
-    from eyrie.data.chat import generation_eos
+    from eyrie.chat.template import generation_eos
 
     try:
         return generation_eos(path)

@@ -14,14 +14,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from eyrie import cli as cli
+from eyrie.chat import records as records_mod
+from eyrie.chat.records import RecordError, to_conversation
+from eyrie.chat.samples import MaskSettings, masked_samples, template_traits
 from eyrie.core.errors import DataError
 from eyrie.data import inputs as inputs_mod
-from eyrie.data import records as records_mod
 from eyrie.data.collect import DataSettings, collect_records
 from eyrie.data.inputs import read_records
-from eyrie.data.records import RecordError, to_conversation
 from eyrie.data.tokenize import tokenize
-from eyrie.data.turns import MaskSettings, masked_samples, template_traits
 from tests.support.models import config_only_llama
 from tests.support.template_cases import CASES, family_tokenizer, standin_target, trained_text
 
@@ -261,7 +261,8 @@ def test_a_long_record_is_tokenized_by_its_head_to_the_same_tokens(monkeypatch):
     """A record far longer than max_seq_len: only a head of its text is tokenized (a whole
     60 MB record took 24 GB and 3.5 minutes to keep 256 tokens), and the tokens and mask kept
     are those of the whole text cut to max_seq_len. Short texts are encoded whole."""
-    from eyrie.data import encoding, turns
+    from eyrie.chat import encoding
+    from eyrie.chat import samples as turns
 
     tok = family_tokenizer("llama3")
     words = " ".join(f"w{i % 97}x{i % 13}" for i in range(20000))
@@ -481,7 +482,7 @@ def test_template_switches_reach_training_and_evaluation_prompts(tmp_path):
             "<|im_start|>assistant\n<think>\n\n</think>\n\n"
         )
     # the questions of eval.prompts likewise
-    from eyrie.data.chat import ChatTemplate
+    from eyrie.chat.template import ChatTemplate
     from eyrie.data.questions import question_prompts
 
     tpl = ChatTemplate.load(target, kwargs={"enable_thinking": False})

@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from eyrie import cli
+from eyrie.chat.records import to_conversation
 from eyrie.core.errors import DataError
 from eyrie.data import regenerate_vllm
-from eyrie.data.records import to_conversation
 from eyrie.data.regen_jobs import Generated, Job, opens_think, parse_response, split_at_end
 from eyrie.data.regeneration import (
     RegenSettings,

@@ -22,9 +22,9 @@ import sys
 
 import pytest
 
-from eyrie.data.chat import ChatTemplate
-from eyrie.data.records import RecordError, to_conversation
-from eyrie.data.turns import MaskSettings, conversation_samples, masked_samples, template_traits
+from eyrie.chat.records import RecordError, to_conversation
+from eyrie.chat.samples import MaskSettings, conversation_samples, masked_samples, template_traits
+from eyrie.chat.template import ChatTemplate
 from tests.support import TESTS
 from tests.support.models import config_only_llama
 from tests.support.template_cases import (

@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from eyrie import cli as cli
+from eyrie.chat.records import REASONS, RawRecord, RecordError, to_messages
+from eyrie.chat.samples import prompt_ids, render_with_mask
+from eyrie.chat.template import load_chat_tokenizer
 from eyrie.core.errors import DataError
-from eyrie.data.chat import load_chat_tokenizer
 from eyrie.data.collect import LISTED_WHEN_SEEN, DataSettings, collect_records, tokenize_record
-from eyrie.data.records import REASONS, RawRecord, RecordError, to_messages
-from eyrie.data.turns import prompt_ids, render_with_mask
 from eyrie.demo.tokenizer import CHAT_TEMPLATE, build_chat_tokenizer
 from tests.support.models import config_only_llama
 

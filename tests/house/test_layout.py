@@ -3,8 +3,8 @@ functions included:
 
 - an entry module (a stage of eyrie/cli.py's STAGES, or a module run by `python -m`) is imported
   by no eyrie module: entries are leaves, only the dispatcher reaches them, by name;
-- the library folders (LIBRARY: core, config, arch, formats, store, vllm) import no stage folder:
-  the imports between folders point one way, from the stages down;
+- the library folders (LIBRARY: core, config, arch, formats, store, vllm, chat) import no stage
+  folder: the imports between folders point one way, from the stages down;
 - no module that runs in the vLLM environment (VLLM_ENV: eyrie.vllm, the stages the rules run
   with vllm.python, the modules vLLM loads by name) reaches eyrie.train code;
 - the shard client (`eyrie extract`) and the extraction engine start without torch, numpy, h5py,
@@ -246,7 +246,7 @@ def test_entry_modules_are_imported_by_no_eyrie_module():
     fail_if(bad, "entry modules are leaves: move what these imports need into a library module:")
 
 
-LIBRARY = ("core", "config", "arch", "formats", "store", "vllm")
+LIBRARY = ("core", "config", "arch", "formats", "store", "vllm", "chat")
 STAGE_FOLDERS = ("data", "demo", "preflight", "extract", "train", "export", "evaluate")
 
 

@@ -7,7 +7,7 @@ effect) with `data.chat_template_kwargs`, after normalising them as vLLM's chat 
 tool-call arguments given as JSON text reach the template as objects, or as text where the
 template's own probe shows it concatenates them as strings (`tool_arguments`). `stops` are the
 texts of the tokens generation stops on (the tokenizer's eos and generation_config.json's
-eos_token_id list). What is trained from the renderings: eyrie.data.turns, docs/data.md.
+eos_token_id list). What is trained from the renderings: eyrie.chat.samples, docs/data.md.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eyrie.chat.records import RecordError, _one_line
 from eyrie.core.errors import DataError
-from eyrie.data.records import RecordError, _one_line
 
 # The files transformers builds a tokenizer from (its tokenizers' vocab_files_names): a fast
 # tokenizer.json, a sentencepiece *.model (tokenizer.model, spiece.model, ...), BPE or WordPiece

@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from eyrie.data.chat import ChatTemplate
-from eyrie.data.records import Conversation, RecordError
+from eyrie.chat.records import Conversation, RecordError
+from eyrie.chat.template import ChatTemplate
 
 SENTINEL = "\u2063"  # invisible separator: marks where a turn's own text ends or begins
 

@@ -1,6 +1,6 @@
 """What is trained: for every assistant turn, exactly the text the model generates for it, after
 exactly the prompt an inference server renders for it (each turn found by
-eyrie.data.turn_text.turn_of).
+eyrie.chat.turn.turn_of).
 
 `masked_samples` joins turns whose contexts continue one another into samples and encodes them
 with their loss mask; `template_traits` tests a template once. docs/data.md#the-loss-mask.
@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from eyrie.chat.encoding import encode_head
+from eyrie.chat.records import Conversation, RecordError
+from eyrie.chat.template import ChatTemplate
+from eyrie.chat.turn import Turn, reasoning_of, turn_of
 from eyrie.core.errors import DataError
-from eyrie.data.chat import ChatTemplate
-from eyrie.data.encoding import encode_head
-from eyrie.data.records import Conversation, RecordError
-from eyrie.data.turn_text import Turn, reasoning_of, turn_of
 
 GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -150,7 +150,7 @@ def masked_samples(
 ) -> Masked:
     """The training samples of one conversation under `settings.mode`, encoded with their loss
     masks; RecordError if the template fails (or, mode prefix, is not prefix-stable for it).
-    With `max_tokens`, a sample's tokens past it may be left out (eyrie.data.encoding)."""
+    With `max_tokens`, a sample's tokens past it may be left out (eyrie.chat.encoding)."""
     tpl = as_template(template)
     samples, mode, counts = conversation_samples(tpl, conv, settings.mode)
     if not settings.train_reasoning:

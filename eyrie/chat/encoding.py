@@ -1,11 +1,11 @@
 """A sample's text -> token ids and loss mask: the tokens that start inside an assistant span
 are trained. `encode_head` encodes only a head of a text far longer than the sample can be
-(eyrie.data.turns.masked_samples with max_tokens: data.max_seq_len).
+(eyrie.chat.samples.masked_samples with max_tokens: data.max_seq_len).
 """
 
 from __future__ import annotations
 
-from eyrie.data.records import RecordError
+from eyrie.chat.records import RecordError
 
 HEAD_CHARS_PER_TOKEN = 16  # the first cut of a long text: this many characters per token kept
 
