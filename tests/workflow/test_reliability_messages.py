@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from eyrie import cli
+from eyrie.chat.template import load_chat_tokenizer
 from eyrie.config.schema import (
     config_file,
     config_warnings,
@@ -26,7 +27,6 @@ from eyrie.config.schema import (
 )
 from eyrie.core.errors import ConfigError, DataError
 from eyrie.core.failures import failure_lines
-from eyrie.data.chat import load_chat_tokenizer
 from tests.support import REPO, stages
 from tests.support.workflow import TINY, run_snakemake
 
@@ -367,7 +367,7 @@ def test_folder_without_tokenizer_files_is_one_line(tmp_path):
 
 
 def test_tokenizer_files_found_by_pattern_or_left_to_trusted_code(tmp_path):
-    from eyrie.data.chat import tokenizer_files_problem
+    from eyrie.chat.template import tokenizer_files_problem
 
     folder = model_without_tokenizer(tmp_path / "model")
     (folder / "tokenizer_config.json").write_text(
@@ -419,9 +419,9 @@ def test_a_cut_or_fake_gzip_input_is_one_line_naming_the_file(tmp_path):
 def test_records_all_cut_by_max_seq_len_offer_raising_it(tmp_path):
     from types import SimpleNamespace
 
+    from eyrie.chat.records import RecordError
     from eyrie.data.collect import Tally
     from eyrie.data.inputs import RawRecord
-    from eyrie.data.records import RecordError
     from eyrie.data.tokenize import _require_enough
 
     tally = Tally(records_read=10)
