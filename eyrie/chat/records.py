@@ -105,14 +105,18 @@ class RawRecord:
 class Conversation:
     """Messages as the template sees them, the record's tool definitions, and what was left out.
 
-    A message has `role` and `content` (a string; "" for an assistant turn that only calls
-    tools) and, when the record gives them, `reasoning_content`, `tool_calls`, `tool_call_id`
-    and `name`. `dropped_parts` counts non-text content parts left out (data.non_text: keep_text).
+    A message has `role` and `content` (a string, or the record's text parts as
+    `{"type": "text", "text": ...}`; "" for an assistant turn that only calls tools) and, when
+    the record gives them, `reasoning_content`, `tool_calls`, `tool_call_id` and `name`.
+    `dropped_parts` counts non-text content parts left out (data.non_text: keep_text).
     """
 
     messages: list[dict]
     tools: list[dict] | None = None
     dropped_parts: int = field(default=0, compare=False)
+    # message index -> {"ids": the ids the target generated, end token included, "prompt": the
+    # ids_digest of the prompt it generated them after} (regenerated records)
+    generated: dict = field(default_factory=dict, compare=False)
 
     def key(self) -> str:
         """Content hash: two records with the same messages and tools are one conversation."""
@@ -139,10 +143,18 @@ class Conversation:
         return record
 
 
+def content_text(content: object) -> str:
+    """A message's content as one text: its text parts joined with "\\n", as vLLM joins them
+    for a template that takes text."""
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content)
+    return content or ""
+
+
 def _text_content(content: object, where: str, keep_text: bool) -> tuple[object, int]:
-    """A content-part list as its text parts joined with "\\n" (as vLLM joins them for a
-    template that takes text) and the number of other parts
-    (refused unless keep_text); any other content as is."""
+    """A content-part list as its text parts (the template gets them as a server hands them:
+    eyrie.chat.template) and the number of other parts (refused unless keep_text); any other
+    content as is."""
     if not isinstance(content, list):
         return content, 0
     texts, dropped = [], 0
@@ -157,7 +169,7 @@ def _text_content(content: object, where: str, keep_text: bool) -> tuple[object,
                 "non_text_content",
                 f"{where}[{j}] is a {kind!r} part; only text parts are supported",
             )
-    return "\n".join(texts), dropped
+    return [{"type": "text", "text": t} for t in texts], dropped
 
 
 def _tool_calls(calls: object, where: str) -> list[dict]:
@@ -215,7 +227,7 @@ def _message(turn: dict, i: int, fm: _Form, keep_text: bool) -> tuple[dict, int]
         )
     role = roles[role]
     content, dropped = _text_content(turn.get(text_key), f"{form}[{i}].{text_key}", keep_text)
-    if content is not None and not isinstance(content, str):
+    if content is not None and not isinstance(content, (str, list)):
         raise RecordError(
             "non_text_content", f"{form}[{i}].{text_key} is a {type(content).__name__}"
         )
@@ -235,7 +247,7 @@ def _message(turn: dict, i: int, fm: _Form, keep_text: bool) -> tuple[dict, int]
         if role != "assistant":
             raise RecordError("bad_tool_calls", f"{form}[{i}] ({role}) has tool_calls")
         message["tool_calls"] = _tool_calls(message["tool_calls"], f"{form}[{i}].tool_calls")
-    if not message["content"].strip() and not message.get("tool_calls"):
+    if not content_text(message["content"]).strip() and not message.get("tool_calls"):
         raise RecordError("empty_content", f"{form}[{i}] ({role}) has no text")
     return message, dropped
 

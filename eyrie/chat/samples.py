@@ -2,8 +2,9 @@
 exactly the prompt an inference server renders for it (each turn found by
 eyrie.chat.turn.turn_of).
 
-`masked_samples` joins turns whose contexts continue one another into samples and encodes them
-with their loss mask; `template_traits` tests a template once. docs/data.md#the-loss-mask.
+`masked_samples` joins turns whose contexts continue one another, token for token, into samples
+and encodes them with their loss mask; `template_traits` tests a template once.
+docs/data.md#the-loss-mask.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from eyrie.chat.encoding import encode_head
+from eyrie.chat.encoding import Piece, encode_head, encode_pieces, same_ids
 from eyrie.chat.records import Conversation, RecordError
 from eyrie.chat.template import ChatTemplate
-from eyrie.chat.turn import Turn, reasoning_of, turn_of
+from eyrie.chat.turn import TURN_DROPS, Turn, TurnDropped, reasoning_of, turn_of
 from eyrie.core.errors import DataError
 
 GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -22,11 +23,25 @@ GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 @dataclass
 class Sample:
-    """One training sample: the text and the [start, end) character spans with loss."""
+    """One training sample: its text in pieces, each trained (a turn the model generates) or
+    not (context)."""
 
-    text: str
-    spans: list[tuple[int, int]]
+    pieces: list[Piece]
     turns: list[int]  # the message index of each assistant turn trained in this sample
+
+    @property
+    def text(self) -> str:
+        return "".join(piece.text for piece in self.pieces)
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """The [start, end) character spans of the trained pieces."""
+        out, at = [], 0
+        for text, trained, _ in self.pieces:
+            if trained:
+                out.append((at, at + len(text)))
+            at += len(text)
+        return out
 
 
 @dataclass(frozen=True)
@@ -41,7 +56,7 @@ class Masked:
 
     samples: list[tuple[list[int], list[int]]]
     mode: str  # the mode that made them: prefix | per_turn | generation
-    counts: dict = field(default_factory=dict)  # TURN_COUNTS
+    counts: dict = field(default_factory=dict)  # TURN_COUNTS, and `dropped`: {reason: turns}
 
 
 # per record, summed in report.json's masks.turns
@@ -49,36 +64,62 @@ TURN_COUNTS = (
     "trained",
     "reasoning_rendered",
     "reasoning_in_progress",
+    "reasoning_parsed",
+    "generated_ids",
     "reasoning_not_rendered",
+    "stop_from_next_role",
+    "stop_appended",
     "without_stop_token",
+    "context_tokens",
+    "overhead_tokens",
 )
 
 
 # ----------------------------------------------------------------------------- samples
 
 
-def turn_samples(turns: list[Turn]) -> list[Sample]:
-    """Each turn after its prompt; a turn joins the previous sample when that sample's text up
-    to its last span is exactly what precedes it, so a prefix-stable stretch costs one sample."""
+def turn_samples(tpl: ChatTemplate, turns: list[Turn], max_tokens: int | None = None) -> tuple:
+    """Each turn after its prompt; a turn joins the previous sample when that sample's pieces
+    and the text between, encoded, are token for token the turn's prompt as a server encodes
+    it, so a prefix-stable stretch costs one sample. Returns the samples and their encodings
+    (with `max_tokens`, as encode_pieces cuts them)."""
+    tok = tpl.tokenizer
     samples: list[Sample] = []
+    encoded: list[tuple[list[int], list[int]]] = []
     for turn in turns:
-        text = turn.prompt + turn.text
-        span = (len(turn.prompt), len(turn.prompt) + turn.end)
         last = samples[-1] if samples else None
-        if last is not None and text.startswith(last.text[: last.spans[-1][1]]):
-            samples[-1] = Sample(text, [*last.spans, span], [*last.turns, turn.index])
-        else:
-            samples.append(Sample(text, [span], [turn.index]))
-    return samples
+        if last is not None and turn.prompt.startswith(last.text):
+            between = Piece(turn.prompt[len(last.text) :], False)
+            joined = encoded[-1][0] + encode_pieces(tok, [between], max_tokens)[0]
+            if same_ids(encode_head(tok, turn.prompt, max_tokens), joined, max_tokens):
+                pieces = [*last.pieces, between, Piece(turn.text, True, turn.ids)]
+                samples[-1] = Sample(pieces, [*last.turns, turn.index])
+                encoded[-1] = encode_pieces(tok, pieces, max_tokens)
+                continue
+        pieces = [Piece(turn.prompt, False), Piece(turn.text, True, turn.ids)]
+        samples.append(Sample(pieces, [turn.index]))
+        encoded.append(encode_pieces(tok, samples[-1].pieces, max_tokens))
+    return samples, encoded
 
 
-def _counts(turns: list[Turn]) -> dict:
+def _counts(turns: list[Turn], drops: dict, samples: list, encoded: list) -> dict:
+    contexts = [
+        sum(1 for bit in mask[: mask.index(1)] if not bit) if 1 in mask else len(mask)
+        for _, mask in encoded
+    ]
     return {
         "trained": len(turns),
         "reasoning_rendered": sum(t.reasoning == "rendered" for t in turns),
-        "reasoning_in_progress": sum(t.in_progress for t in turns),
+        "reasoning_in_progress": sum(t.path == "in_progress" for t in turns),
+        "reasoning_parsed": sum(t.path == "parser" for t in turns),
+        "generated_ids": sum(t.ids is not None for t in turns),
         "reasoning_not_rendered": sum(t.reasoning == "not_rendered" for t in turns),
+        "stop_from_next_role": sum(t.stop == "next_role" for t in turns),
+        "stop_appended": sum(t.stop == "eos" for t in turns),
         "without_stop_token": sum(not t.stop for t in turns),
+        "context_tokens": sum(contexts),
+        "overhead_tokens": sum(contexts[1:]),
+        "dropped": drops,
     }
 
 
@@ -100,25 +141,38 @@ def generation_sample(tpl: ChatTemplate, conv: Conversation) -> Sample:
             "template_error", f"rendering failed: {type(exc).__name__}: {exc}"
         ) from exc
     turns = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
-    spans = sorted((a, b) for a, b in indices[0] if b > a)
-    return Sample(texts[0], spans, turns)
+    text, pieces, at = texts[0], [], 0
+    for a, b in sorted((a, b) for a, b in indices[0] if b > a):
+        pieces += [Piece(text[at:a], False), Piece(text[a:b], True)]
+        at = b
+    return Sample([*pieces, Piece(text[at:], False)], turns)
 
 
-def _reasoning_excluded(sample: Sample, conv: Conversation) -> Sample:
-    """The sample with each trained turn's reasoning (and what precedes it in its span) out of
-    the loss."""
-    spans, k = list(sample.spans), 0
-    for turn in sample.turns:
-        reasoning = reasoning_of(conv.messages[turn])
-        if not reasoning:
+def _reasoning_excluded(tokenizer, sample: Sample, conv: Conversation) -> Sample:
+    """The sample with each trained turn's reasoning (and what precedes it in its piece) out of
+    the loss (a turn's exact ids split after the first token whose text completes it)."""
+    pieces, turns = [], iter(sample.turns)
+    for piece in sample.pieces:
+        reasoning = reasoning_of(conv.messages[next(turns)]) if piece.trained else ""
+        at = piece.text.find(reasoning) if reasoning else -1
+        if at < 0:
+            pieces.append(piece)
             continue
-        for j in range(k, len(spans)):
-            a, b = spans[j]
-            at = sample.text.find(reasoning, a, b)
-            if at >= 0:
-                spans[j], k = (at + len(reasoning), b), j
-                break
-    return Sample(sample.text, spans, sample.turns)
+        cut = at + len(reasoning)
+        if piece.ids is None:
+            pieces += [Piece(piece.text[:cut], False), Piece(piece.text[cut:], True)]
+            continue
+        k = next(
+            k
+            for k in range(1, len(piece.ids) + 1)
+            if reasoning in tokenizer.decode(piece.ids[:k], skip_special_tokens=False)
+        )
+        head = tokenizer.decode(piece.ids[:k], skip_special_tokens=False)
+        pieces += [
+            Piece(head, False, piece.ids[:k]),
+            Piece(piece.text[len(head) :], True, piece.ids[k:]),
+        ]
+    return Sample(pieces, sample.turns)
 
 
 def as_template(template) -> ChatTemplate:
@@ -126,36 +180,59 @@ def as_template(template) -> ChatTemplate:
     return template if isinstance(template, ChatTemplate) else ChatTemplate.of(template)
 
 
-def conversation_samples(tpl: ChatTemplate, conv: Conversation, mode: str) -> tuple:
-    """(samples, the mode that made them, turn counts) of one conversation under `mode`."""
-    if mode == "generation":
-        return [generation_sample(tpl, conv)], "generation", {}
+def conversation_turns(tpl: ChatTemplate, conv: Conversation) -> tuple[list[Turn], dict]:
+    """The conversation's trained turns and the dropped ones by reason; RecordError when none
+    is trained (template_error where the template fails, else template_rule naming the first
+    drop's reason)."""
     first = conv.first_turn()  # a turn with no message before it has no prompt: context only
     indices = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant" and i >= first]
-    turns = [turn_of(tpl, conv, i) for i in indices]
-    samples = turn_samples(turns)
+    turns, drops, first_drop = [], {}, None
+    for i in indices:
+        try:
+            turns.append(turn_of(tpl, conv, i))
+        except TurnDropped as drop:
+            drops[drop.reason] = drops.get(drop.reason, 0) + 1
+            first_drop = first_drop or drop
+    if not turns:
+        if first_drop.reason == "template_error":
+            raise RecordError("template_error", first_drop.detail)
+        reason = first_drop.reason
+        raise RecordError("template_rule", f"{reason}: {TURN_DROPS[reason]} ({first_drop.detail})")
+    return turns, drops
+
+
+def conversation_samples(
+    tpl: ChatTemplate, conv: Conversation, mode: str, max_tokens: int | None = None
+) -> tuple:
+    """(samples, their encodings, the mode that made them, turn counts) of one conversation
+    under `mode`."""
+    if mode == "generation":
+        sample = generation_sample(tpl, conv)
+        return [sample], [encode_pieces(tpl.tokenizer, sample.pieces, max_tokens)], mode, {}
+    turns, drops = conversation_turns(tpl, conv)
+    samples, encoded = turn_samples(tpl, turns, max_tokens)
     if mode == "prefix" and len(samples) > 1:
         k = samples[1].turns[0]
         raise RecordError(
             "template_error",
             f"not prefix-stable: the prompt of assistant turn {k} does not continue the text "
-            "before it (the template re-renders the history)",
+            "before it token for token (the template re-renders the history)",
         )
     made = mode if mode == "per_turn" else ("prefix" if len(samples) == 1 else "per_turn")
-    return samples, made, _counts(turns)
+    return samples, encoded, made, _counts(turns, drops, samples, encoded)
 
 
 def masked_samples(
     template, conv: Conversation, settings: MaskSettings, max_tokens: int | None = None
 ) -> Masked:
     """The training samples of one conversation under `settings.mode`, encoded with their loss
-    masks; RecordError if the template fails (or, mode prefix, is not prefix-stable for it).
-    With `max_tokens`, a sample's tokens past it may be left out (eyrie.chat.encoding)."""
+    masks; RecordError if no turn can be trained (or, mode prefix, the template is not
+    prefix-stable for it). With `max_tokens`, a sample's tokens past it may be left out."""
     tpl = as_template(template)
-    samples, mode, counts = conversation_samples(tpl, conv, settings.mode)
+    samples, encoded, mode, counts = conversation_samples(tpl, conv, settings.mode, max_tokens)
     if not settings.train_reasoning:
-        samples = [_reasoning_excluded(s, conv) for s in samples]
-    encoded = [encode_head(tpl.tokenizer, s.text, s.spans, max_tokens) for s in samples]
+        samples = [_reasoning_excluded(tpl.tokenizer, s, conv) for s in samples]
+        encoded = [encode_pieces(tpl.tokenizer, s.pieces, max_tokens) for s in samples]
     return Masked(encoded, mode, counts)
 
 
@@ -204,6 +281,9 @@ class TemplateTraits:
     auto_mode: str  # what data.mask_mode: auto does with conversations like the probe
     tool_arguments: str  # how tool-call arguments reach the template: object | string
     stop_tokens: tuple[str, ...]
+    content: str = "string"  # how content reaches the template: string | openai (parts)
+    reasoning: str = "field"  # how reasoning reaches it: field | chunks | none
+    markers: tuple[str, str] | None = None  # the reasoning block's start and end
     renders: bool = True  # False: not even a plain user/assistant exchange renders
     detail: str = ""
 
@@ -216,38 +296,41 @@ class TemplateTraits:
             "auto_mode": self.auto_mode,
             "tool_arguments": self.tool_arguments,
             "stop_tokens": list(self.stop_tokens),
+            "content_format": self.content,
+            "reasoning_form": self.reasoning,
+            "reasoning_markers": list(self.markers) if self.markers else None,
         }
 
 
 def template_traits(template) -> TemplateTraits:
-    """Test the template once on PROBE (without its system turn if the template refuses one);
-    `renders` is False when even PLAIN fails (detail: the template's own message)."""
+    """Test the template once on PROBE (without its system turn if the template refuses one,
+    then PLAIN); `renders` is False only when even PLAIN fails to render (detail: the
+    template's own message): what one conversation's turns show never refuses the target."""
     tpl = as_template(template)
     marks = bool(GENERATION_MARK.search(tpl.tokenizer.get_chat_template()))
-    error = None
+    forms = (tpl.tool_arguments, tpl.stops, tpl.content, tpl.reasoning, tpl.markers)
     for probe in (PROBE, Conversation(PROBE.messages[1:]), PLAIN):
         try:
-            samples, mode, _ = conversation_samples(tpl, probe, "auto")
-        except RecordError as err:
-            error = err
+            turns, _ = conversation_turns(tpl, probe)
+        except RecordError:
             continue
-        last = turn_of(tpl, probe, len(probe.messages) - 1)
-        detail = "" if mode == "prefix" else "the probe's turns need a sample each"
+        samples, _ = turn_samples(tpl, turns)
+        last = turns[-1]
+        stable = len(samples) == 1 and len(turns) == len(probe.messages) // 2
+        mode = "prefix" if stable else "per_turn"
+        detail = "" if stable else "the probe's turns need a sample each"
+        rendered = last.reasoning == "rendered"
         return TemplateTraits(
-            mode == "prefix",
-            marks,
-            last.reasoning == "rendered",
-            last.in_progress,
-            mode,
-            tpl.tool_arguments,
-            tpl.stops,
-            True,
-            detail,
+            stable, marks, rendered, last.path == "in_progress", mode, *forms, True, detail
         )
-    detail = f"the template fails on a plain exchange: {error.detail}"
-    return TemplateTraits(
-        False, marks, False, False, "per_turn", tpl.tool_arguments, tpl.stops, False, detail
-    )
+    try:
+        tpl.render(PLAIN.messages)
+        tpl.render(PLAIN.messages[:1], add_generation_prompt=True)
+    except RecordError as err:
+        detail = f"the template fails on a plain exchange: {err.detail}"
+        return TemplateTraits(False, marks, False, False, "per_turn", *forms, False, detail)
+    detail = "no turn of the probe conversations can be trained (see the records' reasons)"
+    return TemplateTraits(False, marks, False, False, "per_turn", *forms, True, detail)
 
 
 def check_mode(traits: TemplateTraits, mode: str, where: str) -> None:

@@ -13,7 +13,7 @@ eos_token_id list). What is trained from the renderings: eyrie.chat.samples, doc
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from eyrie.chat.records import RecordError, _one_line
@@ -174,6 +174,13 @@ def _arguments(value: object, form: str) -> object:
     return json.dumps({} if value is None else value, ensure_ascii=False)
 
 
+def _parts(content: object) -> list[dict]:
+    """A message's content as text parts (a record's content is a string or text parts)."""
+    if isinstance(content, list):
+        return [{"type": "text", "text": p["text"]} for p in content]
+    return [{"type": "text", "text": content or ""}]
+
+
 def _call(call: dict, form: str) -> dict:
     if isinstance(call.get("function"), dict):
         function = call["function"]
@@ -184,6 +191,55 @@ def _call(call: dict, form: str) -> dict:
     return {**call, "arguments": _arguments(call.get("arguments"), form)}
 
 
+# The reasoning markers of the templates vLLM's reasoning parsers read (start, end), by parser
+# name: data.reasoning_parser picks one where the template alone cannot tell.
+REASONING_MARKERS = {
+    "deepseek_r1": ("<think>", "</think>"),
+    "qwen3": ("<think>", "</think>"),
+    "glm45": ("<think>", "</think>"),
+    "minimax_m2": ("<think>", "</think>"),
+    "kimi_k2": ("<think>", "</think>"),
+    "seed_oss": ("<seed:think>", "</seed:think>"),
+    "mistral": ("[THINK]", "[/THINK]"),
+}
+REASONING_FORMS = ("field", "chunks", "none")
+PROBE_REASONING = "Eyrie probe reasoning."
+
+
+def content_format(source: str) -> str:
+    """How a server hands this template a message's content, detected as vLLM detects it:
+    `openai` (a list of parts) when the template loops over a message's content, else `string`
+    (text parts joined with "\n")."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    messages = {n.target.name for n in tree.find_all(nodes.For) if isinstance(n.target, nodes.Name)}
+
+    def is_content(node) -> bool:
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+            key, base = node.arg.value, node.node
+        elif isinstance(node, nodes.Getattr):
+            key, base = node.attr, node.node
+        else:
+            return False
+        return key == "content" and isinstance(base, nodes.Name) and base.name in messages
+
+    aliases = {
+        n.target.name
+        for n in tree.find_all(nodes.Assign)
+        if isinstance(n.target, nodes.Name) and is_content(n.node)
+    }
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        if is_content(it) or (isinstance(it, nodes.Name) and it.name in aliases):
+            return "openai"
+    return "string"
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """The target's tokenizer and chat template, applied as an inference server applies them.
@@ -191,26 +247,48 @@ class ChatTemplate:
     `kwargs`: data.chat_template_kwargs, passed to every rendering; `tool_arguments`: how
     tool-call arguments reach the template (`object`: parsed from JSON text, as vLLM does;
     `string`: JSON text, for templates that concatenate them); `stops`: the texts of the tokens
-    generation stops on.
+    generation stops on; `content`: how message content reaches it (`string` | `openai` parts,
+    vLLM's detection); `reasoning`: how a turn's reasoning reaches it (`field`:
+    reasoning_content and its aliases; `chunks`: content parts of type "thinking"; `none`: the
+    template renders none); `markers`: the reasoning block's start and end, or None.
     """
 
     tokenizer: object = field(repr=False)
     kwargs: dict = field(default_factory=dict)
     tool_arguments: str = "object"
     stops: tuple[str, ...] = ()
+    content: str = "string"
+    reasoning: str = "field"
+    markers: tuple[str, str] | None = None
 
     @classmethod
-    def of(cls, tokenizer, kwargs: dict | None = None, eos=None) -> ChatTemplate:
+    def of(
+        cls, tokenizer, kwargs: dict | None = None, eos=None, reasoning_parser: str | None = None
+    ) -> ChatTemplate:
         """The template of `tokenizer` with its switches; `eos`: generation_config.json's
-        eos_token_id (an id or a list). The argument form is read off the template once."""
+        eos_token_id (an id or a list); `reasoning_parser`: a key of REASONING_MARKERS, else the
+        markers are those the template's source writes. The forms are read off the template."""
         ends = end_token_ids(tokenizer, eos)
         stops = tuple(sorted({tokenizer.decode([i], skip_special_tokens=False) for i in ends}))
-        template = cls(tokenizer, chat_template_kwargs(kwargs), "object", stops)
-        return template.with_arguments(template._argument_form())
+        source = tokenizer.get_chat_template()
+        markers = REASONING_MARKERS.get(reasoning_parser) if reasoning_parser else None
+        markers = markers or next(
+            (m for m in dict.fromkeys(REASONING_MARKERS.values()) if m[0] in source), None
+        )
+        template = cls(
+            tokenizer, chat_template_kwargs(kwargs), "object", stops, content_format(source)
+        )
+        template = replace(template, markers=markers)
+        template = replace(template, tool_arguments=template._argument_form())
+        return replace(template, reasoning=template._reasoning_form())
 
     @classmethod
     def load(
-        cls, target: str | Path, trust_remote_code: bool = False, kwargs: dict | None = None
+        cls,
+        target: str | Path,
+        trust_remote_code: bool = False,
+        kwargs: dict | None = None,
+        reasoning_parser: str | None = None,
     ) -> ChatTemplate:
         """The target folder's template (load_chat_tokenizer's checks) with its stop tokens."""
         from eyrie.core.errors import TargetError
@@ -220,35 +298,51 @@ class ChatTemplate:
             eos = generation_eos(target)
         except TargetError:  # a tokenizer-only folder: the tokenizer's eos alone
             eos = None
-        return cls.of(tokenizer, kwargs, eos)
+        return cls.of(tokenizer, kwargs, eos, reasoning_parser)
 
     def with_arguments(self, form: str) -> ChatTemplate:
         assert form in ARGUMENT_FORMS, form
-        return ChatTemplate(self.tokenizer, self.kwargs, form, self.stops)
+        return replace(self, tool_arguments=form)
 
-    def view(self, messages: list[dict]) -> list[dict]:
-        """Messages as the template receives them: tool-call arguments in the template's form,
-        the reasoning also under REASONING_ALIASES."""
+    def view(self, messages: list[dict], generated: int | None = None) -> list[dict]:
+        """Messages as a server hands them to the template: tool-call arguments in the
+        template's form, content as text or parts (`content`), the reasoning under
+        REASONING_ALIASES or as a "thinking" part (`reasoning`). Message `generated` (the turn
+        whose own rendering is read) keeps its text as the model writes it: a string."""
         out = []
-        for message in messages:
+        for k, message in enumerate(messages):
             message = dict(message)
-            if "reasoning_content" in message:
+            reasoning = message.get("reasoning_content")
+            if reasoning is not None and self.reasoning != "chunks":
                 for alias in REASONING_ALIASES:
-                    message.setdefault(alias, message["reasoning_content"])
+                    message.setdefault(alias, reasoning)
             if message.get("tool_calls"):
                 message["tool_calls"] = [
                     _call(c, self.tool_arguments) for c in message["tool_calls"]
                 ]
+            parts = _parts(message.get("content"))
+            if self.reasoning == "chunks" and reasoning is not None:
+                message.pop("reasoning_content")
+                parts = [{"type": "thinking", "thinking": reasoning}, *parts]
+                message["content"] = parts
+            elif self.content == "openai" and k != generated:
+                message["content"] = parts
+            else:
+                message["content"] = "\n".join(p["text"] for p in parts)
             out.append(message)
         return out
 
     def render(
-        self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = False,
+        tools: list | None = None,
+        generated: int | None = None,
     ) -> str:
         """The template's text for `messages` (may be empty: then only what precedes turns);
         RecordError("template_error") with the template's own message when it fails."""
         try:
-            view = self.view(messages)
+            view = self.view(messages, generated)
             if view:
                 text = self.tokenizer.apply_chat_template(
                     view,
@@ -296,3 +390,18 @@ class ChatTemplate:
             return "string"
         except RecordError:
             return "object"  # no tool support: records with tool calls fail on their own
+
+    def _reasoning_form(self) -> str:
+        """`field` when the template renders a final turn's reasoning given as reasoning_content
+        (and its aliases), else `chunks` when it renders it from a "thinking" content part,
+        else `none`."""
+        turn = {"role": "assistant", "content": "Seven.", "reasoning_content": PROBE_REASONING}
+        messages = [{"role": "user", "content": "Name a prime number."}, turn]
+        for form in ("field", "chunks"):
+            try:
+                text = replace(self, reasoning=form).render(messages)
+            except RecordError:
+                continue
+            if PROBE_REASONING in text and "'thinking'" not in text:  # not a printed part
+                return form
+        return "none"

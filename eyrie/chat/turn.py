@@ -1,12 +1,16 @@
-"""One assistant turn as trained: exactly the text the model generates for it, after exactly the
-prompt an inference server renders for it.
+"""The turn rule: for one assistant turn, exactly the prompt an inference server renders for it
+and exactly the text the model generates after that prompt, both read off the template's own
+renders.
 
-`turn_of` finds both: the prompt is the messages before the turn rendered with the generation
-prompt; the generated text is the turn as the template renders it last, or, where that rendering
-leaves out the turn's reasoning while the template keeps reasoning for a turn still in progress
-(Kimi-K2-Thinking renders everything up to the last answer as history), the turn as it is
-rendered in progress; it ends with the token generation stops on (where the template writes
-none, the stop token it writes after the turn). docs/data.md#the-loss-mask.
+`turn_of` gives both: the prompt is the messages before the turn rendered with the generation
+prompt; the generated text is what the render with the turn as the last message writes beyond
+that prompt, up to and including the token generation stops on. Where that render does not
+extend the prompt, the turn is found in it by its own first character and the header the
+generation prompt writes (a template that rewrites the history once a turn follows), or, where
+the prompt opens a reasoning block the render leaves out, composed as a reasoning parser splits
+a response (reasoning, the block's end, the rest); where the render leaves a final answer's
+reasoning out but keeps it for a turn in progress, from that rendering. A turn none of these
+derive is dropped with a reason (TURN_DROPS). docs/data.md#the-loss-mask.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from eyrie.chat.records import Conversation, RecordError
+from eyrie.chat.encoding import encode, ids_digest
+from eyrie.chat.records import Conversation, RecordError, content_text
 from eyrie.chat.template import ChatTemplate
 
 SENTINEL = "\u2063"  # invisible separator: marks where a turn's own text ends or begins
@@ -29,19 +34,42 @@ PLACEHOLDER_USER = {"role": "user", "content": "Continue."}
 
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
+# why a turn is not trained -> the cause and the fix (report.json masks.turns_dropped)
+TURN_DROPS = {
+    "reasoning_missing": (
+        "the prompt opens a reasoning block and the turn has none; switch thinking off in "
+        "data.chat_template_kwargs, or set data.regenerate: true"
+    ),
+    "tool_calls_not_rendered": "the template renders only some of the turn's tool calls",
+    "not_derivable": (
+        "the template's renders do not show what the model writes after the prompt; set "
+        "data.reasoning_parser"
+    ),
+    "empty_turn": "the template renders no text for the turn",
+    "template_error": "the template fails with the turn as the last message",
+}
+
+
+class TurnDropped(Exception):
+    """One assistant turn is not trained; `reason` is a key of TURN_DROPS."""
+
+    def __init__(self, reason: str, detail: str):
+        assert reason in TURN_DROPS, reason
+        self.reason, self.detail = reason, detail
+        super().__init__(f"{reason}: {detail}")
+
 
 @dataclass(frozen=True)
 class Turn:
-    """One assistant turn: the prompt before it, the text the model generates for it (with the
-    template's whitespace after it) and how that text was found."""
+    """One assistant turn: the prompt before it and the text the model generates for it."""
 
     index: int  # the message index
     prompt: str
-    text: str
-    end: int  # the characters of `text` the model generates (the template's whitespace after)
+    text: str  # ends with the stop token when `stop` is not ""
     reasoning: str  # "" (the turn has none) | "rendered" | "not_rendered"
-    in_progress: bool  # the text is the turn's in-progress rendering
-    stop: bool  # the text ends with a stop token
+    path: str  # final | history | in_progress | parser | generated: how the text was found
+    stop: str  # template | next_role | eos | generated | "": where the stop token came from
+    ids: tuple[int, ...] | None = None  # the ids the target generated (regeneration)
 
 
 INLINE_THINK = re.compile(r"^\s*<think>(.*?)</think>", re.S)
@@ -51,70 +79,123 @@ def reasoning_of(message: dict) -> str:
     """An assistant message's reasoning: reasoning_content, else a leading inline <think> block."""
     if message.get("reasoning_content"):
         return message["reasoning_content"].strip()
-    inline = INLINE_THINK.match(message.get("content") or "")
+    inline = INLINE_THINK.match(content_text(message.get("content")))
     return inline.group(1).strip() if inline else ""
 
 
 def turn_of(tpl: ChatTemplate, conv: Conversation, i: int) -> Turn:
-    """Assistant turn `i`'s prompt and generated text; RecordError when the template cannot
-    render it as generated (template_error, template_rule)."""
-    messages, tools = conv.messages, conv.tools
-    prompt = tpl.render(messages[:i], add_generation_prompt=True, tools=tools)
-    try:
-        text = _final_text(tpl, conv, i, prompt)
-    except RecordError:
-        if not reasoning_of(messages[i]):
-            raise
-        # a prompt that rules reasoning out (a thinking switch off closes an empty block in the
-        # generation prompt): the turn as generated after it has none
-        bare = Conversation([*messages[:i], _without(messages[i], *REASONING_KEYS)], tools)
-        text = _final_text(tpl, bare, i, prompt)
-    if not text.strip():
-        raise RecordError(
-            "template_error",
-            f"assistant turn {i} renders no text: the template must write each assistant "
-            "turn's text, or no token of it can carry loss (docs/data.md#the-loss-mask)",
+    """Assistant turn `i`'s prompt and generated text; TurnDropped when they cannot be derived,
+    RecordError("template_error") when the template fails on the messages before it. A turn the
+    target generated after this very prompt (regeneration: `conv.generated`) is its exact ids."""
+    messages = conv.messages
+    prompt = tpl.render(messages[:i], add_generation_prompt=True, tools=conv.tools)
+    message, reasoning = messages[i], reasoning_of(messages[i])
+    exact = conv.generated.get(i)
+    if exact is not None and exact["prompt"] == ids_digest(encode(tpl.tokenizer, prompt)):
+        # what the target generated after this very prompt: its ids are the turn
+        text = tpl.tokenizer.decode(exact["ids"], skip_special_tokens=False)
+        state = "" if not reasoning else ("rendered" if reasoning in text else "not_rendered")
+        return Turn(i, prompt, text, state, "generated", "generated", tuple(exact["ids"]))
+    opened = _opened(tpl, prompt)
+    if opened and not reasoning:
+        raise TurnDropped(
+            "reasoning_missing",
+            f"assistant turn {i} has no reasoning, and the generation prompt before it opens "
+            f"{tpl.markers[0]!r}",
         )
-    reasoning, in_progress = reasoning_of(messages[i]), False
-    if reasoning and reasoning not in text:
-        progress = _in_progress_text(tpl, conv, i, prompt)
-        if progress is not None and reasoning in progress:
-            text, in_progress = progress, True
-    _check_calls(tpl, conv, i, prompt, text)
-    text, end, stop = _with_stop(tpl, conv, i, prompt, text)
-    state = "" if not reasoning else ("rendered" if reasoning in text else "not_rendered")
-    return Turn(i, prompt, text, end, state, in_progress, stop)
-
-
-def _final_text(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str) -> str:
-    """Turn `i` as the template renders it as the last message: what follows the prompt, or,
-    where the turn also changes the history (gpt-oss drops a call's analysis once an answer
-    exists, Kimi-K2-Thinking an earlier call's reasoning), what follows the generation prompt
-    in front of the turn's first own character."""
-    messages, tools = conv.messages, conv.tools
-    upto = tpl.render(messages[: i + 1], tools=tools)
-    if upto.startswith(prompt):
-        return upto[len(prompt) :]
-    history = tpl.render(messages[:i], tools=tools)
-    other = tpl.render([*messages[:i], _marked(messages[i], front=True)], tools=tools)
-    differ = next((k for k, (a, b) in enumerate(zip(upto, other)) if a != b), len(upto))
-    generation = prompt[len(history) :] if prompt.startswith(history) else ""
-    at = upto.rfind(generation, 0, differ) if generation else -1
-    if at < 0:
-        raise RecordError(
-            "template_error",
-            f"assistant turn {i} rendered as the final turn does not follow the generation "
+    found = _generated(tpl, conv, i, prompt, message, opened)
+    if found is None and reasoning and not opened:
+        # a prompt that rules reasoning out (a switch off closes an empty block in the
+        # generation prompt): the turn as generated after it has none
+        found = _generated(tpl, conv, i, prompt, _without(message, *REASONING_KEYS), False)
+    if found is None:
+        raise TurnDropped(
+            "not_derivable",
+            f"assistant turn {i} rendered as the last message does not follow the generation "
             "prompt the template writes before it",
         )
-    return upto[at + len(generation) :]
+    text, path = found
+    if reasoning and reasoning not in text and not opened:
+        progress = _in_progress_text(tpl, conv, i, prompt)
+        if progress is not None and reasoning in progress:
+            text, path = progress, "in_progress"
+    _check_calls(tpl, conv, i, prompt, text, opened)
+    text, stop = _with_stop(tpl, conv, i, prompt, text)
+    if not text.strip() or text.strip() in tpl.stops:
+        raise TurnDropped("empty_turn", f"assistant turn {i} renders no text")
+    state = "" if not reasoning else ("rendered" if reasoning in text else "not_rendered")
+    return Turn(i, prompt, text, state, path, stop)
+
+
+def _opened(tpl: ChatTemplate, prompt: str) -> bool:
+    """Whether the generation prompt ends inside an open reasoning block."""
+    if tpl.markers is None:
+        return False
+    start, end = tpl.markers
+    tail = prompt.rstrip()
+    return tail.endswith(start) and not tail.endswith(end)
+
+
+def _render_turn(tpl: ChatTemplate, conv: Conversation, i: int, message: dict) -> str:
+    try:
+        return tpl.render([*conv.messages[:i], message], tools=conv.tools, generated=i)
+    except RecordError as err:
+        raise TurnDropped("template_error", err.detail) from err
+
+
+def _generated(
+    tpl: ChatTemplate, conv: Conversation, i: int, prompt: str, message: dict, opened: bool
+) -> tuple[str, str] | None:
+    """What the model writes for `message` as turn `i` (without its stop-token handling) and
+    the path that found it, or None. The render with the turn last extends the prompt: what
+    follows it. Else the turn is located in that render: it begins at its first own character
+    (the render with a SENTINEL in front of its text differs there), after the header the
+    generation prompt writes, searched only past the history the two renders share."""
+    final = _render_turn(tpl, conv, i, message)
+    if final.startswith(prompt):
+        text = final[len(prompt) :]
+        # after a prompt that opened a block, only a render that keeps the reasoning in it
+        if not opened or (tpl.markers[1] in text and reasoning_of(message) in text):
+            return text, "final"
+    history = tpl.render(conv.messages[:i], tools=conv.tools)
+    if not prompt.startswith(history):
+        return None
+    header = prompt[len(history) :]
+    if opened:  # the role header before the block the prompt opens
+        header = header[: header.rstrip().rfind(tpl.markers[0])]
+    own = _first_difference(final, _render_turn(tpl, conv, i, _marked(message, front=True)))
+    shared = _first_difference(final, history)
+    at = final.rfind(header, shared, own) if header else -1
+    if at < 0 or at + len(header) > own:
+        return None
+    rest = final[at + len(header) :]
+    if not opened:
+        return rest, "history"
+    return reasoning_of(message) + tpl.markers[1] + _after_block(tpl, rest), "parser"
+
+
+def _after_block(tpl: ChatTemplate, rest: str) -> str:
+    """The turn's rendering past any reasoning block (or lone block end) the template writes at
+    its start: the answer part."""
+    start, end = tpl.markers
+    lead = rest.lstrip()
+    if lead.startswith(start) or lead.startswith(end):
+        at = rest.find(end)
+        return rest[at + len(end) :] if at >= 0 else rest
+    return rest
+
+
+def _first_difference(a: str, b: str) -> int:
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _marked(message: dict, front: bool) -> dict:
-    """The message with SENTINEL before (front) or after its content and reasoning."""
+    """The message with SENTINEL before (front) or after its content (and, front, reasoning)."""
     marked = dict(message)
     for key in ("content", "reasoning_content") if front else ("content",):
         if key in marked:
-            marked[key] = SENTINEL + marked[key] if front else marked[key] + SENTINEL
+            text = content_text(marked[key])
+            marked[key] = SENTINEL + text if front else text + SENTINEL
     return marked
 
 
@@ -129,15 +210,18 @@ def _in_progress_text(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str
 
     def final(m: dict) -> str | None:
         try:
-            return _final_text(tpl, Conversation([*before, m], conv.tools), i, prompt)
-        except RecordError:
+            found = _generated(tpl, Conversation([*before, m], conv.tools), i, prompt, m, False)
+        except TurnDropped:
             return None
+        return found[0] if found else None
 
     def composed(m: dict) -> str | None:
         marked = _marked(m, front=False)
         try:
             head = tpl.render(
-                [*before, {**marked, "tool_calls": [PLACEHOLDER_CALL]}], tools=conv.tools
+                [*before, {**marked, "tool_calls": [PLACEHOLDER_CALL]}],
+                tools=conv.tools,
+                generated=i,
             )
         except RecordError:
             return None
@@ -154,9 +238,11 @@ def _in_progress_text(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str
     return composed(message)
 
 
-def _check_calls(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str, text: str) -> None:
+def _check_calls(
+    tpl: ChatTemplate, conv: Conversation, i: int, prompt: str, text: str, opened: bool
+) -> None:
     """Every tool call of the turn shows in its text (the text changes when the call is left
-    out), or the record is dropped (template_rule)."""
+    out), or the turn is dropped (tool_calls_not_rendered)."""
     message = conv.messages[i]
     calls = message.get("tool_calls") or []
     shown = 0
@@ -164,17 +250,14 @@ def _check_calls(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str, tex
         rest = calls[:j] + calls[j + 1 :]
         fewer = {**message, "tool_calls": rest} if rest else _without(message, "tool_calls")
         try:
-            other = _final_text(
-                tpl, Conversation([*conv.messages[:i], fewer], conv.tools), i, prompt
-            )
-        except RecordError:
+            other = _generated(tpl, conv, i, prompt, fewer, opened)
+        except TurnDropped:
             other = None  # the template refuses the turn without it: the call counts
-        shown += other != text
+        shown += other is None or other[0] != text
     if shown < len(calls):
-        raise RecordError(
-            "template_rule",
-            f"tool_calls_not_rendered: the template renders {shown} of the {len(calls)} tool "
-            f"calls of assistant turn {i} (it leaves out parallel calls)",
+        raise TurnDropped(
+            "tool_calls_not_rendered",
+            f"the template renders {shown} of the {len(calls)} tool calls of assistant turn {i}",
         )
 
 
@@ -182,31 +265,38 @@ def _without(message: dict, *keys: str) -> dict:
     return {k: v for k, v in message.items() if k not in keys}
 
 
-def _with_stop(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str, text: str):
-    """The turn's text ending with its stop token, the generated length, and whether a stop
-    token was found: the template's own end of turn, else the first stop token the template
-    writes after the turn's own text when a message follows it (GLM ends a turn with the next
-    role's <|user|> or <|observation|>)."""
+def _with_stop(
+    tpl: ChatTemplate, conv: Conversation, i: int, prompt: str, text: str
+) -> tuple[str, str]:
+    """The turn's text up to and including the token generation stops on, and where that token
+    came from: the first stop token of the text (what the template writes after it is not
+    generated); else the first stop token the template writes after the turn when a message
+    follows it (GLM ends a turn with the next role's <|user|> or <|observation|>); else the
+    tokenizer's eos (generation ends only on a stop token)."""
+    found = [(text.find(s), s) for s in tpl.stops if s and s in text]
+    if found:
+        at, stop = min(found)
+        return text[: at + len(stop)], "template"
     generated = text.rstrip()
-    if any(generated.endswith(s) for s in tpl.stops):
-        return text, len(generated), True
     messages = conv.messages
     following = messages[i + 1] if i + 1 < len(messages) else None
     if following is None or following["role"] not in ("user", "tool"):
         following = _placeholder_after(messages[i])
     try:
         after = tpl.render(
-            [*messages[:i], _marked(messages[i], front=False), following], tools=conv.tools
+            [*messages[:i], _marked(messages[i], front=False), following],
+            tools=conv.tools,
+            generated=i,
         )
     except RecordError:
-        return text, len(generated), False
+        after = ""
     start = after.find(SENTINEL, len(prompt) if after.startswith(prompt) else 0)
-    found = sorted((after.find(s, start), s) for s in tpl.stops if s)
+    found = [(after.find(s, start), s) for s in tpl.stops if s and start >= 0]
     found = [(at, s) for at, s in found if at >= 0]
-    if start < 0 or not found:
-        return text, len(generated), False
-    stop = found[0][1]
-    return generated + stop, len(generated) + len(stop), True
+    if found:
+        return generated + min(found)[1], "next_role"
+    eos = getattr(tpl.tokenizer, "eos_token", None)
+    return (generated + eos, "eos") if eos else (generated, "")
 
 
 def _placeholder_after(message: dict) -> dict:

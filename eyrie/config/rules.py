@@ -113,6 +113,7 @@ TABLE = (
         "data.chat_template_kwargs",
         (*DATA, *REGENERATE, "tokenize_eval_prompts", "preflight", "preflight_regenerate"),
     ),
+    Row("data.reasoning_parser", DATA),
     Row(
         "data.regenerate",
         DATA,

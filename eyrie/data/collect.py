@@ -63,6 +63,7 @@ class DataSettings:
     non_text: str
     regenerate: bool
     chat_template_kwargs: dict
+    reasoning_parser: str | None
 
     @classmethod
     def from_settings(cls, settings: dict) -> "DataSettings":
@@ -331,7 +332,21 @@ def _regenerated_record(
     if status != "ok":
         raise RecordError("regenerate_failed", entry.get("detail", f"status {status!r}"))
     conv = to_conversation(entry, cfg.non_text)
+    conv.generated = _generated_ids(entry.get("generated"), raw)
     return tokenize_conversation(tpl, raw, conv, cfg)
+
+
+def _generated_ids(value: object, raw: RawRecord) -> dict:
+    """A regenerated line's exact ids per turn ({} for lines written before they were kept)."""
+    if value is None:
+        return {}
+    try:
+        return {
+            int(turn): {"ids": [int(i) for i in entry["ids"]], "prompt": str(entry["prompt"])}
+            for turn, entry in value.items()
+        }
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise _not_regenerated(raw.sample_id, exc) from exc
 
 
 def _sha256(path: str | Path) -> str:

@@ -6,10 +6,11 @@ leading <think> block as its reasoning_content. The round loop: eyrie.data.regen
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from eyrie.chat.records import Conversation, RecordError, _one_line
+from eyrie.chat.encoding import ids_digest
+from eyrie.chat.records import Conversation, RecordError, _one_line, content_text
 from eyrie.chat.template import ChatTemplate
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ class Generated:
 
     ids: list[int]
     ended: bool
+    end: int | None = None  # the end token generated
 
     @property
     def tokens(self) -> int:
@@ -37,7 +39,7 @@ def split_at_end(ids: list[int], ends: set[int]) -> Generated:
     """Generated token ids cut at the first end token (what follows it is padding)."""
     for k, token in enumerate(ids):
         if token in ends:
-            return Generated(list(ids[:k]), True)
+            return Generated(list(ids[:k]), True, token)
     return Generated(list(ids), False)
 
 
@@ -86,6 +88,7 @@ class Job:
     tools: list[dict] | None
     pending: list[int]
     kept_tool_turns: int = 0
+    generated: dict = field(default_factory=dict)  # turn -> its ids and prompt digest
     regenerated: int = 0
     tokens: int = 0
     status: str = "ok"
@@ -124,6 +127,9 @@ class Job:
         turn = self.pending.pop(0)
         text = tokenizer.decode(generated.ids, skip_special_tokens=False)
         self.messages[turn] = parse_response(text, opens_think(request.prompt))
+        if generated.ended:  # the exact ids trained for this turn (eyrie.chat.turn)
+            ids = [*generated.ids, generated.end]
+            self.generated[turn] = {"ids": ids, "prompt": ids_digest(request.ids)}
         self.regenerated += 1
         self.tokens += generated.tokens
         if not generated.ended:
@@ -132,7 +138,7 @@ class Job:
                 f"assistant turn {turn}: the response hit regenerate.max_new_tokens="
                 f"{cfg.max_new_tokens}"
             )
-        elif not self.messages[turn]["content"].strip():
+        elif not content_text(self.messages[turn]["content"]).strip():
             self.fail(f"assistant turn {turn}: the target's response has no text after its end")
 
     def fail(self, detail: str) -> None:
@@ -145,4 +151,6 @@ class Job:
         if self.status != "ok":
             out["detail"] = self.detail
         out["regenerated_turns"] = self.regenerated
+        if self.status == "ok" and self.generated:
+            out["generated"] = {str(turn): entry for turn, entry in self.generated.items()}
         return out

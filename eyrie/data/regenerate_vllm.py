@@ -78,7 +78,7 @@ def to_generated(output, ends: set[int]) -> Generated:
     stopped it for its length."""
     completion = output.outputs[0]
     split = split_at_end(list(completion.token_ids), ends)
-    return Generated(split.ids, completion.finish_reason != "length")
+    return Generated(split.ids, completion.finish_reason != "length", split.end)
 
 
 class VllmBackend:

@@ -24,6 +24,7 @@ from eyrie.chat.samples import (
     template_traits,
 )
 from eyrie.chat.template import ChatTemplate
+from eyrie.chat.turn import TURN_DROPS
 from eyrie.core.errors import DataError, TargetError
 from eyrie.core.io import atomic_path, keep_last_good, provenance
 from eyrie.data.collect import (
@@ -90,7 +91,7 @@ def tokenize(
         raise DataError("no input files; set data.conversations")
     if cfg.regenerate and not regenerated:
         raise DataError("data.regenerate: true, but no --regenerated files were given")
-    tpl = ChatTemplate.load(target, trust, cfg.chat_template_kwargs)
+    tpl = ChatTemplate.load(target, trust, cfg.chat_template_kwargs, cfg.reasoning_parser)
     traits = template_traits(tpl)
     check_mode(traits, cfg.mask_mode, str(target))
     log.info(
@@ -143,8 +144,10 @@ def _report(target, tally: Tally, cfg: DataSettings, split: Split, traits) -> di
             "train_reasoning": cfg.train_reasoning,
             "reasoning_not_rendered": sum(r.turns.get("reasoning_not_rendered", 0) for r in kept),
             "turns": {k: sum(r.turns.get(k, 0) for r in kept) for k in TURN_COUNTS},
+            "turns_dropped": _turns_dropped(kept),
             "dropped_by_template_rule": tally.by_rule(),
             "chat_template_kwargs": cfg.chat_template_kwargs,
+            "reasoning_parser": cfg.reasoning_parser,
             "non_text_parts_dropped": sum(r.conv.dropped_parts for r in kept),
         },
         "eval": {"file": "eval.parquet", **_stats([r.examples[0] for r in split.held_out])},
@@ -224,6 +227,15 @@ def _log_summary(report: dict, out_dir: str | Path) -> None:
     )
 
 
+def _turns_dropped(kept: list) -> dict:
+    """The assistant turns of kept records left untrained, by reason (eyrie.chat.turn)."""
+    counts = {reason: 0 for reason in TURN_DROPS}
+    for record in kept:
+        for reason, n in record.turns.get("dropped", {}).items():
+            counts[reason] += n
+    return counts
+
+
 def _warn(report: dict) -> None:
     """What the user should know although nothing failed, on the terminal (the log's stderr)."""
     masks = report["masks"]
@@ -235,6 +247,14 @@ def _warn(report: dict) -> None:
             "has a thinking switch (e.g. {thinking: true}), or drop the field",
             masks["reasoning_not_rendered"],
         )
+    if masks["turns"]["stop_appended"]:
+        log.warning(
+            "%d assistant turn(s) end with the tokenizer's eos appended: the template writes no "
+            "stop token (%s) after them; if the model stops on another token, add it to "
+            "generation_config.json's eos_token_id",
+            masks["turns"]["stop_appended"],
+            ", ".join(masks["template"]["stop_tokens"]) or "none",
+        )
     if masks["turns"]["without_stop_token"]:
         log.warning(
             "%d assistant turn(s) end without a stop token: the template writes none after them "
@@ -243,6 +263,14 @@ def _warn(report: dict) -> None:
             masks["turns"]["without_stop_token"],
             ", ".join(masks["template"]["stop_tokens"]) or "none",
         )
+    for reason, n in masks["turns_dropped"].items():
+        if n:
+            log.warning(
+                "%d assistant turn(s) of kept records not trained: %s: %s",
+                n,
+                reason,
+                TURN_DROPS[reason],
+            )
     for rule, n in masks["dropped_by_template_rule"].items():
         log.warning("%d record(s) dropped: the chat template's rule %s (report.json)", n, rule)
     if masks["non_text_parts_dropped"]:

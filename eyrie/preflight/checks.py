@@ -147,7 +147,7 @@ def check_tokenizer(
     anything."""
     from transformers import AutoTokenizer
 
-    from eyrie.chat.records import Conversation, _one_line
+    from eyrie.chat.records import Conversation, RecordError, _one_line
     from eyrie.chat.samples import MaskSettings, masked_samples, template_traits
     from eyrie.chat.template import ChatTemplate, tokenizer_files_problem
 
@@ -173,21 +173,28 @@ def check_tokenizer(
     except EyrieError as exc:
         check.problem(str(exc))
         return None
-    traits = None
+    rules = []
     for i, messages in enumerate(SAMPLE_CONVERSATIONS):
         try:
             masked = masked_samples(tpl, Conversation(messages), MaskSettings())
-            traits = traits or template_traits(tpl)
         except EyrieError as exc:
+            if isinstance(exc, RecordError) and exc.reason == "template_rule":
+                rules.append(exc.detail)  # a rule of the template for that record: not fatal
+                continue
             check.problem(f"{path}: chat template fails on sample conversation {i}: {exc}")
             continue
         if not any(sum(mask) for _, mask in masked.samples):
-            check.problem(
-                f"{path}: chat template yields an all-zero assistant loss mask on sample "
-                f"conversation {i}; the template must render assistant turns so their "
-                "text can be located (docs/data.md#the-loss-mask)"
-            )
-    return tokenizer_hash(path), (traits.as_dict() if traits else None)
+            rules.append("all-zero loss mask")
+    if len(rules) == len(SAMPLE_CONVERSATIONS):
+        check.problem(
+            f"{path}: the chat template trains no assistant turn of any sample conversation "
+            f"({rules[0]}); the template must render assistant turns so their text can be "
+            "located (docs/data.md#the-loss-mask)"
+        )
+    traits = template_traits(tpl)
+    if not traits.renders:
+        check.problem(f"{path}: {traits.detail}; fix the chat template")
+    return tokenizer_hash(path), traits.as_dict()
 
 
 def _eos(path: Path):

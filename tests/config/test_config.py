@@ -182,7 +182,14 @@ def test_contracts_doc_is_the_generated_table():
 # History, not a second list of the schema's `added: true` marks (which the first test below checks
 # against it): the keys db3e96d's params did not have, left out of params at their defaults
 NEW_EVAL_KEYS = ("dtype", "prompts")
-NEW_DATA_KEYS = ("mask_mode", "train_reasoning", "non_text", "regenerate", "chat_template_kwargs")
+NEW_DATA_KEYS = (
+    "mask_mode",
+    "train_reasoning",
+    "non_text",
+    "regenerate",
+    "chat_template_kwargs",
+    "reasoning_parser",
+)
 NEW_TRAIN_KEYS = ("report_to", "loss", "lr_schedule", "hidden_noise", "norm_before_fc")
 
 

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from eyrie import cli as cli
 from eyrie.chat import records as records_mod
-from eyrie.chat.records import RecordError, to_conversation
+from eyrie.chat.records import RecordError, content_text, to_conversation
 from eyrie.chat.samples import MaskSettings, masked_samples, template_traits
 from eyrie.core.errors import DataError
 from eyrie.data import inputs as inputs_mod
@@ -128,9 +128,12 @@ def test_non_text_parts_follow_the_policy():
     assert err.value.reason == "non_text_content" and "data.non_text: keep_text" in str(
         records_mod.REASONS[err.value.reason]
     )
-    # the text parts joined with "\\n", as vLLM joins them
+    # the text parts kept as parts (the template gets them as vLLM hands them: joined with "\\n"
+    # for a template that takes text, eyrie.chat.template.content_format)
     kept = to_conversation(record, non_text="keep_text")
-    assert kept.messages[0]["content"] == "Describe \nthis." and kept.dropped_parts == 1
+    parts = [{"type": "text", "text": "Describe "}, {"type": "text", "text": "this."}]
+    assert kept.messages[0]["content"] == parts and kept.dropped_parts == 1
+    assert content_text(parts) == "Describe \nthis."
 
 
 # ----------------------------------------------------------------------------- mask modes
@@ -273,14 +276,12 @@ def test_a_long_record_is_tokenized_by_its_head_to_the_same_tokens(monkeypatch):
         conv = to_conversation({"messages": messages})
         (whole,) = turns.masked_samples(tok, conv, MaskSettings("prefix")).samples
         encoded = []
-        real = encoding.encode_with_offsets
+        real = encoding.encode
         monkeypatch.setattr(
-            encoding,
-            "encode_with_offsets",
-            lambda t, text, spans: encoded.append(len(text)) or real(t, text, spans),
+            encoding, "encode", lambda t, text: encoded.append(len(text)) or real(t, text)
         )
         (head,) = turns.masked_samples(tok, conv, MaskSettings("prefix"), max_tokens=64).samples
-        monkeypatch.setattr(encoding, "encode_with_offsets", real)
+        monkeypatch.setattr(encoding, "encode", real)
         assert head[0] == whole[0][:65] and head[1] == whole[1][:65]
         assert max(encoded) < len(words) // 10  # never the whole text
 
@@ -414,7 +415,8 @@ def _agent(i: int) -> dict:
 
 def test_report_counts_turns_by_how_they_were_rendered(tmp_path):
     """Kimi-K2-Thinking: final answers trained with their reasoning, from the in-progress
-    rendering; gpt-oss: records whose parallel calls the template drops are counted by rule."""
+    rendering; gpt-oss: turns whose parallel calls the template drops are left untrained and
+    counted by reason, and the records keep their other turns."""
     target = make_target(tmp_path / "kimi", "kimi_k2_thinking")
     inputs = [write_jsonl(tmp_path / "c.jsonl", [_agent(i) for i in range(6)])]
     report = tokenize(
@@ -438,8 +440,9 @@ def test_report_counts_turns_by_how_they_were_rendered(tmp_path):
         tmp_path / "oss_out",
         {"data": {"num_eval": 1, "num_shards": 1, "max_seq_len": 8192}},
     )
-    assert report["masks"]["dropped_by_template_rule"] == {"tool_calls_not_rendered": 3}
-    assert report["dropped_by_reason"]["template_rule"] == 3
+    assert report["masks"]["turns_dropped"]["tool_calls_not_rendered"] == 3
+    assert report["masks"]["dropped_by_template_rule"] == {}
+    assert report["records_used"] == 7 and report["masks"]["turns"]["trained"] == 3 + 4 * 3
 
 
 def test_glm_stop_tokens_come_from_generation_config(tmp_path):
@@ -459,14 +462,15 @@ def test_glm_stop_tokens_come_from_generation_config(tmp_path):
     rows = pq.read_table(out / "shard_000.parquet").to_pylist()
     runs = [run for row in rows for run in trained_text(tok, row["input_ids"], row["loss_mask"])]
     assert all(run.endswith(("<|observation|>", "<|user|>")) for run in runs)
-    (target / "generation_config.json").unlink()  # no stop token after a turn: counted
+    (target / "generation_config.json").unlink()  # no stop token after a turn: eos, counted
     report = tokenize(
         target,
         inputs,
         tmp_path / "out2",
         {"data": {"num_eval": 1, "num_shards": 1, "max_seq_len": 8192}},
     )
-    assert report["masks"]["turns"]["without_stop_token"] == 12  # 4 records x 3 turns
+    assert report["masks"]["turns"]["stop_appended"] == 12  # 4 records x 3 turns
+    assert report["masks"]["turns"]["without_stop_token"] == 0
 
 
 def test_template_switches_reach_training_and_evaluation_prompts(tmp_path):

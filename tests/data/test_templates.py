@@ -1,33 +1,33 @@
-"""Golden loss masks for the chat templates the model publishers ship (tests/templates/published).
+"""The turn rule on published chat templates (tests/templates/published, each with its source and
+commit), against what a person read off each template (tests/templates/reviewed) and against
+the prompts a server renders.
 
-For every published template and every conversation of template_cases.CASES (multi-turn,
-reasoning, string and object tool-call arguments, parallel calls, an agent loop, the peers' own
-test conversations), tests/templates/golden.json pins what `data.mask_mode: auto` trains: the
-mode, the turn counts and, per sample, the text that carries loss (the stand-in tokenizer has one
-token per byte), or the reason the record is dropped. The context of every trained turn is checked
-against an oracle that is not eyrie's code: the tokenizer's own `apply_chat_template` with the
-generation prompt, given the messages as a server passes them (tool-call arguments parsed from
-JSON, as vLLM's chat utilities do, or as JSON text for a template that takes text).
-
-`python tests/data/test_templates.py --write` rewrites golden.json (review the diff: it is the
-spec).
+tests/templates/reviewed/<name>.json holds, for the conversations multi_turn, agent_reasoning and
+tool_call_string of template_cases.CASES, each assistant turn's text as the model generates it,
+or why it cannot be trained: written from the template and the model card, never printed by
+eyrie's code (tests/templates/reviewed/README.md). The context of every trained turn is checked
+against oracles that are not eyrie's code: the tokenizer's own `apply_chat_template` with the
+generation prompt, given the messages as a server passes them, and vLLM's own renderer.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 
 import pytest
 
+from eyrie.chat.encoding import encode
 from eyrie.chat.records import RecordError, to_conversation
-from eyrie.chat.samples import MaskSettings, conversation_samples, masked_samples, template_traits
-from eyrie.chat.template import ChatTemplate
+from eyrie.chat.samples import MaskSettings, conversation_samples, masked_samples
+from eyrie.chat.template import REASONING_MARKERS, ChatTemplate
+from eyrie.chat.turn import TurnDropped, turn_of
+from eyrie.config.schema import key_schema
 from tests.support import TESTS
 from tests.support.models import config_only_llama
 from tests.support.template_cases import (
+    ARGUMENTS,
     CASES,
     PUBLISHED,
     TEMPLATES,
@@ -35,15 +35,16 @@ from tests.support.template_cases import (
     standin_tokenizer,
     trained_text,
 )
+from tests.support.template_oracle import server_messages, server_prompt
 
-GOLDEN_PATH = TEMPLATES.parent / "golden.json"
+REVIEWED = sorted((TEMPLATES.parent / "reviewed").glob("*.json"))
 
 
-def template(name: str) -> ChatTemplate:
+def template(name: str, kwargs: dict | None = None) -> ChatTemplate:
     spec = PUBLISHED[name]
     tok = standin_tokenizer(name)
     eos = [tok.convert_tokens_to_ids(t) for t in spec.stops] or None
-    return ChatTemplate.of(tok, spec.kwargs, eos)
+    return ChatTemplate.of(tok, kwargs if kwargs is not None else spec.kwargs, eos)
 
 
 def outcome(tpl: ChatTemplate, case: str) -> dict:
@@ -59,88 +60,61 @@ def outcome(tpl: ChatTemplate, case: str) -> dict:
     }
 
 
-def golden() -> dict:
-    out = {}
-    for name in PUBLISHED:
-        tpl = template(name)
-        out[name] = {
-            "traits": template_traits(tpl).as_dict(),
-            "cases": {case: outcome(tpl, case) for case in CASES},
-        }
-    return out
+@pytest.mark.parametrize("path", REVIEWED, ids=[p.stem for p in REVIEWED])
+def test_every_turn_is_what_the_review_says_the_model_generates(path):
+    review = json.loads(path.read_text())
+    tpl = template(review["template"], review["config"])
+    assert set(review["stops"]) <= {*tpl.stops, tpl.tokenizer.eos_token}, "stops as reviewed"
+    for case, turns in review["cases"].items():
+        conv = to_conversation(CASES[case])
+        for index, want in turns.items():
+            try:
+                got = {"trained": turn_of(tpl, conv, int(index)).text}
+            except TurnDropped as drop:
+                got = {"dropped": drop.reason}
+            assert got == {k: v for k, v in want.items() if k != "why"}, (case, index)
 
 
-GOLDEN = json.loads(GOLDEN_PATH.read_text()) if GOLDEN_PATH.exists() else {}
+def test_the_reviews_cover_twelve_families_three_conversations_each():
+    families = {json.loads(p.read_text())["template"] for p in REVIEWED}
+    assert len(families) >= 12 and families <= set(PUBLISHED)
+    for path in REVIEWED:
+        review = json.loads(path.read_text())
+        assert sorted(review["cases"]) == ["agent_reasoning", "multi_turn", "tool_call_string"]
+        for case, turns in review["cases"].items():
+            messages = CASES[case]["messages"]
+            assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i]
+            assert sorted(map(int, turns)) == assistant, (path.name, case)
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
-def test_golden_masks(name):
-    tpl = template(name)
-    assert template_traits(tpl).as_dict() == GOLDEN[name]["traits"]
-    assert tpl.tool_arguments == PUBLISHED[name].arguments  # as read off the file by hand
-    for case in CASES:
-        assert outcome(tpl, case) == GOLDEN[name]["cases"][case], case
+@pytest.mark.parametrize("name", sorted(ARGUMENTS))
+def test_the_argument_form_is_read_off_the_template(name):
+    assert template(name).tool_arguments == ARGUMENTS[name]  # as read off the file by hand
 
 
-def test_golden_covers_every_template_and_case():
-    assert sorted(GOLDEN) == sorted(PUBLISHED)
-    for entry in GOLDEN.values():
-        assert sorted(entry["cases"]) == sorted(CASES)
-
-
-def server_messages(messages: list[dict], form: str) -> list[dict]:
-    """Messages as a server hands them to the template: arguments parsed from JSON text (vLLM's
-    _postprocess_messages; empty: {}), or JSON text for a template that takes text; the
-    reasoning under the names templates read it by."""
-    out = []
-    for message in messages:
-        message = dict(message)
-        calls = []
-        for call in message.get("tool_calls") or []:
-            args = call["function"].get("arguments")
-            if form == "object" and not isinstance(args, dict):
-                args = json.loads(args) if args else {}
-            elif form == "string" and not isinstance(args, str):
-                args = json.dumps(args, ensure_ascii=False)
-            calls.append({**call, "function": {**call["function"], "arguments": args}})
-        if calls:
-            message["tool_calls"] = calls
-        if "reasoning_content" in message:
-            message["reasoning"] = message["thinking"] = message["reasoning_content"]
-        out.append(message)
-    return out
-
-
-DATE = re.compile(r"\d{4}-\d{2}-\d{2}")  # gpt-oss writes today's date into its system message
-
-
-def checked_contexts(tpl: ChatTemplate, record: dict, form: str) -> int:
-    """Assert that the context of every trained turn of `record` is the oracle's prompt for it;
-    the number of turns checked (0 when the record is dropped: test_golden_masks pins why)."""
+def checked_contexts(tpl: ChatTemplate, record: dict) -> int:
+    """Assert that the context of every trained turn of `record` is, token for token, the
+    oracle's prompt for it; the number of turns checked (0 when the record is dropped)."""
     conv = to_conversation(record)
     try:
-        samples, _, _ = conversation_samples(tpl, conv, "auto")
+        samples, encoded, _, _ = conversation_samples(tpl, conv, "auto")
     except RecordError:
         return 0
-    messages, checked = server_messages(conv.messages, form), 0
-    for sample in samples:
+    messages = server_messages(conv.messages, tpl.tool_arguments, tpl.content, tpl.reasoning)
+    checked = 0
+    for sample, (ids, _) in zip(samples, encoded):
         for (start, _), turn in zip(sample.spans, sample.turns):
-            oracle = tpl.tokenizer.apply_chat_template(
-                messages[:turn],
-                tools=conv.tools,
-                add_generation_prompt=True,
-                tokenize=False,
-                **tpl.kwargs,
-            )
-            assert DATE.sub("D", sample.text[:start]) == DATE.sub("D", oracle), turn
+            oracle = server_prompt(tpl.tokenizer, messages[:turn], conv.tools, tpl.kwargs)
+            assert sample.text[:start] == oracle, turn
+            assert ids[: len(encode(tpl.tokenizer, oracle))] == encode(tpl.tokenizer, oracle)
             checked += 1
     return checked
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("name", sorted(ARGUMENTS))
 def test_every_context_is_the_prompt_a_server_renders(name):
-    tpl, form = template(name), PUBLISHED[name].arguments
-    assert sum(checked_contexts(tpl, record, form) for record in CASES.values()) >= 10
+    tpl = template(name)
+    assert sum(checked_contexts(tpl, record) for record in CASES.values()) >= 10
 
 
 def test_kimi_thinking_trains_the_reasoning_of_a_final_answer():
@@ -171,10 +145,17 @@ def test_glm_turns_end_with_the_token_the_model_stops_on():
     assert got["turns"]["without_stop_token"] == 0
 
 
-def test_a_template_that_drops_parallel_calls_drops_the_record():
-    got = outcome(template("gpt_oss"), "parallel_calls")
-    assert got["dropped"] == "template_rule"
-    assert got["detail"].startswith("tool_calls_not_rendered: the template renders 1 of the 2")
+def test_a_template_that_drops_parallel_calls_drops_that_turn():
+    """gpt-oss renders only the first of parallel calls: that turn is not trained (counted); the
+    answer after it is, in the context the template renders."""
+    tpl = template("gpt_oss")
+    got = outcome(tpl, "parallel_calls")
+    assert got["turns"]["dropped"] == {"tool_calls_not_rendered": 1}
+    assert got["trained"] == [
+        ["<|channel|>final<|message|>Oslo -3 C; Bergen 4 C and rain.<|return|>"]
+    ]
+    with pytest.raises(TurnDropped, match="renders 1 of the 2 tool calls"):
+        turn_of(tpl, to_conversation(CASES["parallel_calls"]), 1)
 
 
 # vLLM serves gpt-oss through openai_harmony, not through its chat template
@@ -196,7 +177,8 @@ def request(record: dict) -> list[dict]:
 def test_every_context_is_the_prompt_vllm_renders(tmp_path):
     """The contexts again, against vLLM's own renderer (parse_chat_messages with its
     content-format detection and argument parsing, then safe_apply_chat_template) in the vLLM
-    environment."""
+    environment: eyrie hands content as vLLM does (as parts to a template that loops over them,
+    Kimi-K2-Instruct and GLM-4.6 among these), so every context it renders is vLLM's."""
     from tests.support.vllm_helpers import VLLM_ENVS, vllm_env
 
     python = vllm_env(next(iter(VLLM_ENVS)))
@@ -206,7 +188,7 @@ def test_every_context_is_the_prompt_vllm_renders(tmp_path):
         tpl = ChatTemplate.load(folder)
         for case, record in CASES.items():
             try:
-                samples, _, _ = conversation_samples(tpl, to_conversation(record), "auto")
+                samples, _, _, _ = conversation_samples(tpl, to_conversation(record), "auto")
             except RecordError:
                 continue
             for sample in samples:
@@ -220,24 +202,15 @@ def test_every_context_is_the_prompt_vllm_renders(tmp_path):
     script = TESTS / "support" / "vllm_render.py"
     args = [str(python), str(script), str(tmp_path / "jobs.json"), str(tmp_path / "out.json")]
     subprocess.run(args, check=True, capture_output=True, timeout=600)
-    refused, quirks, equal = set(), 0, 0
+    refused, equal = set(), 0
     for (name, case, turn, context), got in zip(
         contexts, json.loads((tmp_path / "out.json").read_text())
     ):
         if "error" in got:
             refused.add((name, case))
             continue
-        if got["prompt"] != context:
-            # vLLM's content-format detection gives Kimi-K2-Instruct's template content parts,
-            # and its tool-call branch prints them as a Python list: no model emits that; eyrie
-            # passes the text the template's `content is string` branch takes
-            assert (
-                name == "kimi_k2_instruct"
-                and "<|im_middle|>[{'type': 'text', 'text': " in (got["prompt"])
-            ), (name, case, turn)
-            quirks += 1
-        else:
-            equal += 1
+        assert got["prompt"] == context, (name, case, turn)
+        equal += 1
     # vLLM parses arguments into objects, which DeepSeek-V3.1's template concatenates as text:
     # vLLM cannot render its tool-call history at all; eyrie passes it text
     assert {name for name, _ in refused} == {"deepseek_v3_1"}
@@ -249,8 +222,8 @@ def test_every_context_is_the_prompt_vllm_renders(tmp_path):
         "specforge_tool_use",
         "speculators_tool_call",
     }
-    print(f"vLLM oracle: {equal} contexts equal, {quirks} quirks, {len(refused)} refused")
-    assert equal >= 100 and quirks == 6
+    print(f"vLLM oracle: {equal} contexts equal, {len(refused)} refused")
+    assert equal >= 100
 
 
 KIMI_K25 = TESTS / "remote_code" / "kimi_k25"
@@ -276,7 +249,7 @@ def test_remote_code_renders_through_the_tokenizers_own_apply_chat_template(kimi
     <think> in the generation prompt; its `thinking` switch comes from chat_template_kwargs."""
     tpl = ChatTemplate.load(kimi_k25, trust_remote_code=True)
     record = CASES["agent_reasoning"]
-    assert checked_contexts(tpl, record, "object") == 3
+    assert checked_contexts(tpl, record) == 3
     got = outcome(tpl, "agent_reasoning")
     assert got["trained"] == [
         [
@@ -287,14 +260,42 @@ def test_remote_code_renders_through_the_tokenizers_own_apply_chat_template(kimi
         ],
         ["Be polite.</think>You're welcome.<|im_end|>"],
     ]
-    samples, _, _ = conversation_samples(tpl, to_conversation(record), "auto")
+    samples, _, _, _ = conversation_samples(tpl, to_conversation(record), "auto")
     assert "type get_weather = (_: {" in samples[0].text and '"parameters"' not in samples[0].text
     off = ChatTemplate.load(kimi_k25, trust_remote_code=True, kwargs={"thinking": False})
-    assert checked_contexts(off, record, "object") == 3
+    assert checked_contexts(off, record) == 3
     quiet = outcome(off, "agent_reasoning")
     assert quiet["turns"]["reasoning_not_rendered"] == 3
     assert quiet["trained"][-1][-1] == "You're welcome.<|im_end|>"
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
-    GOLDEN_PATH.write_text(json.dumps(golden(), indent=1, ensure_ascii=False) + "\n")
+def test_the_schema_accepts_the_reasoning_parsers_whose_markers_are_known():
+    assert key_schema("data.reasoning_parser")["enum"] == [None, *REASONING_MARKERS]
+
+
+# a stand-in template (written here) whose generation prompt opens a reasoning block with markers
+# its source never spells (they come from a variable), and that cuts reasoning from every turn
+STANDIN_OPENS_UNSPELT = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' }}"
+    "{% if m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}"
+    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{{ think_open }}{% endif %}"
+)
+
+
+def test_a_reasoning_parser_names_the_markers_a_template_does_not_spell():
+    tok = standin_tokenizer("qwen3")
+    tok.chat_template = STANDIN_OPENS_UNSPELT
+    kwargs = {"think_open": "<seed:think>"}
+    record = {
+        "messages": [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4.", "reasoning_content": "Add them."},
+        ]
+    }
+    conv = to_conversation(record)
+    with pytest.raises(TurnDropped, match="does not follow the generation prompt"):
+        turn_of(ChatTemplate.of(tok, kwargs), conv, 1)
+    tpl = ChatTemplate.of(tok, kwargs, reasoning_parser="seed_oss")
+    turn = turn_of(tpl, conv, 1)
+    assert (turn.text, turn.path) == ("Add them.</seed:think>4.<|im_end|>", "parser")

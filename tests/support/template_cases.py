@@ -21,97 +21,52 @@ from transformers import PreTrainedTokenizerFast
 # tests/templates (this module also runs outside pytest: scripts/template_turns.py)
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates" / "published"
 
-KIMI = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"]
-KIMI_TOOLS = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"]
-KIMI_TOOLS += ["<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
-QWEN = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>"]
-THINK = ["<think>", "</think>"]
-DEEPSEEK = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
-DEEPSEEK += [f"<｜tool▁{w}｜>" for w in ("calls▁begin", "calls▁end", "call▁begin", "call▁end")]
-DEEPSEEK += [f"<｜tool▁{w}｜>" for w in ("sep", "output▁begin", "output▁end")]
-HARMONY = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|return|>"]
-HARMONY += ["<|constrain|>", "<|endoftext|>"]
-LLAMA = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>"]
-LLAMA += ["<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
-GLM = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
-GLM += ["<|endoftext|>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>"]
-GLM += ["<arg_value>", "</arg_value>"]
+MANIFEST = TEMPLATES / "templates.json"
 
 
 @dataclass(frozen=True)
 class Published:
-    """A published template, the special tokens of its model's tokenizer (bos, eos, the rest)
-    and the tokens of its generation_config.json's eos_token_id."""
+    """A published template, the special tokens of its model's tokenizer (bos, eos, the rest),
+    the tokens of its generation_config.json's eos_token_id, and its switches to test."""
 
     file: str
     bos: str | None
     eos: str
     specials: list[str]
     stops: list[str]  # generation_config.json's eos_token_id, as tokens
-    arguments: str  # how the template takes tool-call arguments (read off the file by hand)
+    configs: dict = field(default_factory=lambda: {"default": {}})
+    model: str = ""
     kwargs: dict = field(default_factory=dict)
 
 
-PUBLISHED = {
-    "kimi_k2_instruct": Published(
-        "moonshotai-Kimi-K2-Instruct.jinja", None, "<|im_end|>", KIMI + KIMI_TOOLS, [], "object"
-    ),
-    "kimi_k2_thinking": Published(
-        "moonshotai-Kimi-K2-Thinking.jinja",
-        None,
-        "<|im_end|>",
-        KIMI + KIMI_TOOLS + THINK,
-        [],
-        "object",
-    ),
-    "qwen3": Published(
-        "Qwen-Qwen3.jinja",
-        None,
-        "<|im_end|>",
-        QWEN + THINK,
-        ["<|im_end|>", "<|endoftext|>"],
-        "object",
-    ),
-    "qwen3_coder": Published(
-        "Qwen-Qwen3-Coder.jinja",
-        None,
-        "<|im_end|>",
-        QWEN,
-        ["<|im_end|>", "<|endoftext|>"],
-        "object",
-    ),
-    "deepseek_v3_1": Published(
-        "deepseek-ai-DeepSeek-V3.1.jinja",
-        "<｜begin▁of▁sentence｜>",
-        "<｜end▁of▁sentence｜>",
-        DEEPSEEK + THINK,
-        ["<｜end▁of▁sentence｜>"],
-        "string",
-    ),
-    "gpt_oss": Published(
-        "openai-gpt-oss.jinja",
-        None,
-        "<|return|>",
-        HARMONY,
-        ["<|return|>", "<|endoftext|>", "<|call|>"],
-        "object",
-    ),
-    "llama3_1": Published(
-        "meta-llama-Llama-3.1-8B-Instruct.jinja",
-        "<|begin_of_text|>",
-        "<|eot_id|>",
-        LLAMA,
-        ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"],
-        "object",
-    ),
-    "glm_4_6": Published(
-        "zai-org-GLM-4.6.jinja",
-        None,
-        "<|endoftext|>",
-        GLM + THINK,
-        ["<|endoftext|>", "<|user|>", "<|observation|>"],
-        "object",
-    ),
+def _published() -> dict[str, Published]:
+    """The vendored templates, from tests/templates/published/templates.json."""
+    out = {}
+    for name, entry in json.loads(MANIFEST.read_text()).items():
+        out[name] = Published(
+            entry["file"],
+            entry.get("bos"),
+            entry["eos"],
+            list(entry.get("specials") or []),
+            list(entry.get("stops") or []),
+            dict(entry.get("configs") or {"default": {}}),
+            entry.get("model", ""),
+        )
+    return out
+
+
+PUBLISHED = _published()
+
+# how the template takes tool-call arguments, read off the file by hand
+ARGUMENTS = {
+    "kimi_k2_instruct": "object",
+    "kimi_k2_thinking": "object",
+    "qwen3": "object",
+    "qwen3_coder": "object",
+    "deepseek_v3_1": "string",
+    "gpt_oss": "object",
+    "llama3_1": "object",
+    "glm_4_6": "object",
 }
 
 
@@ -251,6 +206,33 @@ CASES = {
             {"role": "user", "content": "Thanks!"},
             {"role": "assistant", "content": "You're welcome.", "reasoning_content": "Be polite."},
         ],
+    },
+    # content as parts, as OpenAI-form datasets give them (a server joins them for a template that
+    # takes text, or passes the list to one that loops over it)
+    "content_parts": {
+        "messages": [
+            {
+                "role": "system",
+                "content": [
+                    {"type": "text", "text": "You are a geography tutor."},
+                    {"type": "text", "text": "Answer in one sentence."},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is the capital of Norway?"},
+                    {"type": "text", "text": "And how many people live there?"},
+                ],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "Oslo, home to 700,000."}]},
+            {"role": "user", "content": "And of Sweden?"},
+            {
+                "role": "assistant",
+                "content": "Stockholm, home to about a million.",
+                "reasoning_content": "Sweden's capital is Stockholm.",
+            },
+        ]
     },
     # SpecForge tests/test_data/test_parsers.py @ 916d14e2686f5d280ab67dc232de5acdb701d41c:
     # tool_use_messages (object arguments, no call ids, tool results without tool_call_id)
