@@ -127,7 +127,7 @@ class Job:
         turn = self.pending.pop(0)
         text = tokenizer.decode(generated.ids, skip_special_tokens=False)
         self.messages[turn] = parse_response(text, opens_think(request.prompt))
-        if generated.ended:  # the exact ids trained for this turn (eyrie.chat.turn)
+        if generated.end is not None:  # the exact ids trained for this turn (eyrie.chat.turn)
             ids = [*generated.ids, generated.end]
             self.generated[turn] = {"ids": ids, "prompt": ids_digest(request.ids)}
         self.regenerated += 1

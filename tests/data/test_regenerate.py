@@ -139,7 +139,7 @@ def test_parse_response_moves_a_leading_think_block():
 
 
 def test_split_at_end_drops_the_end_token_and_padding():
-    assert split_at_end([5, 6, 3, 0, 0], {3}) == Generated([5, 6], True)
+    assert split_at_end([5, 6, 3, 0, 0], {3}) == Generated([5, 6], True, 3)
     assert split_at_end([5, 6, 7], {3}) == Generated([5, 6, 7], False)
     assert Generated([5, 6], True).tokens == 3
 
@@ -391,7 +391,7 @@ def test_vllm_outputs_become_responses(tok):
     llm = FakeLLM()
     backend = regenerate_vllm.VllmBackend(tok, llm, None, {3}, None)
     assert backend.generate([[1, 2], [1, 4]]) == [
-        Generated([5, 6], True),  # stopped at the end token, which is dropped
+        Generated([5, 6], True, 3),  # stopped at the end token, kept apart
         Generated([5, 6, 7], False),  # finish_reason length: cut
     ]
     llm.swap = True
@@ -523,3 +523,44 @@ def test_the_workflow_gives_the_vllm_backend_its_engine_settings():
     assert engine.max_model_len == 4096 and engine.gpu_memory_utilization == 0.7
     config["regenerate"]["backend"] = "hf"
     assert "vllm" not in json.loads(settings_param(config, "regenerate_responses"))
+
+
+def test_regenerated_turns_train_the_exact_ids_the_target_generated(tok):
+    """The target's own ids are trained, not a re-encoding of their text: here it writes one
+    token per character, which the tokenizer would merge (so the second turn, whose prompt a
+    server encodes from the first one's text, starts a sample of its own); a turn whose prompt
+    changed since (another template switch) is trained from its text."""
+    from eyrie.chat.samples import MaskSettings, masked_samples
+    from eyrie.chat.template import ChatTemplate
+    from eyrie.data.collect import _generated_ids
+
+    end = tok.convert_tokens_to_ids("<|end|>")
+
+    class OneTokenPerCharacter(Scripted):
+        def generate(self, prompts):
+            texts = [self.tokenizer.decode(p) for p in prompts]
+            answers = [self.answer(text) for text in texts]
+            return [Generated(self.spelt(a), True, end) for a in answers]
+
+        def spelt(self, text):
+            return [i for c in text for i in self.tokenizer.encode(c, add_special_tokens=False)]
+
+    backend = OneTokenPerCharacter(tok)
+    (job,) = jobs_of(MULTI)
+    run_rounds(backend, [job], cfg(), Stats())
+    line = json.loads(json.dumps(job.line()))
+    assert sorted(line["generated"]) == ["2", "4"]
+    conv = to_conversation(line)
+    conv.generated = _generated_ids(line["generated"], None)
+    tpl = ChatTemplate.of(tok)
+    samples = masked_samples(tpl, conv, MaskSettings()).samples
+    trained = [t for ids, mask in samples for t, bit in zip(ids, mask) if bit]
+    assert len(samples) == 2
+    spelt = [backend.spelt(job.messages[k]["content"]) + [end] for k in (2, 4)]
+    assert trained == spelt[0] + spelt[1]
+    assert trained != [
+        t for k in (2, 4) for t in tok.encode(job.messages[k]["content"] + "<|end|>")
+    ]
+    conv.messages[0] = {"role": "system", "content": "You are verbose."}  # prompts changed
+    samples = masked_samples(tpl, conv, MaskSettings()).samples
+    assert [t for ids, mask in samples for t, bit in zip(ids, mask) if bit] != trained
