@@ -202,6 +202,12 @@ REASONING_MARKERS = {
     "seed_oss": ("<seed:think>", "</seed:think>"),
     "mistral": ("[THINK]", "[/THINK]"),
 }
+# reasoning markers of templates vLLM has no parser name for, read off their sources
+TEMPLATE_MARKERS = (
+    ("<|START_THINKING|>", "<|END_THINKING|>"),  # Cohere Command A (reasoning)
+    ("<|channel>", "<channel|>"),  # Gemma 4
+    ("<|think|>", "<|end|>"),  # Solar Open
+)
 REASONING_FORMS = ("field", "chunks", "none")
 PROBE_REASONING = "Eyrie probe reasoning."
 
@@ -267,14 +273,14 @@ class ChatTemplate:
     ) -> ChatTemplate:
         """The template of `tokenizer` with its switches; `eos`: generation_config.json's
         eos_token_id (an id or a list); `reasoning_parser`: a key of REASONING_MARKERS, else the
-        markers are those the template's source writes. The forms are read off the template."""
+        markers are the first known pair whose start the template's source writes. The forms
+        are read off the template."""
         ends = end_token_ids(tokenizer, eos)
         stops = tuple(sorted({tokenizer.decode([i], skip_special_tokens=False) for i in ends}))
         source = tokenizer.get_chat_template()
         markers = REASONING_MARKERS.get(reasoning_parser) if reasoning_parser else None
-        markers = markers or next(
-            (m for m in dict.fromkeys(REASONING_MARKERS.values()) if m[0] in source), None
-        )
+        known = dict.fromkeys([*REASONING_MARKERS.values(), *TEMPLATE_MARKERS])
+        markers = markers or next((m for m in known if m[0] in source), None)
         template = cls(
             tokenizer, chat_template_kwargs(kwargs), "object", stops, content_format(source)
         )

@@ -67,7 +67,7 @@ class Turn:
     prompt: str
     text: str  # ends with the stop token when `stop` is not ""
     reasoning: str  # "" (the turn has none) | "rendered" | "not_rendered"
-    path: str  # final | history | in_progress | parser | generated: how the text was found
+    path: str  # final | history | closed | in_progress | parser | generated: how it was found
     stop: str  # template | next_role | eos | generated | "": where the stop token came from
     ids: tuple[int, ...] | None = None  # the ids the target generated (regeneration)
 
@@ -96,7 +96,8 @@ def turn_of(tpl: ChatTemplate, conv: Conversation, i: int) -> Turn:
         text = tpl.tokenizer.decode(exact["ids"], skip_special_tokens=False)
         state = "" if not reasoning else ("rendered" if reasoning in text else "not_rendered")
         return Turn(i, prompt, text, state, "generated", "generated", tuple(exact["ids"]))
-    opened = _opened(tpl, prompt)
+    history = tpl.render(messages[:i], tools=conv.tools)
+    opened = _opened(tpl, prompt[len(history) :] if prompt.startswith(history) else prompt)
     if opened and not reasoning:
         raise TurnDropped(
             "reasoning_missing",
@@ -127,13 +128,22 @@ def turn_of(tpl: ChatTemplate, conv: Conversation, i: int) -> Turn:
     return Turn(i, prompt, text, state, path, stop)
 
 
-def _opened(tpl: ChatTemplate, prompt: str) -> bool:
-    """Whether the generation prompt ends inside an open reasoning block."""
+def _opened(tpl: ChatTemplate, header: str) -> bool:
+    """Whether the generation prompt's own text (`header`: what it adds to the history) leaves a
+    reasoning block open: a start marker after the last end marker."""
     if tpl.markers is None:
         return False
     start, end = tpl.markers
-    tail = prompt.rstrip()
-    return tail.endswith(start) and not tail.endswith(end)
+    return header.rfind(start) > max(header.rfind(end), -1)
+
+
+def _closes(tpl: ChatTemplate, header: str) -> bool:
+    """Whether the generation prompt's own text holds a closed reasoning block (a thinking
+    switch off, a budget spent): the model writes no reasoning after it."""
+    if tpl.markers is None:
+        return False
+    start, end = tpl.markers
+    return 0 <= header.rfind(start) < header.rfind(end)
 
 
 def _render_turn(tpl: ChatTemplate, conv: Conversation, i: int, message: dict) -> str:
@@ -150,7 +160,7 @@ def _generated(
     the path that found it, or None. The render with the turn last extends the prompt: what
     follows it. Else the turn is located in that render: it begins at its first own character
     (the render with a SENTINEL in front of its text differs there), after the header the
-    generation prompt writes, searched only past the history the two renders share."""
+    generation prompt writes, searched from the end of the message before it."""
     final = _render_turn(tpl, conv, i, message)
     if final.startswith(prompt):
         text = final[len(prompt) :]
@@ -161,14 +171,19 @@ def _generated(
     if not prompt.startswith(history):
         return None
     header = prompt[len(history) :]
-    if opened:  # the role header before the block the prompt opens
-        header = header[: header.rstrip().rfind(tpl.markers[0])]
+    closed = _closes(tpl, header)
+    after = header[header.rfind(tpl.markers[1]) + len(tpl.markers[1]) :] if closed else ""
+    if opened or closed:  # the role header before the block the prompt opens or closes
+        header = header[: header.rfind(tpl.markers[0])]
     own = _first_difference(final, _render_turn(tpl, conv, i, _marked(message, front=True)))
-    shared = _first_difference(final, history)
-    at = final.rfind(header, shared, own) if header else -1
+    start = _previous_end(tpl, conv, i, message, final)
+    at = final.find(header, start, own) if header else -1
     if at < 0 or at + len(header) > own:
         return None
     rest = final[at + len(header) :]
+    if closed:  # the model writes on after the prompt's closed block (and what follows it)
+        answer = _after_block(tpl, rest)
+        return (answer[len(after) :] if answer.startswith(after) else answer), "closed"
     if not opened:
         return rest, "history"
     return reasoning_of(message) + tpl.markers[1] + _after_block(tpl, rest), "parser"
@@ -181,8 +196,28 @@ def _after_block(tpl: ChatTemplate, rest: str) -> str:
     lead = rest.lstrip()
     if lead.startswith(start) or lead.startswith(end):
         at = rest.find(end)
-        return rest[at + len(end) :] if at >= 0 else rest
+        if at >= 0:
+            return rest[at + len(end) :]
+        return lead[len(start) :].lstrip()  # an opened block the template never closes
     return rest
+
+
+def _previous_end(tpl: ChatTemplate, conv: Conversation, i: int, message: dict, final: str) -> int:
+    """Where the text of message i-1 ends in `final` (the render with a SENTINEL after it shows
+    where), else where `final` leaves the history's render: the turn is searched past it."""
+    before = conv.messages[: i - 1]
+    try:
+        marked = tpl.render(
+            [*before, _marked(conv.messages[i - 1], front=False), message],
+            tools=conv.tools,
+            generated=i,
+        )
+    except RecordError:
+        marked = ""
+    at = marked.find(SENTINEL)
+    if at >= 0 and marked[:at] == final[:at]:
+        return at
+    return _first_difference(final, tpl.render(conv.messages[:i], tools=conv.tools))
 
 
 def _first_difference(a: str, b: str) -> int:

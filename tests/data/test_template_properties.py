@@ -17,6 +17,8 @@ anyone writes its review.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from eyrie.chat.encoding import encode
@@ -26,6 +28,35 @@ from eyrie.chat.template import ChatTemplate
 from eyrie.chat.turn import TURN_DROPS
 from tests.support.template_cases import CASES, PUBLISHED, standin_tokenizer
 from tests.support.template_oracle import server_messages, server_prompt
+
+# the template configurations that train no turn of any case, read off each file by hand: the
+# reasons the records or turns are dropped for, and why
+UNTRAINABLE = {
+    "apriel_1_6_thinker@default": (
+        {"not_derivable"},
+        "llama.cpp's 'fixed' copy: the generation prompt opens reasoning with prose ('Here are my "
+        "reasoning steps:'), no marker a reasoning parser splits on",
+    ),
+    "command_r_plus@default": (
+        {"template_error"},
+        "the tool_use template needs a description per parameter and its own tool-result shape",
+    ),
+    "firefunction_v2@default": (
+        {"template_error"},
+        "the template reads a `functions` variable no server passes",
+    ),
+    "mirothinker_v1@default": (
+        {"template_error"},
+        "llama.cpp's patched copy assigns attributes on messages, which sandboxed jinja refuses",
+    ),
+    "deepseek_v3_2_llamacpp@default": (
+        {"not_derivable", "reasoning_missing"},
+        "llama.cpp's own template: its render without a generation prompt already writes the "
+        "assistant header, and its generation prompt a second user and assistant header",
+    ),
+}
+UNTRAINABLE["mirothinker_v1@thinking_off"] = UNTRAINABLE["mirothinker_v1@default"]
+UNTRAINABLE["deepseek_v3_2_llamacpp@thinking_off"] = UNTRAINABLE["deepseek_v3_2_llamacpp@default"]
 
 CONFIGS = [(name, config) for name, spec in sorted(PUBLISHED.items()) for config in spec.configs]
 MIN_TEXT = 8  # shorter message texts may recur inside an answer by chance
@@ -51,19 +82,17 @@ def others(conv) -> list[str]:
     return [t for t in texts if len(t) >= MIN_TEXT and not any(t in a for a in mine)]
 
 
-def check_record(tpl: ChatTemplate, case: str) -> dict:
-    """Assert every property on CASES[case]; the turns trained and dropped."""
+def check_record(tpl: ChatTemplate, case: str) -> Counter:
+    """Assert every property on CASES[case]; the turns trained and the reasons of those not."""
     conv = to_conversation(CASES[case])
-    assistant = [
-        i
-        for i, m in enumerate(conv.messages)
-        if m["role"] == "assistant" and i >= conv.first_turn()
-    ]
+    first = conv.first_turn()
+    assistant = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant" and i >= first]
     try:
         samples, encoded, _, counts = conversation_samples(tpl, conv, "auto")
     except RecordError as err:
         assert err.reason in ("template_error", "template_rule"), err
-        return {"trained": 0, "dropped": len(assistant)}
+        kind = err.reason if err.reason == "template_error" else err.detail.split(":")[0]
+        return Counter({kind: len(assistant)})
     trained = [turn for sample in samples for turn in sample.turns]
     assert len(trained) == len(set(trained)), "a turn trained twice"
     dropped = counts["dropped"]
@@ -88,11 +117,15 @@ def check_record(tpl: ChatTemplate, case: str) -> dict:
                 assert not any(mask[at : at + len(piece)])
             at += len(piece)
         assert at == len(ids)
-    return {"trained": len(trained), "dropped": sum(dropped.values())}
+    return Counter({"trained": len(trained), **dropped})
 
 
 @pytest.mark.parametrize("name, config", CONFIGS, ids=[f"{n}@{c}" for n, c in CONFIGS])
 def test_every_published_template_trains_only_what_the_model_generates(name, config):
     tpl = template(name, config)
-    totals = [check_record(tpl, case) for case in CASES]
-    assert sum(t["trained"] for t in totals) > 0, "the template trains no turn of any case"
+    totals = sum((check_record(tpl, case) for case in CASES), Counter())
+    if f"{name}@{config}" in UNTRAINABLE:
+        kinds, _ = UNTRAINABLE[f"{name}@{config}"]
+        assert set(totals) <= kinds and "trained" not in totals, totals
+    else:
+        assert totals["trained"] > 0, totals
