@@ -106,8 +106,8 @@ class Conversation:
     """Messages as the template sees them, the record's tool definitions, and what was left out.
 
     A message has `role` and `content` (a string, or the record's text parts as
-    `{"type": "text", "text": ...}`; "" for an assistant turn that only calls tools) and, when
-    the record gives them, `reasoning_content`, `tool_calls`, `tool_call_id` and `name`.
+    `{"type": "text", "text": ...}`; "" or None for an assistant turn that only calls tools)
+    and, when the record gives them, `reasoning_content`, `tool_calls`, `tool_call_id` and `name`.
     `dropped_parts` counts non-text content parts left out (data.non_text: keep_text).
     """
 
@@ -231,7 +231,8 @@ def _message(turn: dict, i: int, fm: _Form, keep_text: bool) -> tuple[dict, int]
         raise RecordError(
             "non_text_content", f"{form}[{i}].{text_key} is a {type(content).__name__}"
         )
-    message = {"role": role, "content": content or ""}
+    # None stays None (an assistant turn that only calls tools): a server hands it on as no parts
+    message = {"role": role, "content": content if content is None else (content or "")}
     reasoning = next((turn[f] for f in REASONING_FIELDS if turn.get(f) is not None), None)
     if reasoning is not None and role == "assistant":
         if not isinstance(reasoning, str):

@@ -13,6 +13,7 @@ eos_token_id list). What is trained from the renderings: eyrie.chat.samples, doc
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -175,10 +176,11 @@ def _arguments(value: object, form: str) -> object:
 
 
 def _parts(content: object) -> list[dict]:
-    """A message's content as text parts (a record's content is a string or text parts)."""
+    """A message's content as text parts (a record's content is a string, text parts, or None:
+    no parts)."""
     if isinstance(content, list):
         return [{"type": "text", "text": p["text"]} for p in content]
-    return [{"type": "text", "text": content or ""}]
+    return [] if content is None else [{"type": "text", "text": content}]
 
 
 def _call(call: dict, form: str) -> dict:
@@ -210,40 +212,61 @@ TEMPLATE_MARKERS = (
 )
 REASONING_FORMS = ("field", "chunks", "none")
 PROBE_REASONING = "Eyrie probe reasoning."
+PRINTED_PART = re.compile(r"""["']type["']\s*:""")  # a content part printed as data, not rendered
 
 
 def content_format(source: str) -> str:
     """How a server hands this template a message's content, detected as vLLM detects it:
-    `openai` (a list of parts) when the template loops over a message's content, else `string`
-    (text parts joined with "\n")."""
-    import jinja2
+    `openai` (a list of parts) when the template loops over a message's content (a loop over
+    `message['content']`, `message.content`, filtered or sliced, where `message` is a loop
+    variable over `messages` or a variable set from it; or over a variable named `content`),
+    else `string` (text parts joined with "\n")."""
     from jinja2 import nodes
+    from transformers.utils.chat_template_utils import _compile_jinja_template
 
     try:
-        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
-    except jinja2.TemplateSyntaxError:
+        tree = _compile_jinja_template(source).environment.parse(source)
+    except Exception:  # noqa: BLE001 - a template that does not parse: vLLM's default, text
         return "string"
-    messages = {n.target.name for n in tree.find_all(nodes.For) if isinstance(n.target, nodes.Name)}
-
-    def is_content(node) -> bool:
-        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
-            key, base = node.arg.value, node.node
-        elif isinstance(node, nodes.Getattr):
-            key, base = node.attr, node.node
-        else:
-            return False
-        return key == "content" and isinstance(base, nodes.Name) and base.name in messages
-
-    aliases = {
-        n.target.name
-        for n in tree.find_all(nodes.Assign)
-        if isinstance(n.target, nodes.Name) and is_content(n.node)
+    lists = ["messages"]
+    for name in lists:  # variables set from messages (or from one another), breadth first
+        for assign in tree.find_all(nodes.Assign):
+            target = assign.target
+            if _reads(assign.node, name) and isinstance(target, nodes.Name):
+                if target.name not in lists:
+                    lists.append(target.name)
+    loops = list(tree.find_all(nodes.For))
+    items = {
+        loop.target.name
+        for loop in loops
+        if isinstance(loop.target, nodes.Name) and any(_reads(loop.iter, n) for n in lists)
     }
-    for loop in tree.find_all(nodes.For):
-        it = loop.iter
-        if is_content(it) or (isinstance(it, nodes.Name) and it.name in aliases):
+    for loop in loops:
+        if any(_reads(loop.iter, item, "content") for item in items):
+            return "openai"
+        if isinstance(loop.iter, nodes.Name) and loop.iter.name == "content":
             return "openai"
     return "string"
+
+
+def _reads(node, name: str, key: str | None = None) -> bool:
+    """Whether a jinja expression reads variable `name` (or its item `key`), through filters,
+    tests and slices."""
+    from jinja2 import nodes
+
+    if isinstance(node, (nodes.Filter, nodes.Test)):
+        return node.node is not None and _reads(node.node, name, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _reads(node.node, name, key)
+    if key is None:
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+    if isinstance(node, nodes.Getitem):
+        return (
+            isinstance(node.arg, nodes.Const) and node.arg.value == key and _reads(node.node, name)
+        )
+    if isinstance(node, nodes.Getattr):
+        return node.attr == key and _reads(node.node, name)
+    return False
 
 
 @dataclass(frozen=True)
@@ -331,8 +354,8 @@ class ChatTemplate:
                 message.pop("reasoning_content")
                 parts = [{"type": "thinking", "thinking": reasoning}, *parts]
                 message["content"] = parts
-            elif self.content == "openai" and k != generated:
-                message["content"] = parts
+            elif self.content == "openai" and k != generated and message["role"] != "tool":
+                message["content"] = parts  # (vLLM hands a tool result on as text)
             else:
                 message["content"] = "\n".join(p["text"] for p in parts)
             out.append(message)
@@ -408,6 +431,6 @@ class ChatTemplate:
                 text = replace(self, reasoning=form).render(messages)
             except RecordError:
                 continue
-            if PROBE_REASONING in text and "'thinking'" not in text:  # not a printed part
+            if PROBE_REASONING in text and not PRINTED_PART.search(text):
                 return form
         return "none"

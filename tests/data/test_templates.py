@@ -177,8 +177,11 @@ def request(record: dict) -> list[dict]:
 def test_every_context_is_the_prompt_vllm_renders(tmp_path):
     """The contexts again, against vLLM's own renderer (parse_chat_messages with its
     content-format detection and argument parsing, then safe_apply_chat_template) in the vLLM
-    environment: eyrie hands content as vLLM does (as parts to a template that loops over them,
-    Kimi-K2-Instruct and GLM-4.6 among these), so every context it renders is vLLM's."""
+    environment, for every vendored template vLLM serves through its template: eyrie hands
+    content as vLLM does (as parts to a template that loops over them, by vLLM's detection; a
+    tool result as text), so every context it renders is vLLM's but where it passes tool-call
+    arguments as JSON text to a template that cannot take objects, or reasoning as "thinking"
+    parts to a template that renders reasoning only from those (Ministral-3 Reasoning)."""
     from tests.support.vllm_helpers import VLLM_ENVS, vllm_env
 
     python = vllm_env(next(iter(VLLM_ENVS)))
@@ -202,28 +205,27 @@ def test_every_context_is_the_prompt_vllm_renders(tmp_path):
     script = TESTS / "support" / "vllm_render.py"
     args = [str(python), str(script), str(tmp_path / "jobs.json"), str(tmp_path / "out.json")]
     subprocess.run(args, check=True, capture_output=True, timeout=600)
-    refused, equal = set(), 0
+    loaded = {name: ChatTemplate.load(tmp_path / name) for name in VLLM_SERVED}
+    # where eyrie departs from vLLM on purpose: tool-call arguments as JSON text to a template that
+    # cannot take objects, reasoning as "thinking" parts to a template that renders only those
+    departs = {
+        n for n, t in loaded.items() if t.tool_arguments == "string" or t.reasoning == "chunks"
+    }
+    refused, other, equal = set(), set(), 0
     for (name, case, turn, context), got in zip(
         contexts, json.loads((tmp_path / "out.json").read_text())
     ):
         if "error" in got:
-            refused.add((name, case))
-            continue
-        assert got["prompt"] == context, (name, case, turn)
-        equal += 1
-    # vLLM parses arguments into objects, which DeepSeek-V3.1's template concatenates as text:
-    # vLLM cannot render its tool-call history at all; eyrie passes it text
-    assert {name for name, _ in refused} == {"deepseek_v3_1"}
-    assert {case for _, case in refused} == {
-        "tool_call_string",
-        "tool_call_object",
-        "parallel_calls",
-        "agent_reasoning",
-        "specforge_tool_use",
-        "speculators_tool_call",
-    }
-    print(f"vLLM oracle: {equal} contexts equal, {len(refused)} refused")
-    assert equal >= 100
+            refused.add((name, case, got["error"][:80]))
+        elif got["prompt"] != context:
+            other.add((name, case, turn))
+        else:
+            equal += 1
+    # vLLM parses arguments into objects, which some templates concatenate as text (vLLM cannot
+    # render their tool-call history) or print as a Python dict; it hands reasoning on as a field
+    assert {name for name, *_ in refused | other} <= departs, sorted(refused | other)
+    print(f"vLLM oracle: {equal} contexts equal, {len(refused)} refused, {len(other)} other")
+    assert equal >= 1000
 
 
 KIMI_K25 = TESTS / "remote_code" / "kimi_k25"

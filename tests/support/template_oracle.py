@@ -29,13 +29,14 @@ def server_messages(
             calls.append({**call, "function": {**call["function"], "arguments": args}})
         if calls:
             message["tool_calls"] = calls
-        text = message.get("content") or ""
+        text = message.get("content")
         parts = text if isinstance(text, list) else [{"type": "text", "text": text}]
+        parts = [] if text is None else parts
         thinking = message.get("reasoning_content")
         if reasoning == "chunks" and thinking is not None:
             del message["reasoning_content"]
             message["content"] = [{"type": "thinking", "thinking": thinking}, *parts]
-        elif content == "openai":
+        elif content == "openai" and message["role"] != "tool":  # a tool result stays text
             message["content"] = parts
         else:
             message["content"] = "\n".join(p["text"] for p in parts)
