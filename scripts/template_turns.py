@@ -10,8 +10,10 @@ assistant turns whose trained text is the reviewed text (right), trained text no
 trained (missed). The revision's own code does the masking (its tree first on PYTHONPATH, in a
 subprocess); the templates, the stand-in tokenizers, the conversations and the reviews are this
 tree's. The second table (docs/data.md's) gives, per vendored template and switch, over the
-conversations of tests/support/template_cases.py: turns trained, turns dropped by reason, records
-dropped whole, and the context tokens the samples repeat (overhead) against those they need.
+conversations of tests/support/template_cases.py: turns trained, turns not trained by reason
+(those of records dropped whole under their first turn's reason), records dropped whole, the
+tokens of the samples and the context tokens they repeat (a sample after the first in a record
+repeats its context: the overhead of training each turn in the context it is generated in).
 """
 
 from __future__ import annotations
@@ -134,13 +136,16 @@ def collection() -> list[dict]:
             row = {"template": name, "config": config, "trained": 0, "dropped": Counter()}
             row.update(records_dropped=0, tokens=0, overhead=0)
             for record in cases.CASES.values():
+                conv = to_conversation(record)
                 try:
-                    _, encoded, _, counts = conversation_samples(
-                        tpl, to_conversation(record), "auto"
-                    )
-                except RecordError as err:
+                    _, encoded, _, counts = conversation_samples(tpl, conv, "auto")
+                except RecordError as err:  # every turn of it, under the first one's reason
                     row["records_dropped"] += 1
-                    row["dropped"][err.detail.split(":")[0]] += 0
+                    reason = err.reason if err.reason == "template_error" else err.detail
+                    turns = [m for m in conv.messages[conv.first_turn() :]]
+                    row["dropped"][reason.split(":")[0]] += sum(
+                        m["role"] == "assistant" for m in turns
+                    )
                     continue
                 row["trained"] += counts["trained"]
                 row["dropped"].update(counts["dropped"])

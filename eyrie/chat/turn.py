@@ -221,7 +221,15 @@ def _previous_end(tpl: ChatTemplate, conv: Conversation, i: int, message: dict, 
 
 
 def _first_difference(a: str, b: str) -> int:
-    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    """The first index where `a` and `b` differ (the shorter one's length if neither does), by
+    halving slices: compared in C, a 60 MB record's renders take milliseconds."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo] and a[lo:hi] != b[lo:hi]
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[lo:mid] == b[lo:mid] else (lo, mid)
+    return lo
 
 
 def _marked(message: dict, front: bool) -> dict:
