@@ -20,6 +20,27 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
+def encode_many(tokenizer, texts: list[str], max_tokens: int | None = None) -> list[list[int]]:
+    """`encode_head` of each text: those short enough to encode whole go to a fast tokenizer in
+    one call (a call costs more than a short text's tokens)."""
+    limit = None if max_tokens is None else 2 * HEAD_CHARS_PER_TOKEN * max_tokens
+    out: list[list[int]] = [[] for _ in texts]
+    short = []
+    for k, text in enumerate(texts):
+        if text and limit is not None and len(text) > limit:
+            out[k] = encode_head(tokenizer, text, max_tokens)
+        elif text:
+            short.append(k)
+    if short and getattr(tokenizer, "is_fast", False):
+        batch = tokenizer([texts[k] for k in short], add_special_tokens=False)["input_ids"]
+        for k, ids in zip(short, batch):
+            out[k] = list(ids)
+    else:
+        for k in short:
+            out[k] = encode(tokenizer, texts[k])
+    return out
+
+
 def encode_head(tokenizer, text: str, max_tokens: int | None) -> list[int]:
     """`encode(text)`, or, when `text` is far longer than `max_tokens` tokens can be, the ids of
     a head of it: tokenizing a whole 60 MB record took 24 GB of memory to keep 2,048 tokens. A

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from eyrie.chat.encoding import Piece, encode_head, encode_pieces, same_ids
+from eyrie.chat.encoding import Piece, encode_many, encode_pieces, same_ids
 from eyrie.chat.records import Conversation, RecordError
 from eyrie.chat.template import ChatTemplate
 from eyrie.chat.turn import TURN_DROPS, Turn, TurnDropped, reasoning_of, turn_of
@@ -79,26 +79,36 @@ TURN_COUNTS = (
 
 
 def turn_samples(tpl: ChatTemplate, turns: list[Turn], max_tokens: int | None = None) -> tuple:
-    """Each turn after its prompt; a turn joins the previous sample when that sample's pieces
+    """Each turn after its prompt; a turn joins the previous sample when that sample's tokens
     and the text between, encoded, are token for token the turn's prompt as a server encodes
-    it, so a prefix-stable stretch costs one sample. Returns the samples and their encodings
-    (with `max_tokens`, as encode_pieces cuts them)."""
-    tok = tpl.tokenizer
+    it, so a prefix-stable stretch costs one sample. Returns the samples and their (ids, mask),
+    cut past `max_tokens` as encode_pieces cuts them."""
+    texts = []  # per turn: its prompt, its text, the text between the turn before and it
+    for k, turn in enumerate(turns):
+        before = turns[k - 1].prompt + turns[k - 1].text if k else None
+        between = turn.prompt[len(before) :] if k and turn.prompt.startswith(before) else ""
+        texts += [turn.prompt, turn.text if turn.ids is None else "", between]
+    ids = encode_many(tpl.tokenizer, texts, max_tokens)
     samples: list[Sample] = []
     encoded: list[tuple[list[int], list[int]]] = []
-    for turn in turns:
+    for k, turn in enumerate(turns):
+        prompt, text, between = ids[3 * k : 3 * k + 3]
+        text = list(turn.ids) if turn.ids is not None else text
         last = samples[-1] if samples else None
         if last is not None and turn.prompt.startswith(last.text):
-            between = Piece(turn.prompt[len(last.text) :], False)
-            joined = encoded[-1][0] + encode_pieces(tok, [between], max_tokens)[0]
-            if same_ids(encode_head(tok, turn.prompt, max_tokens), joined, max_tokens):
-                pieces = [*last.pieces, between, Piece(turn.text, True, turn.ids)]
+            joined = encoded[-1][0] + between
+            if same_ids(prompt, joined, max_tokens):
+                gap = Piece(turn.prompt[len(last.text) :], False)
+                pieces = [*last.pieces, gap, Piece(turn.text, True, turn.ids)]
                 samples[-1] = Sample(pieces, [*last.turns, turn.index])
-                encoded[-1] = encode_pieces(tok, pieces, max_tokens)
+                mask = encoded[-1][1] + [0] * len(between) + [1] * len(text)
+                encoded[-1] = (joined + text, mask)
                 continue
         pieces = [Piece(turn.prompt, False), Piece(turn.text, True, turn.ids)]
         samples.append(Sample(pieces, [turn.index]))
-        encoded.append(encode_pieces(tok, samples[-1].pieces, max_tokens))
+        encoded.append((prompt + text, [0] * len(prompt) + [1] * len(text)))
+    if max_tokens is not None:  # what lies past max_tokens is cut: one id past it is kept
+        encoded = [(i[: max_tokens + 1], m[: max_tokens + 1]) for i, m in encoded]
     return samples, encoded
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from eyrie.chat.encoding import encode, ids_digest
 from eyrie.chat.records import Conversation, RecordError, content_text
@@ -75,6 +76,37 @@ class Turn:
 INLINE_THINK = re.compile(r"^\s*<think>(.*?)</think>", re.S)
 
 
+class _Prompt:
+    """Turn `i`'s prompt (`text`), and, read once when asked, what its generation prompt adds
+    to the render of the messages before it (`header`; None when the prompt does not begin
+    with that render) and whether that leaves a reasoning block open or closed."""
+
+    def __init__(self, tpl: ChatTemplate, conv: Conversation, i: int):
+        self.tpl, self.conv, self.i = tpl, conv, i
+        self.text = tpl.render(conv.messages[:i], add_generation_prompt=True, tools=conv.tools)
+
+    @cached_property
+    def header(self) -> str | None:
+        history = self.tpl.render(self.conv.messages[: self.i], tools=self.conv.tools)
+        return self.text[len(history) :] if self.text.startswith(history) else None
+
+    @cached_property
+    def opened(self) -> bool:
+        """A start marker after the last end marker: the model writes on inside the block."""
+        if self.tpl.markers is None or self.header is None:
+            return False
+        start, end = self.tpl.markers
+        return self.header.rfind(start) > max(self.header.rfind(end), -1)
+
+    @cached_property
+    def closed(self) -> bool:
+        """A closed block (a thinking switch off, a budget spent): the model writes none."""
+        if self.tpl.markers is None or self.header is None:
+            return False
+        start, end = self.tpl.markers
+        return 0 <= self.header.rfind(start) < self.header.rfind(end)
+
+
 def reasoning_of(message: dict) -> str:
     """An assistant message's reasoning: reasoning_content, else a leading inline <think> block."""
     if message.get("reasoning_content"):
@@ -88,27 +120,25 @@ def turn_of(tpl: ChatTemplate, conv: Conversation, i: int) -> Turn:
     RecordError("template_error") when the template fails on the messages before it. A turn the
     target generated after this very prompt (regeneration: `conv.generated`) is its exact ids."""
     messages = conv.messages
-    prompt = tpl.render(messages[:i], add_generation_prompt=True, tools=conv.tools)
+    prompt = _Prompt(tpl, conv, i)
     message, reasoning = messages[i], reasoning_of(messages[i])
     exact = conv.generated.get(i)
-    if exact is not None and exact["prompt"] == ids_digest(encode(tpl.tokenizer, prompt)):
+    if exact is not None and exact["prompt"] == ids_digest(encode(tpl.tokenizer, prompt.text)):
         # what the target generated after this very prompt: its ids are the turn
         text = tpl.tokenizer.decode(exact["ids"], skip_special_tokens=False)
         state = "" if not reasoning else ("rendered" if reasoning in text else "not_rendered")
-        return Turn(i, prompt, text, state, "generated", "generated", tuple(exact["ids"]))
-    history = tpl.render(messages[:i], tools=conv.tools)
-    opened = _opened(tpl, prompt[len(history) :] if prompt.startswith(history) else prompt)
-    if opened and not reasoning:
+        return Turn(i, prompt.text, text, state, "generated", "generated", tuple(exact["ids"]))
+    if prompt.opened and not reasoning:
         raise TurnDropped(
             "reasoning_missing",
             f"assistant turn {i} has no reasoning, and the generation prompt before it opens "
             f"{tpl.markers[0]!r}",
         )
-    found = _generated(tpl, conv, i, prompt, message, opened)
-    if found is None and reasoning and not opened:
+    found = _generated(tpl, conv, i, prompt, message)
+    if found is None and reasoning and not prompt.opened:
         # a prompt that rules reasoning out (a switch off closes an empty block in the
         # generation prompt): the turn as generated after it has none
-        found = _generated(tpl, conv, i, prompt, _without(message, *REASONING_KEYS), False)
+        found = _generated(tpl, conv, i, prompt, _without(message, *REASONING_KEYS))
     if found is None:
         raise TurnDropped(
             "not_derivable",
@@ -116,34 +146,16 @@ def turn_of(tpl: ChatTemplate, conv: Conversation, i: int) -> Turn:
             "prompt the template writes before it",
         )
     text, path = found
-    if reasoning and reasoning not in text and not opened:
+    if reasoning and reasoning not in text and not (prompt.opened or prompt.closed):
         progress = _in_progress_text(tpl, conv, i, prompt)
         if progress is not None and reasoning in progress:
             text, path = progress, "in_progress"
-    _check_calls(tpl, conv, i, prompt, text, opened)
-    text, stop = _with_stop(tpl, conv, i, prompt, text)
+    _check_calls(tpl, conv, i, prompt, text)
+    text, stop = _with_stop(tpl, conv, i, prompt.text, text)
     if not text.strip() or text.strip() in tpl.stops:
         raise TurnDropped("empty_turn", f"assistant turn {i} renders no text")
     state = "" if not reasoning else ("rendered" if reasoning in text else "not_rendered")
-    return Turn(i, prompt, text, state, path, stop)
-
-
-def _opened(tpl: ChatTemplate, header: str) -> bool:
-    """Whether the generation prompt's own text (`header`: what it adds to the history) leaves a
-    reasoning block open: a start marker after the last end marker."""
-    if tpl.markers is None:
-        return False
-    start, end = tpl.markers
-    return header.rfind(start) > max(header.rfind(end), -1)
-
-
-def _closes(tpl: ChatTemplate, header: str) -> bool:
-    """Whether the generation prompt's own text holds a closed reasoning block (a thinking
-    switch off, a budget spent): the model writes no reasoning after it."""
-    if tpl.markers is None:
-        return False
-    start, end = tpl.markers
-    return 0 <= header.rfind(start) < header.rfind(end)
+    return Turn(i, prompt.text, text, state, path, stop)
 
 
 def _render_turn(tpl: ChatTemplate, conv: Conversation, i: int, message: dict) -> str:
@@ -154,7 +166,7 @@ def _render_turn(tpl: ChatTemplate, conv: Conversation, i: int, message: dict) -
 
 
 def _generated(
-    tpl: ChatTemplate, conv: Conversation, i: int, prompt: str, message: dict, opened: bool
+    tpl: ChatTemplate, conv: Conversation, i: int, prompt: _Prompt, message: dict
 ) -> tuple[str, str] | None:
     """What the model writes for `message` as turn `i` (without its stop-token handling) and
     the path that found it, or None. The render with the turn last extends the prompt: what
@@ -162,18 +174,18 @@ def _generated(
     (the render with a SENTINEL in front of its text differs there), after the header the
     generation prompt writes, searched from the end of the message before it."""
     final = _render_turn(tpl, conv, i, message)
-    if final.startswith(prompt):
-        text = final[len(prompt) :]
+    if final.startswith(prompt.text):
+        text = final[len(prompt.text) :]
         # after a prompt that opened a block, only a render that keeps the reasoning in it
-        if not opened or (tpl.markers[1] in text and reasoning_of(message) in text):
+        if not prompt.opened or (tpl.markers[1] in text and reasoning_of(message) in text):
             return text, "final"
-    history = tpl.render(conv.messages[:i], tools=conv.tools)
-    if not prompt.startswith(history):
+    header = prompt.header
+    if header is None:
         return None
-    header = prompt[len(history) :]
-    closed = _closes(tpl, header)
-    after = header[header.rfind(tpl.markers[1]) + len(tpl.markers[1]) :] if closed else ""
-    if opened or closed:  # the role header before the block the prompt opens or closes
+    after = ""
+    if prompt.closed:  # what the prompt writes after its closed block
+        after = header[header.rfind(tpl.markers[1]) + len(tpl.markers[1]) :]
+    if prompt.opened or prompt.closed:  # the role header before the block
         header = header[: header.rfind(tpl.markers[0])]
     own = _first_difference(final, _render_turn(tpl, conv, i, _marked(message, front=True)))
     start = _previous_end(tpl, conv, i, message, final)
@@ -181,10 +193,10 @@ def _generated(
     if at < 0 or at + len(header) > own:
         return None
     rest = final[at + len(header) :]
-    if closed:  # the model writes on after the prompt's closed block (and what follows it)
+    if prompt.closed:  # the model writes on after the prompt's closed block (and what follows it)
         answer = _after_block(tpl, rest)
         return (answer[len(after) :] if answer.startswith(after) else answer), "closed"
-    if not opened:
+    if not prompt.opened:
         return rest, "history"
     return reasoning_of(message) + tpl.markers[1] + _after_block(tpl, rest), "parser"
 
@@ -242,7 +254,7 @@ def _marked(message: dict, front: bool) -> dict:
     return marked
 
 
-def _in_progress_text(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str) -> str | None:
+def _in_progress_text(tpl: ChatTemplate, conv: Conversation, i: int, prompt: _Prompt) -> str | None:
     """A final answer's text from its in-progress rendering: the turn rendered with a
     placeholder tool call (a turn in progress) up to the end of its content, then what the
     template writes after a final answer's content. None unless the two renderings agree on
@@ -253,7 +265,7 @@ def _in_progress_text(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str
 
     def final(m: dict) -> str | None:
         try:
-            found = _generated(tpl, Conversation([*before, m], conv.tools), i, prompt, m, False)
+            found = _generated(tpl, Conversation([*before, m], conv.tools), i, prompt, m)
         except TurnDropped:
             return None
         return found[0] if found else None
@@ -268,7 +280,7 @@ def _in_progress_text(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str
             )
         except RecordError:
             return None
-        head = head[len(prompt) :] if head.startswith(prompt) else ""
+        head = head[len(prompt.text) :] if head.startswith(prompt.text) else ""
         tail = final(marked) or ""
         if SENTINEL not in head or SENTINEL not in tail:
             return None
@@ -281,9 +293,7 @@ def _in_progress_text(tpl: ChatTemplate, conv: Conversation, i: int, prompt: str
     return composed(message)
 
 
-def _check_calls(
-    tpl: ChatTemplate, conv: Conversation, i: int, prompt: str, text: str, opened: bool
-) -> None:
+def _check_calls(tpl: ChatTemplate, conv: Conversation, i: int, prompt: _Prompt, text: str) -> None:
     """Every tool call of the turn shows in its text (the text changes when the call is left
     out), or the turn is dropped (tool_calls_not_rendered)."""
     message = conv.messages[i]
@@ -293,7 +303,7 @@ def _check_calls(
         rest = calls[:j] + calls[j + 1 :]
         fewer = {**message, "tool_calls": rest} if rest else _without(message, "tool_calls")
         try:
-            other = _generated(tpl, conv, i, prompt, fewer, opened)
+            other = _generated(tpl, conv, i, prompt, fewer)
         except TurnDropped:
             other = None  # the template refuses the turn without it: the call counts
         shown += other is None or other[0] != text
