@@ -272,7 +272,10 @@ def _warn(report: dict) -> None:
                 TURN_DROPS[reason],
             )
     for rule, n in masks["dropped_by_template_rule"].items():
-        log.warning("%d record(s) dropped: the chat template's rule %s (report.json)", n, rule)
+        fix = f": {TURN_DROPS[rule]}" if rule in TURN_DROPS else ""
+        log.warning(
+            "%d record(s) dropped: the chat template's rule %s%s (report.json)", n, rule, fix
+        )
     if masks["non_text_parts_dropped"]:
         log.warning(
             "%d non-text content part(s) left out (data.non_text: keep_text)",

@@ -445,6 +445,28 @@ def test_report_counts_turns_by_how_they_were_rendered(tmp_path):
     assert report["records_used"] == 7 and report["masks"]["turns"]["trained"] == 3 + 4 * 3
 
 
+def test_a_prompt_that_opens_reasoning_refuses_records_not_the_target(tmp_path, caplog):
+    """DeepSeek-R1-Distill opens <think> in every generation prompt and cuts reasoning from
+    every turn: records with reasoning train it (as its reasoning parser splits a response),
+    records without are dropped with the cause and the fix; the target is never refused."""
+    target = make_target(tmp_path / "r1", "deepseek_r1_distill")
+    plain = [json.loads(json.dumps(CASES["multi_turn"])) for _ in range(4)]
+    thinking = [json.loads(json.dumps(CASES["reasoning"])) for _ in range(4)]
+    for i, record in enumerate([*plain, *thinking]):  # each its own first prompt
+        next(m for m in record["messages"] if m["role"] == "user")["content"] += f" ({i})"
+    inputs = [write_jsonl(tmp_path / "c.jsonl", [*plain, *thinking])]
+    settings = {"data": {"num_eval": 1, "num_shards": 1, "max_seq_len": 8192}}
+    with caplog.at_level("WARNING"):
+        report = tokenize(target, inputs, tmp_path / "out", settings)
+    assert report["records_used"] == 4 and report["masks"]["turns"]["reasoning_parsed"] == 8
+    assert report["masks"]["dropped_by_template_rule"] == {"reasoning_missing": 4}
+    assert "switch thinking off in data.chat_template_kwargs" in caplog.text
+    tok = AutoTokenizer.from_pretrained(target)
+    rows = pq.read_table(tmp_path / "out" / "shard_000.parquet").to_pylist()
+    runs = [run for row in rows for run in trained_text(tok, row["input_ids"], row["loss_mask"])]
+    assert "Three plus three.</think>6.<｜end▁of▁sentence｜>" in runs
+
+
 def test_glm_stop_tokens_come_from_generation_config(tmp_path):
     target = make_target(tmp_path / "glm", "glm_4_6")
     inputs = [write_jsonl(tmp_path / "c.jsonl", [_agent(i) for i in range(4)])]
