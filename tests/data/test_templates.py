@@ -19,9 +19,10 @@ import sys
 import pytest
 
 from eyrie.chat.encoding import encode
+from eyrie.chat.forms import REASONING_MARKERS
 from eyrie.chat.records import RecordError, to_conversation
 from eyrie.chat.samples import MaskSettings, conversation_samples, masked_samples
-from eyrie.chat.template import REASONING_MARKERS, ChatTemplate
+from eyrie.chat.template import ChatTemplate
 from eyrie.chat.turn import TurnDropped, turn_of
 from eyrie.config.schema import key_schema
 from tests.support import TESTS
