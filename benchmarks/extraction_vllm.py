@@ -43,6 +43,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import failure  # noqa: E402  (benchmarks/failure.py: a failed child's cause line)
 
 LLAMA8B = dict(
     model_type="llama",
@@ -399,16 +402,21 @@ def raw_writes(
 
 
 def spawn(*args: str, timeout: int) -> dict:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """One engine process's RESULT line; for a failed or stopped one failure.failed's record
+    ({"error": "exit N", "cause": its error line, "tail": ...}), so the table says why."""
+    cmd = [sys.executable, __file__, "--child", *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:  # its output so far (bytes on POSIX) says where
+        text = "".join(
+            x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+            for x in (exc.stdout, exc.stderr)
+        )
+        return failure.failed(None, text, error=f"timed out after {timeout} s (--timeout)")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
-        tail = (proc.stdout + proc.stderr)[-4000:]
-        return {"error": f"exit {proc.returncode}", "tail": tail}
+        done = None if proc.returncode else "exit 0 without a RESULT line"
+        return failure.failed(proc.returncode, proc.stdout + proc.stderr, error=done)
     return json.loads(lines[-1][len("RESULT ") :])
 
 
@@ -496,10 +504,13 @@ def table(results: dict) -> None:
     for shape, row in results["shapes"].items():
         T = row["tokens"]
         bare = T / row["bare"]["seconds"] if "seconds" in row["bare"] else float("nan")
+        if "seconds" not in row["bare"]:  # no bare rate: say why before the rows it leaves nan
+            why = failure.why(row["bare"]).replace("|", "/")
+            print(f"| {shape} | | {why} | | | bare | | | | | | | | | |")
         for path in ("native", "capture"):
             got = row.get(path) or {}
             if "storage" not in got:
-                why = got.get("error", "not run")
+                why = failure.why(got).replace("|", "/")  # one markdown cell
                 print(f"| {shape} | | {bare:,.0f} | | | {path} | {why} | | | | | | | | |")
                 continue
             for storage, s in got["storage"].items():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from failure import cause, exit_status  # benchmarks/failure.py, beside this file
 
 HERE = Path(__file__).resolve().parent
 
@@ -181,6 +182,7 @@ def wait(proc: subprocess.Popen, root: Path, timeout: float) -> subprocess.Compl
 
 
 def failure(proc) -> str:
-    """One line for a failed speculators run: its status and its last error lines."""
-    errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "Error" in ln]
-    return f"status {proc.returncode}: " + " | ".join(errors[-3:])[-1500:]
+    """One line for a failed speculators run: its exit status and its cause line
+    (benchmarks/failure.py: the root error, not torchrun's ChildFailedError around it)."""
+    said = cause(proc.stdout + proc.stderr) or "no error line in speculators.log"
+    return f"{exit_status(proc.returncode)}: {said}"

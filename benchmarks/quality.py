@@ -57,6 +57,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import failure  # noqa: E402  (benchmarks/failure.py: each failed job's rule and cause)
 import peer  # noqa: E402  (benchmarks/peer.py: speculators as the peer)
 
 PRESETS = {
@@ -123,8 +124,12 @@ def snakemake(workdir: Path, cfg: dict, targets: list[str], tag: str) -> float:
     began = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
     (workdir / f"{tag}.snakemake.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        sys.exit(f"quality: {' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    if proc.returncode != 0:  # Snakemake's last lines, then each failed job's rule and cause
+        out = proc.stdout + proc.stderr
+        sys.exit(
+            f"quality: {' '.join(cmd)} failed:\n{out[-4000:]}\n"
+            + failure.snakemake_message(out, workdir)
+        )
     return round(time.perf_counter() - began, 1)
 
 

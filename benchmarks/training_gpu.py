@@ -65,6 +65,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import failure  # noqa: E402  (benchmarks/failure.py: a failed child's cause line)
 import peer  # noqa: E402  (benchmarks/peer.py: speculators as the peer)
 
 SHAPES = {
@@ -345,8 +346,9 @@ def run_eyrie(world: dict, root: Path, args, gpus: int, device: str, packs: int)
     shutil.rmtree(root / "state", ignore_errors=True)  # its checkpoint: GBs of disk, not needed
     if proc.returncode != 0:
         raise SystemExit(
-            f"eyrie train ({gpus} process(es)) failed with status {proc.returncode}; "
-            f"see {root / 'eyrie.log'}:\n{proc.stderr[-3000:]}"
+            f"eyrie train ({gpus} process(es)) failed ({failure.exit_status(proc.returncode)}); "
+            f"see {root / 'eyrie.log'}:\n{proc.stderr[-3000:]}\n"
+            f"cause: {failure.cause(proc.stdout + proc.stderr) or 'no error line in its output'}"
         )
     summary = json.loads((root / "train" / "train.json").read_text())
     records = [json.loads(ln) for ln in (root / "train" / "metrics.jsonl").read_text().splitlines()]

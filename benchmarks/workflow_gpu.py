@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests" / "support"))
 
+import failure  # noqa: E402  (benchmarks/failure.py: each failed job's rule and cause)
 from quality import PRESETS  # noqa: E402
 
 LARGE = PRESETS["large"]["demo"]  # the larger demo target of quality.py --preset large
@@ -98,9 +99,13 @@ def snakemake(workdir: Path, config: Path, *args: str) -> tuple[str, float]:
     log.write_text(out)
     if os.environ.get("OUT"):  # a folder the GPU machine's caller brings back
         shutil.copy(log, os.environ["OUT"])
-    if proc.returncode:
+    if proc.returncode:  # Snakemake's last lines, then each failed job's rule and cause line
         print(out[-8000:], flush=True)
-        raise SystemExit(f"workflow_gpu: snakemake {' '.join(args)} failed ({proc.returncode})")
+        raise SystemExit(
+            f"workflow_gpu: snakemake {' '.join(args)} failed "
+            f"({failure.exit_status(proc.returncode)}; its output: {log}):\n"
+            + failure.snakemake_message(out, workdir)
+        )
     return out, took
 
 

@@ -181,8 +181,9 @@ TABLE = (
         Row(f"train.{name}", TRAIN)
         for name in ("loss", "lr_schedule", "hidden_noise", "norm_before_fc")
     ),
-    Row("eval.num_speculative_tokens", ("evaluate_draft", "evaluate_vllm")),
-    Row("eval.max_new_tokens", ("evaluate_draft", "evaluate_vllm")),
+    # preflight sizes the evaluation's vLLM engine from them
+    Row("eval.num_speculative_tokens", ("evaluate_draft", "evaluate_vllm"), VLLM_READ),
+    Row("eval.max_new_tokens", ("evaluate_draft", "evaluate_vllm"), VLLM_READ),
     Row("eval.num_prompts", ("evaluate_draft", "evaluate_vllm")),
     Row("eval.device", ("evaluate_draft",), other="evaluate_draft's gpu resource"),
     Row("eval.dtype", ("evaluate_draft",)),
@@ -215,7 +216,13 @@ TABLE = (
     ),
     Row("vllm.enforce_eager", (*VLLM_EXTRACT, "evaluate_vllm", *VLLM_REGENERATE)),
     Row("vllm.dtype", ("evaluate_vllm", *VLLM_REGENERATE)),
-    Row("vllm.max_model_len", (*VLLM_EXTRACT, "evaluate_vllm", *VLLM_REGENERATE)),
+    Row("vllm.max_model_len", (*VLLM_EXTRACT, "evaluate_vllm", *VLLM_REGENERATE), VLLM_READ),
+    Row(
+        "vllm.max_num_batched_tokens",
+        ("evaluate_vllm", *VLLM_REGENERATE),
+        VLLM_READ,
+        other="the extraction engine takes it from preflight.json's vllm.engine",
+    ),
     Row(
         "vllm.rehearsal",
         (*EXTRACT, "preflight", *TRAIN, "evaluate_vllm"),

@@ -150,6 +150,7 @@ class VllmSettings:
     enforce_eager: bool
     dtype: str  # vLLM's dtype; auto: vLLM's choice (bfloat16 for a float32 checkpoint)
     max_model_len: int | None  # None: the stage's own (the target's context, or what it needs)
+    max_num_batched_tokens: int | None  # None: the stage's own (eyrie.vllm.engine.bounds)
     rehearsal: bool  # the target with random weights (eyrie.core.rehearsal, docs/rehearsal.md)
 
     @classmethod

@@ -28,7 +28,7 @@ from eyrie.data.regeneration import (
     target_context,
 )
 from eyrie.vllm.adapters import engine_environment
-from eyrie.vllm.engine import engine_args
+from eyrie.vllm.engine import bound_kwargs, bounds, engine_args
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +51,22 @@ def parse_settings(
 
 def engine_kwargs(target: str | Path, cfg: RegenSettings, vllm: VllmSettings) -> dict:
     """`vllm.LLM(**kwargs)`: the target on vllm.tensor_parallel_size GPUs, prompts as token ids
-    (the tokenizer runs in eyrie, not in vLLM), sampled with the regenerate seed; vllm.max_model_len
-    None: the target's own context length."""
+    (the tokenizer runs in eyrie, not in vLLM), sampled with the regenerate seed. Its lengths
+    (eyrie.vllm.engine.bounds): a round's prompts hold the turns regenerated before them, so the
+    longest is not known at the start: vllm.max_model_len, else the target's context, with
+    chunked prefill (vLLM profiles a step of max_num_batched_tokens, not of the context)."""
+    context = vllm.max_model_len or target_context(target)
+    lengths = (
+        bound_kwargs(bounds(vllm, context, chunked=True, source="the target's context"))
+        if context
+        else {}
+    )
     return engine_args(
-        Path(target).resolve(), vllm, trust_remote_code=cfg.trust_remote_code, seed=cfg.seed
+        Path(target).resolve(),
+        vllm,
+        trust_remote_code=cfg.trust_remote_code,
+        seed=cfg.seed,
+        **lengths,
     )
 
 

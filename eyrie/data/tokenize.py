@@ -63,6 +63,7 @@ def _stats(examples: list[Example]) -> dict:
         "records": len(examples),
         "tokens": sum(len(e.input_ids) for e in examples),
         "assistant_tokens": sum(sum(e.loss_mask) for e in examples),
+        "longest": max((len(e.input_ids) for e in examples), default=0),
     }
 
 
@@ -113,6 +114,7 @@ def tokenize(
     report["provenance"] = provenance(settings)
     report["regenerated"] = _regenerated_summary(split, tally) if regenerated else None
     prompts = [prompt_ids(tpl, r.conv) for r in held_out]
+    report["eval"]["longest_prompt"] = max(map(len, prompts), default=0)
     _write_outputs(out_dir, split, prompts, report)
     for name in ("report.json", "eval.parquet"):
         keep_last_good(Path(out_dir) / name)

@@ -21,7 +21,7 @@ from eyrie.core.rehearsal import DRAFT_LOAD_CONFIG
 from eyrie.evaluate.specdec import SpecStats
 from eyrie.evaluate.vllm_check import VllmPlan
 from eyrie.vllm.adapters import engine_environment
-from eyrie.vllm.engine import engine_args
+from eyrie.vllm.engine import bound_kwargs, bounds, engine_args
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def engine_requests(plan: VllmPlan) -> tuple[dict, dict]:
     engine = engine_args(
         Path(plan.paths.target).resolve(),
         cfg.vllm,
-        max_model_len=plan.max_model_len,
+        **engine_bounds(plan),
         disable_log_stats=False,  # get_metrics() needs the stat loggers
     )
     # The target path is always passed: the draft's verifier.name_or_path may not resolve here.
@@ -60,13 +60,20 @@ def engine_requests(plan: VllmPlan) -> tuple[dict, dict]:
     return {**common, "speculative_config": None}, {**common, "speculative_config": speculative}
 
 
+def engine_bounds(plan: VllmPlan) -> dict:
+    """The engines' lengths (eyrie.vllm.engine.bounds), as preflight sized them: max_model_len
+    the plan's (vllm.max_model_len, or the longest prompt + max_new_tokens + K)."""
+    got = bounds(plan.cfg.vllm, plan.max_model_len, chunked=True, source="the plan")
+    return bound_kwargs(got)
+
+
 def run_engines(plan: VllmPlan) -> tuple[dict, dict]:
     """The baseline and the speculative run's results (run_engine's dicts)."""
     baseline, speculative = engine_requests(plan)
     cfg = plan.cfg
     log.info(
         "evaluating %s through vLLM on %d prompts: K=%d, max_new_tokens=%d, eos %s, "
-        "enforce_eager=%s, tensor_parallel_size=%d, max_model_len=%d%s",
+        "enforce_eager=%s, tensor_parallel_size=%d, lengths %s%s",
         plan.paths.draft,
         len(plan.prompts),
         cfg.K,
@@ -74,7 +81,7 @@ def run_engines(plan: VllmPlan) -> tuple[dict, dict]:
         plan.eos_token_id,
         cfg.vllm.enforce_eager,
         cfg.vllm.tensor_parallel_size,
-        plan.max_model_len,
+        engine_bounds(plan),
         "; rehearsal: the target with random weights" if cfg.rehearsal else "",
     )
     with tempfile.TemporaryDirectory(prefix="eyrie-eval-vllm-") as tmp:

@@ -131,14 +131,19 @@ class Extractor:
         self.info = inspect_target(target)
         from eyrie.formats.report import read_report
 
-        read_report(preflight, self.info.fingerprint)
+        report = read_report(preflight, self.info.fingerprint)
         self.aux_ids, self.final_id = resolve_layer_ids(
             self.cfg.aux_ids, self.info.num_hidden_layers
         )
         self.tokenizer_hash = tokenizer_hash(target)
         cls = backend_class(self.cfg.backend)
         t0 = time.monotonic()
-        self.backend: Backend = cls(self.target, self.info, self.cfg, self.aux_ids, self.final_id)
+        # the vLLM engine's lengths, as preflight chose them and sized its memory for
+        engine = ((report.get("vllm") or {}).get("engine") or {}).get("extraction")
+        extra = {"engine": engine} if self.cfg.backend == "vllm" else {}
+        self.backend: Backend = cls(
+            self.target, self.info, self.cfg, self.aux_ids, self.final_id, **extra
+        )
         self.load_s = time.monotonic() - t0
         log.info(
             "loaded target %s (%s backend) in %.1f s: aux ids %s, final id %d",

@@ -32,7 +32,7 @@ from eyrie.extract.requestfile import BAD, TOKEN_IDS, RequestFile, request_path
 from eyrie.formats.codecs import HIDDEN, bytes_per_token
 from eyrie.vllm.adapters import engine_environment, request_key
 from eyrie.vllm.checks import ExtractLayers, choose_path, config_problems, version_problems
-from eyrie.vllm.engine import engine_args
+from eyrie.vllm.engine import bound_kwargs, engine_args
 from eyrie.vllm.facts import gather_facts
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,12 @@ class _CloseWithLast:
 class VllmBackend:
     name = "vllm"
 
-    def __init__(self, target: Path, info, cfg, aux_ids: list[int], final_id: int):
+    def __init__(
+        self, target: Path, info, cfg, aux_ids: list[int], final_id: int, engine: dict | None = None
+    ):
+        """`engine`: preflight.json's vllm.engine.extraction (max_model_len, max_num_batched_tokens,
+        max_num_seqs); None (a preflight.json older than it): vLLM's own defaults, with a
+        warning."""
         # The engine process has touched CUDA (device resolution) before vLLM starts its engine
         # core: forking then fails ("Cannot re-initialize CUDA in forked subprocess").
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -133,16 +138,17 @@ class VllmBackend:
             2 * len(self.layer_ids) * self.H,
         )
         self.scratch = scratch_folder(self.tokens_per_call * per_token * SCRATCH_CALLS)
-        kwargs = self._engine_kwargs(target, cfg)
+        kwargs = self._engine_kwargs(target, cfg, engine)
         log.info(
             "vLLM %s, %s path (adapter %s), layer ids %s, tensor parallel %d, weights %s, "
-            "scratch %s",
+            "lengths %s, scratch %s",
             facts.version,
             self.path,
             adapter.family,
             self.layer_ids,
             kwargs["tensor_parallel_size"],
             "random (rehearsal: load_format dummy)" if "load_format" in kwargs else "loaded",
+            engine or "vLLM's defaults",
             self.scratch,
         )
         self.llm = LLM(**kwargs)
@@ -165,8 +171,14 @@ class VllmBackend:
             )
         return path
 
-    def _engine_kwargs(self, target: Path, cfg) -> dict:
+    def _engine_kwargs(self, target: Path, cfg, engine: dict | None) -> dict:
         """The arguments of vllm.LLM for this path (in a rehearsal, random weights)."""
+        if engine is None:
+            log.warning(
+                "the preflight report has no vllm.engine (made by an older eyrie): vLLM takes its "
+                "own max_model_len, the target's context, and profiles a step that long; rerun "
+                "preflight (snakemake -R preflight) for lengths from the data (docs/vllm.md)"
+            )
         kwargs = engine_args(
             target,
             self.vllm,
@@ -175,6 +187,7 @@ class VllmBackend:
             trust_remote_code=cfg.trust_remote_code,
             enable_chunked_prefill=False,
             enable_prefix_caching=False,
+            **({} if engine is None else bound_kwargs(engine)),
         )
         if self.path == "native":
             kwargs.update(

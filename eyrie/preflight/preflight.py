@@ -67,6 +67,31 @@ def training_tokens(tokenize_report: Path, check: Check) -> int:
     return tokens
 
 
+# beyond a sample, an extraction request holds the one token it asks for and, on the native path,
+# the one speculative slot of the extract_hidden_states method
+EXTRACT_EXTRA = 2
+
+
+def engine_longest(tokenize_report: Path | None, loaded: dict) -> dict[str, int]:
+    """The longest sequence of each vLLM engine of the run, from the tokenize report: extraction,
+    the longest training sample + EXTRACT_EXTRA; the evaluation, the longest held-out prompt +
+    eval.max_new_tokens + eval.num_speculative_tokens. A report made before these counts existed
+    gives data.max_seq_len (every sample is cut to it)."""
+    if tokenize_report is None:
+        return {}
+    report = json.loads(Path(tokenize_report).read_text())
+    cut = int(report["max_seq_len"])
+    sample = max((s.get("longest", cut) for s in report["shards"]), default=cut)
+    longest = {"extraction": sample + EXTRACT_EXTRA}
+    ev = loaded.get("eval") or {}
+    prompt = (report.get("eval") or {}).get("longest_prompt", cut)
+    longest["evaluation"] = (
+        prompt + int(ev.get("max_new_tokens") or 0) + int(ev.get("num_speculative_tokens") or 0)
+    )
+    used = {"extract": "extraction", "eval": "evaluation"}
+    return {used[u]: longest[used[u]] for u in vllm_uses(loaded)}
+
+
 def target_entry(target: Path, info, tokenizer_hash: str | None) -> dict:
     """preflight.json's `target` object."""
     return {
@@ -109,7 +134,8 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
     vllm_report = None
     if vllm_uses(loaded):
         # no path is chosen for layer ids that did not resolve (that problem is reported above)
-        vllm_target = vllm_preflight.VllmTarget(target, info, aux_ids, final_id)
+        longest = engine_longest(tokenize_report, loaded)
+        vllm_target = vllm_preflight.VllmTarget(target, info, aux_ids, final_id, longest)
         got = vllm_preflight.vllm_checks(vllm_target, loaded)
         check.problems += got["problems"]
         check.warnings += got["warnings"]

@@ -22,6 +22,7 @@ from eyrie.config.sections import VllmSettings
 from eyrie.core.errors import PreflightError, VllmAdapterError
 from eyrie.preflight.vllm_config import config_parse_problems, quantization_check
 from eyrie.preflight.vllm_env import VllmEnvError, facts_for, vllm_python
+from eyrie.preflight.vllm_memory import batch_problem, misfit, predict
 from eyrie.preflight.vllm_sizing import memory_check, parallel_problems
 from eyrie.vllm.adapters import SUPPORTED_VLLM, TESTED_VLLM
 from eyrie.vllm.checks import (
@@ -32,6 +33,7 @@ from eyrie.vllm.checks import (
     version_problems,
     version_warnings,
 )
+from eyrie.vllm.engine import bounds
 from eyrie.vllm.facts import VllmFacts
 
 
@@ -44,6 +46,9 @@ class VllmTarget:
     info: TargetInfo
     aux_ids: list[int]
     final_id: int
+    # the longest sequence of each engine the run starts ("extraction", "evaluation"), from the
+    # tokenized data; empty: not known (preflight without a tokenize report)
+    longest: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +81,7 @@ def base_report(used: list[str], tp: int) -> dict:
         "quantization": None,
         "tensor_parallel_size": tp,
         "memory": None,
+        "engine": {},
         "facts": None,
     }
 
@@ -188,7 +194,38 @@ def vllm_checks(target: VllmTarget, settings: dict, *, facts: VllmFacts | None =
     check.report["memory"], problems, warnings = memory_check(folder, check.config, v, info)
     check.problems += problems
     check.warnings += warnings
+    if not problems:  # weights that do not fit are the one line to fix first
+        check_engines(check, target.longest)
     return {"problems": check.problems, "warnings": check.warnings, "report": check.report}
+
+
+SOURCES = {
+    "extraction": "the longest tokenized sample",
+    "evaluation": "the longest held-out prompt + eval.max_new_tokens + eval.num_speculative_tokens",
+}
+
+
+def check_engines(check: VllmCheck, longest: dict[str, int]) -> None:
+    """Each engine's lengths (eyrie.vllm.engine.bounds: preflight.json's `vllm.engine`, which the
+    extraction engine starts with) and the memory it will ask for (`vllm.memory.<engine>`)."""
+    memory = check.report["memory"] or {}
+    engines = {}
+    for stage, longest_tokens in longest.items():
+        engine = bounds(
+            check.vllm, longest_tokens, chunked=stage != "extraction", source=SOURCES[stage]
+        )
+        engines[stage] = engine
+        if stage == "extraction" and (line := batch_problem(stage, engine)):
+            check.problems.append(line)
+            continue
+        if memory.get("bytes") is None:
+            continue
+        per_gpu = memory["bytes"] / check.vllm.tensor_parallel_size
+        got = memory[stage] = predict(check.config, check.vllm, engine, per_gpu)
+        if not got["fits"]:
+            line = misfit(stage, engine, got, check.vllm, memory.get("min_tensor_parallel_size"))
+            (check.warnings if memory.get("upper_bound") else check.problems).append(line)
+    check.report["engine"] = engines
 
 
 def verdict(report: dict) -> str:

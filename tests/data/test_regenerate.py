@@ -355,6 +355,14 @@ def test_vllm_settings_and_requests(target):
     kwargs = regenerate_vllm.engine_kwargs(target, rcfg, engine)
     assert kwargs["tensor_parallel_size"] == 4 and kwargs["gpu_memory_utilization"] == 0.5
     assert kwargs["model"] == str(Path(target).resolve()) and kwargs["skip_tokenizer_init"]
+    # the target's context (a round's prompts are not known at the start), prefill in chunks
+    context = json.loads((Path(target) / "config.json").read_text())["max_position_embeddings"]
+    lengths = {k: kwargs[k] for k in ("max_model_len", "max_num_batched_tokens", "max_num_seqs")}
+    assert lengths == {
+        "max_model_len": context,
+        "max_num_batched_tokens": 16384,
+        "max_num_seqs": 1024,
+    }
     sampling = regenerate_vllm.sampling_kwargs(rcfg, {3, 7})
     assert sampling == {
         "max_tokens": 16,

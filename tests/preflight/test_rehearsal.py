@@ -38,6 +38,7 @@ from eyrie.formats.report import identity
 from eyrie.preflight import preflight as pf
 from eyrie.preflight import vllm_checks as vp
 from eyrie.train.inputs import check_rehearsal
+from eyrie.vllm.engine import bounds
 from tests.support import REPO
 from tests.support.stages import demo_conversations
 from tests.support.train_helpers import (
@@ -75,7 +76,8 @@ def error_lines(capsys) -> list[str]:
 
 @pytest.mark.parametrize("path", ["native", "capture"])
 def test_switch_reaches_the_extraction_engine(tmp_path, path):
-    """VllmBackend's vllm.LLM arguments: load_format dummy with the switch, nothing without."""
+    """VllmBackend's vllm.LLM arguments: load_format dummy with the switch, nothing without; the
+    lengths preflight chose (preflight.json's vllm.engine.extraction) in both."""
     (tmp_path / "config.json").write_text("{}")
     cfg = SimpleNamespace(dtype=torch.bfloat16, trust_remote_code=False)
     kwargs = {}
@@ -83,9 +85,13 @@ def test_switch_reaches_the_extraction_engine(tmp_path, path):
         backend = object.__new__(VllmBackend)  # its constructor starts vLLM; the kwargs need none
         backend.vllm = VllmSettings.from_section(dict(tensor_parallel_size=2, rehearsal=rehearsal))
         backend.path, backend.layer_ids, backend.scratch = path, [1, 2, 3, 4], tmp_path
-        kwargs[rehearsal] = backend._engine_kwargs(tmp_path, cfg)
+        engine = bounds(backend.vllm, 902, chunked=False, source="the longest tokenized sample")
+        kwargs[rehearsal] = backend._engine_kwargs(tmp_path, cfg, engine)
     assert "load_format" not in kwargs[False]
     assert kwargs[True] == {**kwargs[False], "load_format": "dummy"}
+    lengths = {k: kwargs[False][k] for k in ("max_model_len", "max_num_batched_tokens")}
+    assert lengths == {"max_model_len": 902, "max_num_batched_tokens": 16384}
+    assert kwargs[False]["max_num_seqs"] == 256 and not kwargs[False]["enable_chunked_prefill"]
 
 
 @pytest.mark.vllm_env
