@@ -161,6 +161,30 @@ def run_jobs(workdir: Path, config: Path, until: str | None) -> dict:
         "calls": len(runs),
         "finished": until is None,
         "eval_vllm": eval_vllm(workdir),
+        "engine_memory": engine_memory(workdir),
+    }
+
+
+LOADED = re.compile(r"Model loading took ([\d.]+) GiB")
+KV_CACHE = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
+
+
+def engine_memory(workdir: Path) -> dict | None:
+    """The extraction engine's lengths and preflight's memory prediction (preflight.json), beside
+    what vLLM logged at the engine's start (its weights and the KV cache it kept: the rest of
+    gpu_memory_utilization went to the profiling step's activations and memory outside torch)."""
+    found = sorted(workdir.glob("results/*/preflight.json"))
+    logs = sorted(workdir.glob("logs/*/extract_engine/engine_*.log"))
+    if not found or not logs:
+        return None
+    vllm = json.loads(found[0].read_text()).get("vllm") or {}
+    text = logs[0].read_text()
+    loaded, kv = LOADED.search(text), KV_CACHE.search(text)
+    return {
+        "engine": (vllm.get("engine") or {}).get("extraction"),
+        "predicted_gib": (vllm.get("memory") or {}).get("extraction"),
+        "vllm_weights_gib": float(loaded[1]) if loaded else None,
+        "vllm_kv_cache_gib": float(kv[1]) if kv else None,
     }
 
 
@@ -184,7 +208,7 @@ def rehearsal(workdir: Path, vllm_python: str, until: str | None) -> dict:
             "layers": {"aux_ids": [1, 2, 3]},  # 4 layers: the default [2, N//2, N-3] repeats
             "extract": {"backend": "vllm"},
             "train": {"epochs": 1, "checkpoint_every": 1000},  # it checks that training runs
-            "vllm": {"python": vllm_python, "rehearsal": True, "gpu_memory_gib": 139},
+            "vllm": {"python": vllm_python, "rehearsal": True},  # the defaults: an 80 GB GPU
         },
     )
     return {"run": run_jobs(workdir, config, until)}
@@ -199,7 +223,7 @@ def real(workdir: Path, vllm_python: str, until: str | None) -> dict:
             "extract": {"backend": "vllm"},
             "train": {"epochs": 1},
             "eval": {"vllm": True},
-            "vllm": {"python": vllm_python, "gpu_memory_gib": 139},
+            "vllm": {"python": vllm_python},
         },
     )
     result = {"run": run_jobs(workdir, config, until)}

@@ -17,7 +17,7 @@ import sys
 import traceback
 
 from eyrie.core.errors import EyrieError
-from eyrie.core.runtime import describe, set_torch_threads, settings_arg
+from eyrie.core.runtime import UNUSED_FRAMEWORKS, describe, set_torch_threads, settings_arg
 
 # stage name -> (module providing add_arguments(parser) and run(args), what it does, the help of
 # its `--settings JSON` object: declared here, parsed once into args.settings; None: takes none)
@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     argv = sys.argv[1:] if argv is None else argv
+    for var, value in UNUSED_FRAMEWORKS.items():  # before any stage imports datasets
+        os.environ.setdefault(var, value)
     args = build_parser(next((a for a in argv if a in STAGES), None)).parse_args(argv)
     placement = [f"{k}={os.environ[k]}" for k in PLACEMENT_VARS if k in os.environ]
     if placement:  # where a cluster job ran and which GPUs it was given, first in its log

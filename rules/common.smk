@@ -103,6 +103,7 @@ prepare(
     sys.executable,
     engine_sockets(RESULTS, SHARDS, GROUP_SIZE),
     config["store"]["path"],
+    config["cache"]["path"],
 )
 
 

@@ -27,6 +27,7 @@ from eyrie.config.schema import (
     schema_default,
     settings_json,
 )
+from eyrie.core.runtime import cache_environment
 from eyrie.store.store import ENV as STORE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -230,6 +231,11 @@ TABLE = (
         "asks for draft.json and eval_vllm.json, from shard 000 alone (docs/rehearsal.md)",
     ),
     Row(
+        "cache.path",
+        other="the compilation and kernel caches of every job (eyrie.config.rules.prepare); "
+        "changes no output",
+    ),
+    Row(
         "store.path",
         other="EYRIE_STORE of every job (eyrie.config.rules.prepare): where extraction and "
         "regeneration keep and find their outputs; changes no output",
@@ -307,11 +313,18 @@ def engine_sockets(results: str, shards: list[str], group_size: int) -> list[str
     return [f"{results}/hidden/engine_{g:03d}.sock" for g in groups]
 
 
-def prepare(basedir: str, python: str, sockets: list[str], store: str | None = None) -> None:
+def prepare(
+    basedir: str,
+    python: str,
+    sockets: list[str],
+    store: str | None = None,
+    cache: str | None = None,
+) -> None:
     """What the rules need before they run: the `eyrie` CLI of the Python running Snakemake and,
     under SLURM, scripts/slurm-shims (the SLURM plugin mistakes sacct's "CANCELLED by <uid>" for a
     running job) on the PATH; the output store's folder in EYRIE_STORE (store.path; every job
-    parses the workflow again, so SLURM jobs get it too); an empty placeholder for each missing
+    parses the workflow again, so SLURM jobs get it too); the compilation caches' folders under
+    cache.path (eyrie.core.runtime.CACHES; a variable already set wins); an empty placeholder for each missing
     engine socket (a service output counts as missing, so the shard jobs take it as ancient()
     input: docs/extraction.md)."""
     path = os.path.dirname(python) + os.pathsep + os.environ.get("PATH", "")
@@ -322,6 +335,8 @@ def prepare(basedir: str, python: str, sockets: list[str], store: str | None = N
         os.environ[STORE_ENV] = os.path.abspath(store)
     else:
         os.environ.pop(STORE_ENV, None)
+    for var, folder in (cache_environment(cache) if cache else {}).items():
+        os.environ.setdefault(var, folder)
     for socket in sockets:
         if not os.path.lexists(socket):
             os.makedirs(os.path.dirname(socket), exist_ok=True)

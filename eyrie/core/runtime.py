@@ -2,8 +2,9 @@
 
 `usable_threads` / `set_torch_threads` cap torch's threads at the CPUs this process may run on;
 `settings_arg` parses a stage's `--settings JSON` (an object); `auto_device` resolves a
-`*.device` setting; `describe` gives an exception's message, never an empty one. The CLI and the
-stage entries use these; none imports a stage.
+`*.device` setting; `describe` gives an exception's message, never an empty one;
+`cache_environment` names the compilation caches' folders and `UNUSED_FRAMEWORKS` the frameworks
+no stage imports. The CLI and the stage entries use these; none imports a stage.
 """
 
 from __future__ import annotations
@@ -12,6 +13,31 @@ import argparse
 import json
 import logging
 import os
+
+
+# What kernels and compiled graphs GPU jobs build on their first run, each in its own folder under
+# the config's cache.path, so that the next job and the next run (a rehearsal's cache, then the
+# real run's) load them instead of building them again: torch.compile's graphs (training's draft,
+# vLLM's), Triton's kernels (vLLM's MoE and attention kernels), vLLM's own compile cache, the
+# driver's PTX JIT cache, DeepGEMM's and FlashInfer's JIT kernels (fp8 and MLA targets).
+CACHES = {
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TRITON_CACHE_DIR": "triton",
+    "VLLM_CACHE_ROOT": "vllm",
+    "CUDA_CACHE_PATH": "cuda",
+    "DG_JIT_CACHE_DIR": "deep_gemm",
+    "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+}
+
+# `datasets` (which speculators imports) imports JAX and TensorFlow when they are installed: ~20 s
+# of every training and export job on an image that has JAX, for nothing a stage uses.
+UNUSED_FRAMEWORKS = {"USE_JAX": "0", "USE_TF": "0"}
+
+
+def cache_environment(path: str | os.PathLike) -> dict[str, str]:
+    """The environment variables that put each cache of CACHES under `path` (absolute)."""
+    root = os.path.abspath(path)
+    return {var: os.path.join(root, sub) for var, sub in CACHES.items()}
 
 
 def usable_threads(asked: int) -> int:

@@ -32,6 +32,7 @@ from eyrie.config.schema import (
     vllm_uses,
 )
 from eyrie.core.errors import ConfigError
+from eyrie.core.runtime import CACHES
 from tests.support import REPO
 
 
@@ -344,6 +345,22 @@ def test_prepare_puts_eyrie_on_the_path_and_makes_the_socket_placeholders(tmp_pa
     assert os.environ["PATH"].split(os.pathsep)[-2:] == ["/venv/bin", "/usr/bin"]
     assert (tmp_path / sockets[0]).read_text() == "kept"
     assert all((tmp_path / s).read_text() == "" for s in sockets[1:])
+
+
+def test_prepare_puts_the_caches_under_cache_path_and_keeps_a_users_own(tmp_path, monkeypatch):
+    """cache.path: each compilation cache of CACHES in its folder there, for every job; a
+    variable the user set wins; no cache.path sets none."""
+    monkeypatch.chdir(tmp_path)
+    for var in CACHES:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/mine/triton")
+    prepare(str(REPO), "/venv/bin/python", [], None, "results/cache")
+    assert os.environ["TRITON_CACHE_DIR"] == "/mine/triton"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "results/cache/inductor")
+    assert os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / "results/cache/vllm")
+    monkeypatch.delenv("VLLM_CACHE_ROOT")
+    prepare(str(REPO), "/venv/bin/python", [], None, None)
+    assert "VLLM_CACHE_ROOT" not in os.environ
 
 
 def test_a_new_key_is_compared_only_away_from_its_default():

@@ -331,8 +331,10 @@ def rehearsal(root: Path, kind: str, path: str = "auto") -> dict:
     import pyarrow.parquet as pq
 
     from eyrie.arch.target import fingerprint, read_config
+    from eyrie.config.sections import VllmSettings
     from eyrie.extract.extractor import Extractor
     from eyrie.formats.hidden import ShardReader, validate_shard
+    from eyrie.vllm.engine import bounds
 
     target = root / f"rehearsal-{kind}"
     target.mkdir(parents=True, exist_ok=True)
@@ -354,11 +356,6 @@ def rehearsal(root: Path, kind: str, path: str = "auto") -> dict:
         ),
         shard,
     )
-    # the two fields the extractor reads of a preflight report (the whole report: preflight)
-    preflight = root / f"{kind}.preflight.json"
-    preflight.write_text(
-        json.dumps({"ok": True, "target": {"fingerprint": fingerprint(read_config(target))}})
-    )
     settings = {
         "extract": {
             "backend": "vllm",
@@ -374,10 +371,16 @@ def rehearsal(root: Path, kind: str, path: str = "auto") -> dict:
             "tensor_parallel_size": 1,
             "gpu_memory_utilization": 0.6,
             "enforce_eager": True,
-            "max_model_len": 1024,
             "rehearsal": True,
         },
     }
+    # what the extractor reads of a preflight report (the whole report: preflight): the target's
+    # fingerprint and the engine's lengths, as preflight chooses them for this shard
+    vllm = VllmSettings.from_section(settings["vllm"])
+    engine = bounds(vllm, max(LENGTHS) + 2, chunked=False, source="the longest prompt")
+    preflight = root / f"{kind}.preflight.json"
+    report = {"ok": True, "target": {"fingerprint": fingerprint(read_config(target))}}
+    preflight.write_text(json.dumps({**report, "vllm": {"engine": {"extraction": engine}}}))
     out = root / f"{kind}.rehearsal.h5"
     t0 = time.monotonic()
     with Extractor(target, preflight, settings) as extractor:
