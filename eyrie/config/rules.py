@@ -324,9 +324,9 @@ def prepare(
     under SLURM, scripts/slurm-shims (the SLURM plugin mistakes sacct's "CANCELLED by <uid>" for a
     running job) on the PATH; the output store's folder in EYRIE_STORE (store.path; every job
     parses the workflow again, so SLURM jobs get it too); the compilation caches' folders under
-    cache.path (eyrie.core.runtime.CACHES; a variable already set wins); an empty placeholder for each missing
-    engine socket (a service output counts as missing, so the shard jobs take it as ancient()
-    input: docs/extraction.md)."""
+    cache.path (eyrie.core.runtime.CACHES; a variable already set wins); an empty placeholder
+    for each missing engine socket (a service output counts as missing, so the shard jobs take
+    it as ancient() input: docs/extraction.md)."""
     path = os.path.dirname(python) + os.pathsep + os.environ.get("PATH", "")
     if shutil.which("sacct"):
         path = os.path.join(basedir, "scripts", "slurm-shims") + os.pathsep + path

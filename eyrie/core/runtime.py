@@ -14,7 +14,6 @@ import json
 import logging
 import os
 
-
 # What kernels and compiled graphs GPU jobs build on their first run, each in its own folder under
 # the config's cache.path, so that the next job and the next run (a rehearsal's cache, then the
 # real run's) load them instead of building them again: torch.compile's graphs (training's draft,
