@@ -9,8 +9,9 @@ quantization_config) given as config.json and the demo tokenizer only, no weight
 config/rehearsal.yaml's switch: `snakemake -c all` runs preflight, the vLLM extraction of shard
 000, training, export and the vLLM evaluation. `real`: the larger demo target (quality.py's
 `large` preset) with `extract.backend: vllm` and `eval.vllm: true`; then the same command again,
-which must plan nothing, then shard 000 deleted, which must come back from the output store
-without a model load. Writes benchmarks/results/workflow-<part>-<gpu>.json. `--until RULE` stops
+which must plan nothing (so must the rehearsal's), then shard 000 deleted, which must come back
+from the output store without a model load. `--cache DIR`: cache.path, another run's caches.
+Writes benchmarks/results/workflow-<part>-<gpu>.json. `--until RULE` stops
 the run after that rule (Snakemake's --until) so that a machine whose calls are cut at 10 minutes
 runs a part in two calls on one work folder: the second call finishes the run, and the JSON holds
 both calls' jobs.
@@ -197,12 +198,13 @@ def eval_vllm(workdir: Path) -> dict | None:
     return {k: ev.get(k) for k in ("acceptance_length", "outputs_equal", "num_prompts")}
 
 
-def rehearsal(workdir: Path, vllm_python: str, until: str | None) -> dict:
+def rehearsal(workdir: Path, vllm_python: str, until: str | None, cache: Path | None) -> dict:
     convs = conversations(workdir, 2400)
     target = rehearsal_target(workdir, convs)
     config = write_config(
         workdir,
         {
+            **({"cache": {"path": str(cache)}} if cache else {}),
             "target": {"name": "kimi4", "path": str(target)},
             "data": {"conversations": [str(convs)]},
             "layers": {"aux_ids": [1, 2, 3]},  # 4 layers: the default [2, N//2, N-3] repeats
@@ -211,13 +213,19 @@ def rehearsal(workdir: Path, vllm_python: str, until: str | None) -> dict:
             "vllm": {"python": vllm_python, "rehearsal": True},  # the defaults: an 80 GB GPU
         },
     )
-    return {"run": run_jobs(workdir, config, until)}
+    result = {"run": run_jobs(workdir, config, until)}
+    if until:
+        return result
+    out, took = snakemake(workdir, config)
+    result["rerun"] = {"s": round(took, 1), "nothing_to_be_done": "Nothing to be done" in out}
+    return result
 
 
-def real(workdir: Path, vllm_python: str, until: str | None) -> dict:
+def real(workdir: Path, vllm_python: str, until: str | None, cache: Path | None) -> dict:
     config = write_config(
         workdir,
         {
+            **({"cache": {"path": str(cache)}} if cache else {}),
             "target": {"name": "large"},
             "demo": LARGE,
             "extract": {"backend": "vllm"},
@@ -252,6 +260,11 @@ def main() -> int:
     parser.add_argument("--vllm-python", required=True, help="vllm.python for the runs")
     parser.add_argument("--workdir", type=Path, help="default: /tmp/eyrie-workflow-<part>")
     parser.add_argument("--until", help="stop after this rule; a later call finishes the run")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        help="cache.path (default: the work folder's results/cache): another run's caches",
+    )
     args = parser.parse_args()
     workdir = args.workdir or Path(f"/tmp/eyrie-workflow-{args.part}")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -260,7 +273,9 @@ def main() -> int:
     ).stdout.split("\n")[0]
     result = {"part": args.part, "gpu": gpu, "date": time.strftime("%Y-%m-%d")}
     result.update(
-        (rehearsal if args.part == "rehearsal" else real)(workdir, args.vllm_python, args.until)
+        (rehearsal if args.part == "rehearsal" else real)(
+            workdir, args.vllm_python, args.until, args.cache
+        )
     )
     print(json.dumps(result, indent=1), flush=True)
     name = re.sub(r"\W+", "-", gpu.lower()).strip("-")
