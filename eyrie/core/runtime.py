@@ -18,7 +18,8 @@ import os
 # the config's cache.path, so that the next job and the next run (a rehearsal's cache, then the
 # real run's) load them instead of building them again: torch.compile's graphs (training's draft,
 # vLLM's), Triton's kernels (vLLM's MoE and attention kernels), vLLM's own compile cache, the
-# driver's PTX JIT cache, DeepGEMM's and FlashInfer's JIT kernels (fp8 and MLA targets).
+# driver's PTX JIT cache, DeepGEMM's and FlashInfer's JIT kernels (fp8 and MLA targets), and
+# matplotlib's font list (training's plot builds it on a first run).
 CACHES = {
     "TORCHINDUCTOR_CACHE_DIR": "inductor",
     "TRITON_CACHE_DIR": "triton",
@@ -26,6 +27,7 @@ CACHES = {
     "CUDA_CACHE_PATH": "cuda",
     "DG_JIT_CACHE_DIR": "deep_gemm",
     "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+    "MPLCONFIGDIR": "matplotlib",
 }
 
 # `datasets` (which speculators imports) imports JAX and TensorFlow when they are installed: ~20 s

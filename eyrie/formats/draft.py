@@ -178,14 +178,23 @@ def random_verifier_weights(verifier) -> Iterator[None]:
     std = float(getattr(verifier, "initializer_range", None) or INIT_STD)
 
     def random_layers(names: list[str], model_path: str) -> dict[str, torch.Tensor]:
-        # the same rows at every load (training, export, its check): one stand-in target
-        g = torch.Generator().manual_seed(RANDOM_VERIFIER_SEED)
-        rows = {
-            "embed_tokens.weight": lambda: torch.randn(vocab, hidden, generator=g) * std,
-            "lm_head.weight": lambda: torch.randn(vocab, hidden, generator=g) * std,
-            "model.norm.weight": lambda: torch.ones(hidden),
-        }
-        return {name: rows[name]() for name in ROW_ORDER if name in names}
+        # the same rows at every load (training, export, its check): one stand-in target, drawn
+        # once per process (Kimi-K2.5's two [163840, 7168] tables take seconds each on a CPU;
+        # normal_ gives randn(...) * std bit for bit in one pass) and copied to each load
+        rows = drawn.get(tuple(names))
+        if rows is None:
+            g = torch.Generator().manual_seed(RANDOM_VERIFIER_SEED)
+            table = {
+                "embed_tokens.weight": lambda: torch.empty(vocab, hidden).normal_(
+                    0, std, generator=g
+                ),
+                "lm_head.weight": lambda: torch.empty(vocab, hidden).normal_(0, std, generator=g),
+                "model.norm.weight": lambda: torch.ones(hidden),
+            }
+            rows = drawn[tuple(names)] = {n: table[n]() for n in ROW_ORDER if n in names}
+        return {name: t.clone() for name, t in rows.items()}
+
+    drawn: dict[tuple, dict[str, torch.Tensor]] = {}
 
     stored = loading.load_model_layers
     loading.load_model_layers = random_layers

@@ -223,7 +223,8 @@ def check_engines(check: VllmCheck, longest: dict[str, int]) -> None:
         per_gpu = memory["bytes"] / check.vllm.tensor_parallel_size
         got = memory[stage] = predict(check.config, check.vllm, engine, per_gpu)
         if not got["fits"]:
-            line = misfit(stage, engine, got, check.vllm, memory.get("min_tensor_parallel_size"))
+            min_tp = memory.get("min_tensor_parallel_size")
+            line = misfit(stage, engine, longest_tokens, got, check.vllm, min_tp)
             (check.warnings if memory.get("upper_bound") else check.problems).append(line)
     check.report["engine"] = engines
 

@@ -114,13 +114,20 @@ def predict(config: dict, v: VllmSettings, engine: dict, weights_per_gpu: float)
     }
 
 
-def misfit(stage: str, engine: dict, got: dict, v: VllmSettings, min_tp: int | None) -> str:
-    """The line for an engine that does not fit: the figure and the fixes."""
-    fixes = [
-        f"a smaller vllm.max_num_batched_tokens (now {engine['max_num_batched_tokens']})"
-        if got["activations_gib"] >= got["kv_cache_min_gib"]
-        else f"a smaller vllm.max_model_len (now {engine['max_model_len']}, {engine['from']})"
-    ]
+def misfit(
+    stage: str, engine: dict, longest: int, got: dict, v: VllmSettings, min_tp: int | None
+) -> str:
+    """The line for an engine that does not fit: the figure and the fixes (`longest`: the
+    sequence the data need, which a max_model_len set by hand may exceed)."""
+    fixes = []
+    if engine["max_model_len"] > longest:
+        fixes.append(
+            f"vllm.max_model_len: null (now {engine['max_model_len']}; the data need {longest})"
+        )
+    if engine["max_num_batched_tokens"] > max(longest, engine["max_model_len"] // 2):
+        fixes.append(
+            f"a smaller vllm.max_num_batched_tokens (now {engine['max_num_batched_tokens']})"
+        )
     if min_tp and min_tp > v.tensor_parallel_size:
         fixes.append(f"vllm.tensor_parallel_size={min_tp}")
     fixes.append("a higher vllm.gpu_memory_utilization")
@@ -131,7 +138,7 @@ def misfit(stage: str, engine: dict, got: dict, v: VllmSettings, min_tp: int | N
         f"{got['kv_cache_min_gib']:.1f} for one max_model_len={engine['max_model_len']} sequence "
         f"+ {got['other_gib']:.1f} outside torch) but vllm.gpu_memory_gib={v.gpu_memory_gib:g} x "
         f"vllm.gpu_memory_utilization={v.gpu_memory_utilization:g} = {got['budget_gib']:.1f} GiB; "
-        f"use {' or '.join(fixes)}"
+        f"use {' or '.join(fixes)} (docs/vllm.md, GPU memory)"
     )
 
 

@@ -329,8 +329,9 @@ def write_tokenized(path: Path, samples) -> Path:
 class FakeVllmBackend:
     """The vllm backend's place in the extractor (its engine needs a GPU): random host states."""
 
-    def __init__(self, target, info, cfg, aux_ids, final_id):
+    def __init__(self, target, info, cfg, aux_ids, final_id, engine=None):
         self.H, self.n_aux = info.hidden_size, len(aux_ids)
+        self.engine = engine  # preflight.json's vllm.engine.extraction, as the real one takes
 
     def states(self, input_ids, storage):
         g = torch.Generator().manual_seed(0)

@@ -38,6 +38,7 @@ from eyrie.preflight.vllm_env import facts_for
 from eyrie.vllm.adapters import engine_environment, llama_4_scaling
 from eyrie.vllm.facts import VllmFacts, inspect_classes
 from tests.support.train_helpers import train_settings
+from tests.support.vllm_gpu_check import rehearsal_config
 from tests.support.vllm_helpers import (
     DEEPSEEK,
     GPT_OSS,
@@ -73,6 +74,7 @@ CATALOG = {
     "disk_too_small": "preflight",
     "tensor_parallel_heads": "preflight",
     "weights_too_large": "preflight",
+    "engine_memory_too_large": "preflight",
     "moe_routing_config_missing": "preflight",
     "quantization_without_method": "preflight",
     "vllm_environment_missing": "preflight",
@@ -147,15 +149,24 @@ def facts():
 
 
 def run_checks(
-    tmp_path: Path, config: dict, facts, aux_ids=None, weights_gib=None, eval_vllm=False, **vllm
+    tmp_path: Path,
+    config: dict,
+    facts,
+    aux_ids=None,
+    weights_gib=None,
+    eval_vllm=False,
+    longest=None,
+    **vllm,
 ) -> dict:
-    """vLLM preflight on a target folder holding `config` (and sparse weights of `weights_gib`)."""
+    """vLLM preflight on a target folder holding `config` (and sparse weights of `weights_gib`);
+    `longest`: the engines' longest sequences, as preflight reads them from the tokenize report."""
     folder = write_target(tmp_path / "target", config, weights_gib)
     info = inspect_target(folder)
     aux, final = resolve_layer_ids(aux_ids, info.num_hidden_layers)
     settings = vllm_settings(**vllm)
     settings["eval"]["vllm"] = eval_vllm
-    return vllm_checks(VllmTarget(folder, info, aux, final), settings, facts=facts)
+    target = VllmTarget(folder, info, aux, final, longest or {})
+    return vllm_checks(target, settings, facts=facts)
 
 
 def kimi_checks(tmp_path: Path, facts, config: dict = KIMI_K25, **vllm) -> dict:
@@ -578,6 +589,58 @@ def test_weights_too_large(facts, tmp_path):
     # 11 GPUs of 80 GiB would hold the weights, but 64 heads allow 16
     assert "use vllm.tensor_parallel_size=16 (GPUs of that memory) or larger GPUs" in problem
     assert got["report"]["memory"]["fits"] is False
+
+
+@need_vllm
+def test_engine_memory_too_large(facts, tmp_path):
+    """The rehearsal of issue 38 on an 80 GB H100: Kimi-K2.5 cut to 4 layers at full width, its
+    384 int4 experts (~32.7 GiB, which fit), with vLLM's own max_model_len, the target's context
+    of 262,144 tokens: without chunked prefill vLLM profiles a step that long, and ran out of GPU
+    memory after the model load. Preflight predicts it; lengths from the data fit."""
+    config = rehearsal_config("kimi_k25_int4")
+    config["text_config"]["max_position_embeddings"] = 262144  # Kimi-K2.5's
+    longest = {"extraction": 386}  # data.max_seq_len 384 + the asked token and the spec slot
+    got = run_checks(
+        tmp_path / "context",
+        config,
+        facts["kimi"],
+        [1, 2, 3],
+        longest=longest,
+        max_model_len=262144,
+    )
+    problem = one(got["problems"], "extraction engine would ask")
+    assert problem.startswith("vllm: the extraction engine would ask for ~")
+    assert "for max_num_batched_tokens=262144" in problem
+    assert "one max_model_len=262144 sequence" in problem and "vllm.max_model_len" in problem
+    assert "but vllm.gpu_memory_gib=80 x vllm.gpu_memory_utilization=0.85 = 68.0 GiB" in problem
+    assert "use vllm.max_model_len: null (now 262144; the data need 386) or a smaller " in problem
+    assert "vllm.max_num_batched_tokens (now 262144) or a higher" in problem
+    assert got["report"]["memory"]["extraction"]["fits"] is False
+    # the default (null): the longest tokenized sample; a step of BATCH_TOKENS
+    got = run_checks(tmp_path / "data", config, facts["kimi"], [1, 2, 3], longest=longest)
+    assert not got["problems"], got["problems"]
+    engine = got["report"]["engine"]["extraction"]
+    assert engine == {
+        "max_model_len": 386,
+        "max_num_batched_tokens": 16384,
+        "max_num_seqs": 256,
+        "from": "the longest tokenized sample",
+    }
+    predicted = got["report"]["memory"]["extraction"]
+    assert predicted["fits"] and 32 < predicted["weights_gib"] < 33.5
+    # a step smaller than one sample: vLLM refuses to start without chunked prefill
+    got = run_checks(
+        tmp_path / "step",
+        config,
+        facts["kimi"],
+        [1, 2, 3],
+        longest=longest,
+        max_model_len=8192,
+        max_num_batched_tokens=4096,
+    )
+    assert one(got["problems"], "max_num_batched_tokens=4096 is below").endswith(
+        "raise it to at least max_model_len or leave it null"
+    )
 
 
 @need_vllm
