@@ -8,6 +8,8 @@
 # On a CPU-only machine vLLM imports (preflight introspects it) but cannot run a model.
 #   bash scripts/setup-vllm.sh          the default, envs/vllm.txt -> .venv-vllm (vllm.python)
 #   bash scripts/setup-vllm.sh 0.33     envs/vllm-0.33.txt -> .venv-vllm-0.33
+# A "# no-deps: SPEC" line in a requirements file installs SPEC without its dependencies first
+# (vLLM 0.34 pins a flashinfer the registry lacks: envs/vllm-0.34.txt lists the rest).
 #   bash scripts/setup-vllm.sh all      every envs/vllm*.txt (CI: the suite reads each version)
 # EYRIE_VLLM_VENV=DIR puts a single environment elsewhere. Versions and how each is tested:
 # docs/vllm.md.
@@ -25,6 +27,10 @@ one() {  # one() REQUIREMENTS VENV
   fi
   [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip "setuptools<82" wheel
+  # a "# no-deps: SPEC" line: SPEC without its dependencies, first (a pin the registry lacks)
+  local nodeps
+  nodeps=$(sed -n 's/^# no-deps: //p' "$req")
+  [ -z "$nodeps" ] || "$venv/bin/python" -m pip install -q --no-deps $nodeps
   "$venv/bin/python" -m pip install -q -r "$req"
   "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
   "$venv/bin/python" - "$venv" <<'PY'

@@ -120,6 +120,12 @@ def check_facts(check: VllmCheck, facts: VllmFacts) -> None:
     check.report["facts"] = facts.to_json()
     check.problems += version_problems(facts)
     check.warnings += version_warnings(facts)
+    if facts.engine_env_refused:  # vLLM's own check at every engine's start
+        check.problems.append(
+            f"vLLM {facts.version} refuses the environment its engines would start in: "
+            f"{facts.engine_env_refused} (the jobs inherit the environment snakemake runs in: "
+            "unset the variable there, or in the profile's env)"
+        )
     config_json = check.target / "config.json"
     if facts.architecture is None:
         check.problems.append(

@@ -9,6 +9,7 @@ Imports nothing from vLLM. See docs/vllm.md.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -19,7 +20,7 @@ from eyrie.arch.registry import VllmAdapter
 from eyrie.core.errors import VllmAdapterError
 
 # vLLM versions eyrie supports: [low, high). Tested ones and how: docs/vllm.md.
-SUPPORTED_VLLM = ((0, 18, 0), (0, 34, 0))
+SUPPORTED_VLLM = ((0, 18, 0), (0, 35, 0))
 
 
 # version -> how eyrie tested it; each is installed by scripts/setup-vllm.sh (envs/vllm*.txt) and
@@ -28,6 +29,8 @@ TESTED_VLLM = {
     "0.22.0": "H200: both extraction paths and eagle3 evaluation; CPU: its facts, in CI",
     "0.26.0": "H200: both extraction paths and eagle3 evaluation; CPU: its facts, in CI",
     "0.33.0": "CPU: its facts, in CI (it pins torch 2.14, which the GPU image cannot carry)",
+    "0.34.0": "CPU: its facts, in CI (torch 2.14 as 0.33; V2 runner only; installed without its "
+    "dependencies, envs/vllm-0.34.txt)",
 }
 
 
@@ -102,16 +105,34 @@ EAGLE3_DEFAULT_LAYERS = (
 
 
 # What eyrie's engines (extraction, evaluation, regeneration) start vLLM with unless the user's
-# environment sets it: the V1 model runner, on which eyrie's GPU checks ran. V2 is vLLM's default
-# from 0.26 on (VllmFacts.default_runner); EAGLE-3 acceptance was reported lower on it.
+# environment sets it, where the installed vLLM still has the V1 model runner: V1, on which
+# eyrie's GPU checks ran. V2 is vLLM's default from 0.26 on (VllmFacts.default_runner); EAGLE-3
+# acceptance was reported lower on it. vLLM 0.34 deleted V1 and refuses the switch set to 0.
 ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+# the modules of vLLM's two GPU model runners
+V1_RUNNER, V2_RUNNER = "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"
+
+
+def runner_modules() -> tuple[bool, bool]:
+    """(V1 runner module present, V2 runner module present), found without importing them."""
+
+    def found(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            return False
+
+    return found(V1_RUNNER), found(V2_RUNNER)
 
 
 def engine_environment(env=None) -> dict:
-    """ENGINE_ENV set where `env` (os.environ by default) does not set it; returns `env`."""
+    """ENGINE_ENV set where `env` (os.environ by default) does not set it, if this vLLM has the
+    V1 runner (run in the vLLM environment); returns `env`."""
     env = os.environ if env is None else env
-    for key, value in ENGINE_ENV.items():
-        env.setdefault(key, value)
+    if runner_modules()[0]:
+        for key, value in ENGINE_ENV.items():
+            env.setdefault(key, value)
     return env
 
 

@@ -27,6 +27,7 @@ from eyrie.vllm.adapters import (
     EXTRA_HELPERS,
     NATIVE_CONNECTOR,
     NATIVE_METHOD,
+    engine_environment,
 )
 
 
@@ -62,6 +63,9 @@ class VllmFacts:
     # ("v1" | "v2"; None: no choice in this vLLM or unknown) and what established it
     default_runner: str | None = None
     default_runner_how: str | None = None
+    # what vLLM's own check of the environment raises at engine start for the environment eyrie's
+    # engines get (the user's, plus eyrie.vllm.adapters.engine_environment); None: accepted
+    engine_env_refused: str | None = None
     # whether the hidden-states connector reads the right KV-cache group for a hybrid target
     # (several attention kinds); None: unknown
     native_hybrid: bool | None = None
@@ -169,6 +173,7 @@ def gather_facts(config: dict) -> VllmFacts:
     facts.quantization_methods = _quantization_methods()
     facts.eagle3_draft_fields, _ = probe.draft_fields()
     facts.default_runner, facts.default_runner_how = probe.default_runner(facts.architecture)
+    facts.engine_env_refused = probe.environment_refusal(engine_environment({}))
     facts.native_chunked_prefill, _ = probe.chunked_prefill_with_connector()
     facts.native_hybrid, facts.native_hybrid_how = probe.hybrid_groups()
     facts.quantization_packages = quantization.required_packages(config)

@@ -5,7 +5,8 @@ with stand-in arguments and read what comes out:
 - `native_ids`: the decoder stack's forward on stub layers, asking for each id in turn;
   a forward that cannot run so is read from its parsed source (ast) instead, and one that
   can't be read either is reported as unknown;
-- `default_runner`: VllmConfig.use_v2_model_runner on a stand-in config for the architecture;
+- `default_runner`: VllmConfig.use_v2_model_runner on a stand-in config for the architecture (a
+  vLLM without it has one runner: which one, its modules say);
 - `chunked_prefill_with_connector`: VllmConfig's check of the KV connector's settings;
 - `draft_fields`: the speculators "eagle3" converter applied to a draft config.
 Each returns (value, how) with value None when unknown; `how` says what was run. Runs in the
@@ -271,6 +272,30 @@ class _ConfigStandIn(SimpleNamespace):
         raise AttributeError(name)
 
 
+def environment_refusal(env: dict[str, str]) -> str | None:
+    """What vLLM's own check of the process environment (Platform.validate_environ, run at
+    engine start) raises for `env` on top of this process's environment (vLLM 0.34 refuses
+    VLLM_USE_V2_MODEL_RUNNER=0: V1 removed); None: accepted, or no such check."""
+    from vllm.platforms.interface import Platform
+
+    check = getattr(Platform, "validate_environ", None)
+    if check is None:
+        return None
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        check(hard_fail=False)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return None
+
+
 def default_runner(architecture: str | None) -> tuple[str | None, str]:
     """("v1" | "v2", how) of the model runner vLLM picks for plain generation of this
     architecture with VLLM_USE_V2_MODEL_RUNNER unset; None when this vLLM has no such choice or
@@ -278,8 +303,15 @@ def default_runner(architecture: str | None) -> tuple[str | None, str]:
     from vllm.config import VllmConfig
 
     prop = getattr(VllmConfig, "use_v2_model_runner", None)
-    if not isinstance(prop, property):
-        return None, "this vLLM has no VllmConfig.use_v2_model_runner: V1 only"
+    if not isinstance(prop, property):  # one runner only: which one its modules say
+        from eyrie.vllm.adapters import V1_RUNNER, V2_RUNNER, runner_modules
+
+        v1, v2 = runner_modules()
+        if v2 and not v1:
+            return "v2", f"{V1_RUNNER} absent, {V2_RUNNER} present: V2 only (V1 removed)"
+        if v1 and not v2:
+            return "v1", f"{V1_RUNNER} present, no {V2_RUNNER}: V1 only"
+        return None, f"no VllmConfig.use_v2_model_runner, and {V1_RUNNER}: {v1}, {V2_RUNNER}: {v2}"
     names = {
         "model_config": _PlainModel(runner_type="generate", architectures=[architecture]),
         "attention_config": SimpleNamespace(hisparse_config=None),

@@ -25,7 +25,8 @@ need_vllm = pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=NO_VLLM)
 
 
 def _pin(requirements: Path) -> str:
-    return re.search(r"^vllm==(\S+)", requirements.read_text(), re.M)[1]
+    """The vLLM version a requirements file pins (also on its `# no-deps:` line)."""
+    return re.search(r"^(?:# no-deps: )?vllm==(\S+)", requirements.read_text(), re.M)[1]
 
 
 # every vLLM environment scripts/setup-vllm.sh makes: version -> its python (envs/vllm.txt is the

@@ -35,6 +35,7 @@ from eyrie.preflight import checks as pf_checks
 from eyrie.preflight import preflight as pf
 from eyrie.preflight.vllm_checks import VllmTarget, vllm_checks
 from eyrie.preflight.vllm_env import facts_for
+from eyrie.vllm import adapters
 from eyrie.vllm.adapters import engine_environment, llama_4_scaling
 from eyrie.vllm.facts import VllmFacts, inspect_classes
 from tests.support.train_helpers import train_settings
@@ -75,6 +76,7 @@ CATALOG = {
     "tensor_parallel_heads": "preflight",
     "weights_too_large": "preflight",
     "engine_memory_too_large": "preflight",
+    "runner_switch_refused": "preflight",
     "moe_routing_config_missing": "preflight",
     "quantization_without_method": "preflight",
     "vllm_environment_missing": "preflight",
@@ -347,11 +349,11 @@ def test_no_worker_extension(facts, tmp_path):
 
 
 @need_vllm
-@pytest.mark.parametrize("version", ["0.17.1", "0.34.0"])
+@pytest.mark.parametrize("version", ["0.17.1", "0.35.0"])
 def test_unsupported_vllm_version(facts, tmp_path, version):
     got = run_checks(tmp_path, LLAMA, replace(facts["llama"], version=version))
     problem = one(got["problems"], "outside the supported range")
-    assert f"vLLM {version} is outside the supported range [0.18.0, 0.34.0)" in problem
+    assert f"vLLM {version} is outside the supported range [0.18.0, 0.35.0)" in problem
     assert SETUP_FIX in problem and "vllm.python" in problem
     # ... and every other check still ran and says what it found
     report = got["report"]
@@ -817,10 +819,37 @@ def test_model_runner_v2_default(facts):
     # on V1, where its GPU checks ran, unless the user's environment says otherwise
     assert facts["llama"].default_runner in ("v1", "v2")
     assert facts["llama"].default_runner_how.startswith("VllmConfig.use_v2_model_runner")
+    with pytest.MonkeyPatch.context() as mp:  # as in a vLLM environment that has V1
+        mp.setattr(adapters, "runner_modules", lambda: (True, True))
+        assert engine_environment({}) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+        assert engine_environment({"VLLM_USE_V2_MODEL_RUNNER": "1"}) == {
+            "VLLM_USE_V2_MODEL_RUNNER": "1"
+        }
+
+
+@need_vllm
+def test_runner_switch_refused(facts, tmp_path, monkeypatch):
+    """vLLM 0.34 deleted the V1 model runner, and its check of the environment at every engine's
+    start refuses VLLM_USE_V2_MODEL_RUNNER=0, which eyrie's engines set on the versions that have
+    V1: there eyrie no longer sets it (the gatherer asks vLLM's own check, facts
+    engine_env_refused), and where the user's environment sets it, preflight says so in one
+    line. The refusal is 0.34's message, put on 0.22's facts."""
+    refused = (
+        "VLLM_USE_V2_MODEL_RUNNER=0 is no longer supported: Model Runner V1 has been removed. "
+        "Unset this variable."
+    )
+    gone = replace(facts["llama"], version="0.34.0", engine_env_refused=refused)
+    got = run_checks(tmp_path, LLAMA, gone)
+    assert one(got["problems"], "refuses the environment") == (
+        f"vLLM 0.34.0 refuses the environment its engines would start in: {refused} (the jobs "
+        "inherit the environment snakemake runs in: unset the variable there, or in the "
+        "profile's env)"
+    )
+    # eyrie sets the switch only where the V1 runner exists
+    monkeypatch.setattr(adapters, "runner_modules", lambda: (False, True))
+    assert engine_environment({}) == {}
+    monkeypatch.setattr(adapters, "runner_modules", lambda: (True, True))
     assert engine_environment({}) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-    assert engine_environment({"VLLM_USE_V2_MODEL_RUNNER": "1"}) == {
-        "VLLM_USE_V2_MODEL_RUNNER": "1"
-    }
 
 
 @need_vllm

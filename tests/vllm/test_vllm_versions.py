@@ -48,6 +48,9 @@ EVERY_VERSION = {
         "native_method": True,
         "native_connector": True,
         "worker_extension": True,
+        # vLLM's own check accepts the environment eyrie's engines start in (0.34 refuses the V1
+        # switch set to 0: eyrie.vllm.adapters.engine_environment sets it only where V1 exists)
+        "engine_env_refused": None,
     },
 }
 EAGLE3_TARGETS = ("llama", "qwen3_moe", "deepseek", "kimi", "gpt_oss")
@@ -83,6 +86,8 @@ BY_VERSION = {
     },
 }
 BY_VERSION["0.33.0"] = BY_VERSION["0.26.0"]  # no fact eyrie reads changed from 0.26 to 0.33
+# 0.34: the V1 runner deleted (default_runner v2 from its modules, not from use_v2_model_runner)
+BY_VERSION["0.34.0"] = BY_VERSION["0.26.0"]
 DENSE_IDS = {"llama": "0..N", "qwen3_moe": "0..N", "gpt_oss": "0..N"}
 
 # the path preflight (vllm.extraction_path: auto) picks per version and config
@@ -96,6 +101,7 @@ PATHS = {
     },
     "0.26.0": dict.fromkeys(["llama", "qwen3_moe", "gpt_oss", "deepseek", "kimi"], "native"),
     "0.33.0": dict.fromkeys(["llama", "qwen3_moe", "gpt_oss", "deepseek", "kimi"], "native"),
+    "0.34.0": dict.fromkeys(["llama", "qwen3_moe", "gpt_oss", "deepseek", "kimi"], "native"),
 }
 
 
