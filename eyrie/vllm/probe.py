@@ -273,12 +273,15 @@ class _ConfigStandIn(SimpleNamespace):
 
 
 def environment_refusal(env: dict[str, str]) -> str | None:
-    """What vLLM's own check of the process environment (Platform.validate_environ, run at
-    engine start) raises for `env` on top of this process's environment (vLLM 0.34 refuses
-    VLLM_USE_V2_MODEL_RUNNER=0: V1 removed); None: accepted, or no such check."""
+    """What vLLM's own check of the process environment, run at every engine's start
+    (`Platform.validate_environ` from 0.33, `vllm.envs.validate_environ` before; not failing on
+    unknown variables, as the engines run it), raises for `env` on top of this process's
+    environment (vLLM 0.34 refuses VLLM_USE_V2_MODEL_RUNNER=0: V1 removed); None: accepted,
+    or no such check."""
+    from vllm import envs
     from vllm.platforms.interface import Platform
 
-    check = getattr(Platform, "validate_environ", None)
+    check = getattr(Platform, "validate_environ", None) or getattr(envs, "validate_environ", None)
     if check is None:
         return None
     saved = {k: os.environ.get(k) for k in env}
