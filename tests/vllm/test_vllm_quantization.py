@@ -70,12 +70,13 @@ sys.meta_path.insert(0, RefuseHumming())
 '''
 
 # what vLLM does with `humming` per version: 0.22's get_quantization_config imports
-# quantization/humming.py, which imports it under `if current_platform.is_cuda():`; 0.26 and 0.33
-# reach it through a lazy facade (vllm.utils.humming) after has_humming()
+# quantization/humming.py, which imports it under `if current_platform.is_cuda():`; 0.26, 0.33
+# and 0.34 reach it through a lazy facade (vllm.utils.humming) after has_humming()
 HUMMING = {
     "0.22.0": {"optional": False, "when": "at module import on a CUDA GPU"},
     "0.26.0": {"optional": True},
     "0.33.0": {"optional": True},
+    "0.34.0": {"optional": True},
 }
 
 
