@@ -28,6 +28,7 @@ from eyrie.preflight.checks import (
 )
 from eyrie.preflight.vllm_env import VllmEnvError, facts_for, vllm_python
 from eyrie.store.fingerprint import content_digest
+from eyrie.vllm.engine import EXTRACT_EXTRA
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,6 @@ def training_tokens(tokenize_report: Path, check: Check) -> int:
             "nothing can be learnt; check the data and the chat template"
         )
     return tokens
-
-
-# beyond a sample, an extraction request holds the one token it asks for and, on the native path,
-# the one speculative slot of the extract_hidden_states method
-EXTRACT_EXTRA = 2
 
 
 def engine_longest(tokenize_report: Path | None, loaded: dict) -> dict[str, int]:

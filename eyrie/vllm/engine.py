@@ -21,6 +21,9 @@ BATCH_TOKENS = 16384
 # Extraction asks one token per sample, so 256 (samples of 64 tokens on average fill a step);
 # generating engines (evaluation, regeneration) keep vLLM's default for offline engines.
 EXTRACT_SEQS, GENERATE_SEQS = 256, 1024
+# beyond a sample, an extraction request holds the one token it asks for and, on the native path,
+# the one speculative slot of the extract_hidden_states method
+EXTRACT_EXTRA = 2
 
 
 def bounds(vllm: VllmSettings, longest: int, *, chunked: bool, source: str) -> dict:

@@ -334,7 +334,7 @@ def rehearsal(root: Path, kind: str, path: str = "auto") -> dict:
     from eyrie.config.sections import VllmSettings
     from eyrie.extract.extractor import Extractor
     from eyrie.formats.hidden import ShardReader, validate_shard
-    from eyrie.vllm.engine import bounds
+    from eyrie.vllm.engine import EXTRACT_EXTRA, bounds
 
     target = root / f"rehearsal-{kind}"
     target.mkdir(parents=True, exist_ok=True)
@@ -377,7 +377,8 @@ def rehearsal(root: Path, kind: str, path: str = "auto") -> dict:
     # what the extractor reads of a preflight report (the whole report: preflight): the target's
     # fingerprint and the engine's lengths, as preflight chooses them for this shard
     vllm = VllmSettings.from_section(settings["vllm"])
-    engine = bounds(vllm, max(LENGTHS) + 2, chunked=False, source="the longest prompt")
+    longest = max(LENGTHS) + EXTRACT_EXTRA
+    engine = bounds(vllm, longest, chunked=False, source="the longest prompt")
     preflight = root / f"{kind}.preflight.json"
     report = {"ok": True, "target": {"fingerprint": fingerprint(read_config(target))}}
     preflight.write_text(json.dumps({**report, "vllm": {"engine": {"extraction": engine}}}))

@@ -601,15 +601,15 @@ def test_engine_memory_too_large(facts, tmp_path):
     memory after the model load. Preflight predicts it; lengths from the data fit."""
     config = rehearsal_config("kimi_k25_int4")
     config["text_config"]["max_position_embeddings"] = 262144  # Kimi-K2.5's
-    longest = {"extraction": 386}  # data.max_seq_len 384 + the asked token and the spec slot
-    got = run_checks(
-        tmp_path / "context",
-        config,
-        facts["kimi"],
-        [1, 2, 3],
-        longest=longest,
-        max_model_len=262144,
+    # data.max_seq_len 384 + the asked token and the spec slot
+    kimi4 = functools.partial(
+        run_checks,
+        config=config,
+        facts=facts["kimi"],
+        aux_ids=[1, 2, 3],
+        longest={"extraction": 386},
     )
+    got = kimi4(tmp_path / "context", max_model_len=262144)
     problem = one(got["problems"], "extraction engine would ask")
     assert problem.startswith("vllm: the extraction engine would ask for ~")
     assert "for max_num_batched_tokens=262144" in problem
@@ -619,7 +619,7 @@ def test_engine_memory_too_large(facts, tmp_path):
     assert "vllm.max_num_batched_tokens (now 262144) or a higher" in problem
     assert got["report"]["memory"]["extraction"]["fits"] is False
     # the default (null): the longest tokenized sample; a step of BATCH_TOKENS
-    got = run_checks(tmp_path / "data", config, facts["kimi"], [1, 2, 3], longest=longest)
+    got = kimi4(tmp_path / "data")
     assert not got["problems"], got["problems"]
     engine = got["report"]["engine"]["extraction"]
     assert engine == {
@@ -631,15 +631,7 @@ def test_engine_memory_too_large(facts, tmp_path):
     predicted = got["report"]["memory"]["extraction"]
     assert predicted["fits"] and 32 < predicted["weights_gib"] < 33.5
     # a step smaller than one sample: vLLM refuses to start without chunked prefill
-    got = run_checks(
-        tmp_path / "step",
-        config,
-        facts["kimi"],
-        [1, 2, 3],
-        longest=longest,
-        max_model_len=8192,
-        max_num_batched_tokens=4096,
-    )
+    got = kimi4(tmp_path / "step", max_model_len=8192, max_num_batched_tokens=4096)
     assert one(got["problems"], "max_num_batched_tokens=4096 is below").endswith(
         "raise it to at least max_model_len or leave it null"
     )
