@@ -63,14 +63,32 @@ def set_torch_threads(asked: int, share: int = 1) -> None:
     torch.set_num_threads(max(1, usable_threads(asked) // share))
 
 
-def auto_device(key: str, value: str, error: type[Exception]) -> str:
-    """A `*.device` setting as cpu or cuda: auto takes cuda when one is visible; cuda without
-    one raises `error` naming `key`."""
+def cuda_visible() -> bool:
+    """Whether a CUDA device is visible, asked through NVML (PYTORCH_NVML_BASED_CUDA_CHECK):
+    torch's default check initialises the CUDA driver, after which a forked child cannot use
+    CUDA, so vLLM's engine core would have to be spawned, importing vLLM again (docs/vllm.md)."""
     import torch
 
+    before = os.environ.get(NVML_CHECK)
+    os.environ[NVML_CHECK] = "1"
+    try:
+        return torch.cuda.is_available()
+    finally:
+        if before is None:
+            del os.environ[NVML_CHECK]
+        else:
+            os.environ[NVML_CHECK] = before
+
+
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+def auto_device(key: str, value: str, error: type[Exception]) -> str:
+    """A `*.device` setting as cpu or cuda: auto takes cuda when one is visible (cuda_visible);
+    cuda without one raises `error` naming `key`."""
     if value == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if value == "cuda" and not torch.cuda.is_available():
+        return "cuda" if cuda_visible() else "cpu"
+    if value == "cuda" and not cuda_visible():
         raise error(
             f"{key}=cuda but no CUDA device is visible; run on a GPU node or set {key} to auto/cpu"
         )

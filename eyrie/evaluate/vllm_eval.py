@@ -5,10 +5,10 @@ held-out prompts twice, without and with speculation, each run in a fresh proces
 speculative output must equal the baseline token for token. AL comes from vLLM's spec-decode
 counters (AL = 1 + accepted / num_drafts) and the Hugging Face evaluation's AL goes beside it.
 The steps, each a module: check (everything that needs no GPU, first: vllm_check), run (the two
-engine processes: vllm_run), compare (vllm_compare) and report (vllm_report). Run with `-m`, this
-module is the engine process (vllm_run.worker). Runs in the vLLM environment: imports vllm,
-torch, pyarrow and eyrie, never eyrie.train, speculators or matplotlib. See docs/vllm.md
-(Evaluation through vLLM).
+engine processes, started with the stage so that they import vLLM during the check: vllm_run),
+compare (vllm_compare) and report (vllm_report). Run with `-m`, this module is the engine process
+(vllm_run.worker). Runs in the vLLM environment: imports vllm, torch, pyarrow and eyrie, never
+eyrie.train, speculators or matplotlib. See docs/vllm.md (Evaluation through vLLM).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from eyrie.core.io import keep_last_good, write_json
 from eyrie.evaluate.vllm_check import VllmEvalPaths, plan_evaluation
 from eyrie.evaluate.vllm_compare import check_outputs_equal
 from eyrie.evaluate.vllm_report import build_report
-from eyrie.evaluate.vllm_run import run_engines, worker
+from eyrie.evaluate.vllm_run import EngineWorkers, run_engines, worker
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +29,9 @@ def evaluate_vllm(
     paths: VllmEvalPaths, settings: dict, *, gpu_memory_utilization: float | None = None
 ) -> dict:
     """Run the evaluation through vLLM and write the report JSON `paths.out`; returns the report."""
-    plan = plan_evaluation(paths, settings, gpu_memory_utilization)
-    base, spec = run_engines(plan)
+    with EngineWorkers() as workers:  # importing vLLM while the check runs
+        plan = plan_evaluation(paths, settings, gpu_memory_utilization)
+        base, spec = run_engines(plan, workers)
     differ = check_outputs_equal(plan, base, spec)
     report = build_report(plan, spec, differ)
     write_json(paths.out, report)

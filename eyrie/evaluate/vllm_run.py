@@ -1,6 +1,6 @@
 """evaluate-vllm, step 2 (run): the baseline and the speculative engine run, each in a fresh
-process (`python -m eyrie.evaluate.vllm_eval REQUEST RESULT`), and the worker side of that
-process: greedy decoding of every prompt and vLLM's spec-decode counters read back as AL
+process (`python -m eyrie.evaluate.vllm_eval REQUEST RESULT`, EngineWorkers), and the worker side
+of that process: greedy decoding of every prompt and vLLM's spec-decode counters read back as AL
 (AL = 1 + accepted / num_drafts). docs/vllm.md (Evaluation through vLLM).
 """
 
@@ -67,8 +67,8 @@ def engine_bounds(plan: VllmPlan) -> dict:
     return bound_kwargs(got)
 
 
-def run_engines(plan: VllmPlan) -> tuple[dict, dict]:
-    """The baseline and the speculative run's results (run_engine's dicts)."""
+def run_engines(plan: VllmPlan, workers: EngineWorkers) -> tuple[dict, dict]:
+    """The baseline and the speculative run's results (run_engine's dicts), on `workers`."""
     baseline, speculative = engine_requests(plan)
     cfg = plan.cfg
     log.info(
@@ -84,59 +84,122 @@ def run_engines(plan: VllmPlan) -> tuple[dict, dict]:
         engine_bounds(plan),
         "; rehearsal: the target with random weights" if cfg.rehearsal else "",
     )
-    with tempfile.TemporaryDirectory(prefix="eyrie-eval-vllm-") as tmp:
-        base = run_engine("baseline", baseline, Path(tmp))
-        spec = run_engine("speculative", speculative, Path(tmp))
+    base = run_engine("baseline", baseline, workers)
+    spec = run_engine("speculative", speculative, workers)
     return base, spec
 
 
-def run_engine(name: str, request: dict, workdir: Path) -> dict:
-    """One vLLM engine run (`request`: engine kwargs, prompts, sampling) in its own process.
+def run_engine(name: str, request: dict, workers: EngineWorkers) -> dict:
+    """One engine run (`request`: engine kwargs, prompts, sampling) on its worker process."""
+    return workers.run(name, request)
+
+
+class EngineWorkers:
+    """The evaluation's two engine processes (`python -m eyrie.evaluate.vllm_eval REQUEST
+    RESULT`), started when the stage starts: each imports vLLM while this process checks and
+    plans and the other runs its engine, then waits for its request file.
 
     Each of the two runs (baseline, speculative) gets a fresh Python process rather than two LLM
-    instances in this one: process exit releases GPU memory, vLLM's engine-core and worker
-    processes and NCCL state, which deleting an LLM in-process does not reliably do; and vLLM's
-    Prometheus registry, which get_metrics() reads, is process-global, so in a fresh process the
-    speculative run's counters start at zero.
+    instances in one: process exit releases GPU memory, vLLM's engine-core and worker processes
+    and NCCL state, which deleting an LLM in-process does not reliably do; and vLLM's Prometheus
+    registry, which get_metrics() reads, is process-global, so in a fresh process the
+    speculative run's counters start at zero. A worker given no request (the check failed) is
+    stopped on exit; it has not touched the GPU.
     """
-    req_path, res_path = workdir / f"{name}.request.json", workdir / f"{name}.result.json"
-    req_path.write_text(json.dumps(request))
-    env = engine_environment(dict(os.environ))
-    # greedy sampling never uses FlashInfer's top-k/top-p sampler; offline installs lack it
-    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    log.info("vLLM %s run: %d prompts (%s)", name, len(request["prompts"]), sys.executable)
-    proc = subprocess.run(
-        [sys.executable, "-m", "eyrie.evaluate.vllm_eval", str(req_path), str(res_path)], env=env
-    )
-    if proc.returncode != 0 or not res_path.is_file():
-        raise EvaluateError(
-            f"the vLLM {name} run failed (exit {proc.returncode}); its error and "
-            "traceback are in the log above"
+
+    NAMES = ("baseline", "speculative")
+    STOP_S = 10.0
+
+    def __init__(self, command: list[str] | None = None):
+        self.command = command or [sys.executable, "-m", "eyrie.evaluate.vllm_eval"]
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def __enter__(self) -> EngineWorkers:
+        self._tmp = tempfile.TemporaryDirectory(prefix="eyrie-eval-vllm-")
+        env = engine_environment(dict(os.environ))
+        # greedy sampling never uses FlashInfer's top-k/top-p sampler; offline installs lack it
+        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        for name in self.NAMES:
+            req, res = self.paths(name)
+            self.procs[name] = subprocess.Popen([*self.command, str(req), str(res)], env=env)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(self.STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._tmp.cleanup()
+
+    def paths(self, name: str) -> tuple[Path, Path]:
+        folder = Path(self._tmp.name)
+        return folder / f"{name}.request.json", folder / f"{name}.result.json"
+
+    def run(self, name: str, request: dict) -> dict:
+        """Hand `name`'s worker its request (renamed into place whole) and read its result."""
+        req_path, res_path = self.paths(name)
+        partial = req_path.with_suffix(".partial")
+        partial.write_text(json.dumps(request))
+        partial.rename(req_path)
+        proc = self.procs[name]
+        log.info(
+            "vLLM %s run: %d prompts (pid %d, %s)",
+            name,
+            len(request["prompts"]),
+            proc.pid,
+            self.command[0],
         )
-    result = json.loads(res_path.read_text())
-    if len(result["outputs"]) != len(request["prompts"]):
-        raise EvaluateError(
-            f"the vLLM {name} run returned {len(result['outputs'])} outputs for "
-            f"{len(request['prompts'])} prompts"
-        )
-    return result
+        returncode = proc.wait()
+        if returncode != 0 or not res_path.is_file():
+            raise EvaluateError(
+                f"the vLLM {name} run failed (exit {returncode}); its error and "
+                "traceback are in the log above"
+            )
+        result = json.loads(res_path.read_text())
+        if len(result["outputs"]) != len(request["prompts"]):
+            raise EvaluateError(
+                f"the vLLM {name} run returned {len(result['outputs'])} outputs for "
+                f"{len(request['prompts'])} prompts"
+            )
+        return result
 
 
 def worker(request_path: str, result_path: str) -> int:
-    """The engine process: `request_path`'s run, its result written to `result_path`; exit status 1
-    with the traceback logged when it fails."""
+    """The engine process: imports vLLM, waits for `request_path` (wait_for_request), runs it and
+    writes its result to `result_path`; exit status 1 with the traceback logged when it fails,
+    0 without a result when no request came."""
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     try:
-        result = generate(json.loads(Path(request_path).read_text()))
-        write_json(result_path, result)
+        import vllm  # noqa: F401 - the slow part, done while the parent plans or the other runs
+
+        request = wait_for_request(Path(request_path), os.getppid())
+        if request is None:
+            return 0
+        write_json(result_path, generate(request))
     except Exception:  # noqa: BLE001 - reported with type and traceback; the parent fails
         log.exception("vLLM engine run (%s) failed", request_path)
         return 1
     return 0
+
+
+def wait_for_request(path: Path, parent: int, poll_s: float = 0.05) -> dict | None:
+    """The request once `path` exists (the parent renames it into place whole); None when the
+    parent `parent` is gone first."""
+    while not path.exists():
+        if os.getppid() != parent:
+            return None
+        time.sleep(poll_s)
+    return json.loads(path.read_text())
 
 
 def generate(request: dict) -> dict:

@@ -111,9 +111,9 @@ class VllmBackend:
         """`engine`: preflight.json's vllm.engine.extraction (max_model_len, max_num_batched_tokens,
         max_num_seqs); None (a preflight.json older than it): vLLM's own defaults, with a
         warning."""
-        # The engine process has touched CUDA (device resolution) before vLLM starts its engine
-        # core: forking then fails ("Cannot re-initialize CUDA in forked subprocess").
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        # vLLM forks its engine core unless CUDA is initialised here: the device was resolved
+        # through NVML (eyrie.core.runtime.cuda_visible), and nothing touches CUDA before LLM();
+        # a spawned engine core would import vLLM again (BENCHMARKS.md, issue 38)
         engine_environment()
         from vllm import LLM
 

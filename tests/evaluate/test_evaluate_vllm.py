@@ -5,6 +5,7 @@ workflow rule, and (marked gpu) the whole stage on a tiny target and draft throu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -52,6 +53,8 @@ def installed_vllm_checked_elsewhere(request, monkeypatch):
     run the stage here replace it; test_installed_vllm_check_* run the real one in .venv-vllm."""
     if "vllm_env" not in request.keywords:
         monkeypatch.setattr(vllm_check, "check_installed_vllm", lambda target: None)
+    if "gpu" not in request.keywords:  # FakeEngines answer: no engine process to start
+        monkeypatch.setattr(ev, "EngineWorkers", contextlib.nullcontext)
 
 
 def settings(**overrides) -> dict:
@@ -197,7 +200,7 @@ class FakeEngines:
         self.requests: dict[str, dict] = {}
         self.outputs, self.speculative = outputs, speculative or outputs
 
-    def __call__(self, name, request, workdir):
+    def __call__(self, name, request, workers):
         self.requests[name] = request
         spec = request["speculative_config"] is not None
         stats = SpecStats(

@@ -6,6 +6,7 @@ and its DAG lives under results/<name>.rehearsal/. Marked gpu: the extraction on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,7 +27,7 @@ from eyrie.config.sections import VllmSettings
 from eyrie.core.errors import ExportError, ExtractError, PreflightError, ShardError
 from eyrie.core.rehearsal import draft_is_rehearsal, engine_kwargs
 from eyrie.evaluate import vllm_check as ev
-from eyrie.evaluate import vllm_run
+from eyrie.evaluate import vllm_eval, vllm_run
 from eyrie.export.export import export
 from eyrie.extract import extractor as extractor_mod
 from eyrie.extract.batches import HostBatch
@@ -239,7 +240,7 @@ class FakeEngines:
         self.requests: dict[str, dict] = {}
         self.outputs, self.speculative = outputs, speculative
 
-    def __call__(self, name, request, workdir):
+    def __call__(self, name, request, workers):
         self.requests[name] = request
         spec = request["speculative_config"] is not None
         counters = vllm_run.SpecStats(K, 4, 12, 3, [2, 1, 0]).metrics() if spec else None
@@ -266,6 +267,7 @@ def test_vllm_evaluation_of_a_rehearsal(world, rehearsed, tmp_path, monkeypatch,
     monkeypatch.setattr(ev, "check_installed_vllm", lambda target: None)  # vLLM is not here
     engines = FakeEngines([[5, 6, 7, 8], [9, 9, 9, 9]], [[5, 6, 7, 8], [9, 9, 3, 9]])
     monkeypatch.setattr(vllm_run, "run_engine", engines)
+    monkeypatch.setattr(vllm_eval, "EngineWorkers", contextlib.nullcontext)  # no processes here
     out = tmp_path / "eval_vllm.json"
     argv = ["evaluate-vllm", "--target", str(world["target"]), "--draft", str(rehearsed["draft"])]
     argv += ["--eval-set", str(world["eval_set"]), "--out", str(out)]
