@@ -49,6 +49,9 @@ rule export_draft:
         "results/{name}/draft.json",
     log:
         "logs/{name}/export_draft.log",
+    # torch's CPU threads: the draft is loaded and compared on the CPU (a rehearsal's random
+    # verifier rows are drawn on all of them)
+    threads: CORES
     params:
         settings=settings("export_draft"),
         target=target_dir,

@@ -1,11 +1,11 @@
 """A training run's resumable state: its run id, its step checkpoints and its metrics file.
 
 Contract: `--state-dir/<run id>/step_<N>/` holds model.safetensors, state.pt (optimizer, scheduler
-and RNG states) and position.json; a folder appears only complete (fsynced, renamed into place),
-and loading one restores every RNG to where the saving run was. A resume reads the newest folder
-that verifies (a cut or garbled one is skipped with a line saying why), and pruning never leaves
-the run without a good one. The run id hashes the settings that change the weights and the
-identity of every input file. Layout and semantics: docs/training.md ("Resume").
+and RNG states; not at the plan's last step) and position.json; a folder appears only complete
+(fsynced, renamed into place), and loading one restores every RNG to where the saving run was. A
+resume reads the newest folder that verifies (a cut or garbled one is skipped with a line saying
+why), and pruning never leaves the run without a good one. The run id hashes the settings that
+change the weights and the identity of every input file. Layout and semantics: docs/training.md ("Resume").
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class Checkpoint:
     path: Path
     position: dict  # POSITION_KEYS and more (packs_per_step, world_size)
     weights: dict[str, torch.Tensor]  # on the CPU; the draft's keys and shapes
-    state: dict  # optimizer, scheduler, rng
+    state: dict | None  # optimizer, scheduler, rng; None at the plan's last step (final)
 
 
 POSITION_KEYS = ("step", "epoch", "step_in_epoch", "tokens", "wall_s", "run_id")
@@ -125,12 +125,14 @@ def read_checkpoint(
 
     position.json parses, belongs to this run and names a step of its plan; model.safetensors is
     as long as its header says and holds the draft's keys and shapes; state.pt loads
-    (weights_only) and fits the optimizer. What it cannot see: overwritten bytes of the right
-    length (the files carry no checksums).
+    (weights_only) and fits the optimizer, but at the plan's last step, where nothing is left to
+    train and the folder has no state.pt (final). What it cannot see: overwritten bytes of the
+    right length (the files carry no checksums).
     """
     position = _read_position(path, run_id, steps_per_epoch)
     weights = _read_weights(path / "model.safetensors", model)
-    state = _read_state(path / "state.pt", optimizer)
+    last = position["step"] == sum(steps_per_epoch)
+    state = None if last else _read_state(path / "state.pt", optimizer)
     return Checkpoint(path, position, weights, state)
 
 
@@ -249,8 +251,11 @@ def _read_state(path: Path, optimizer) -> dict:
 
 
 def restore(ckpt: Checkpoint, model, optimizer, scheduler) -> dict:
-    """Apply a verified checkpoint: weights, optimizer, scheduler and RNG states; its position."""
+    """Apply a verified checkpoint: weights, optimizer, scheduler and RNG states (a final one:
+    the weights alone); its position."""
     model.load_state_dict(ckpt.weights, strict=True)
+    if ckpt.state is None:
+        return ckpt.position
     optimizer.load_state_dict(ckpt.state["optimizer"])
     scheduler.load_state_dict(ckpt.state["scheduler"])
     _set_rng_state(ckpt.state["rng"])
@@ -301,7 +306,9 @@ class Checkpoints:
         return found
 
     def save(self, model, optimizer, scheduler, position: dict) -> Path:
-        """Write step_<N>/ atomically (fsynced), then prune (`_prune`)."""
+        """Write step_<N>/ atomically (fsynced), then prune (`_prune`). At the plan's last step
+        the optimizer, scheduler and RNG states are not written: no step is left to use them
+        (AdamW's two moments are twice the trainable weights: ~9 GB for a Kimi-width draft)."""
         from safetensors.torch import save_file
 
         final = self.run_dir / f"step_{position['step']:08d}"
@@ -311,14 +318,15 @@ class Checkpoints:
                 {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
                 str(tmp / "model.safetensors"),
             )
-            torch.save(
-                {
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "rng": _rng_state(),
-                },
-                tmp / "state.pt",
-            )
+            if position["step"] < sum(self.steps_per_epoch):
+                torch.save(
+                    {
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "rng": _rng_state(),
+                    },
+                    tmp / "state.pt",
+                )
             (tmp / "position.json").write_text(json.dumps(position, indent=2, sort_keys=True))
         self._prune(final)
         return final

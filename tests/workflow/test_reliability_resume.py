@@ -242,3 +242,23 @@ def test_under_two_processes_every_rank_resumes_from_the_checkpoint_rank_0_verif
     summary = json.loads((tmp_path / "train" / "train.json").read_text())
     assert summary["resumed_from_step"] == 2 and summary["world_size"] == 2
     assert_weights(weights(tmp_path / "one"), weights(tmp_path), exact=False)
+
+
+def test_the_last_step_keeps_the_weights_alone_and_a_rerun_resumes_there(
+    world, full, tmp_path, caplog
+):
+    """No optimizer state at the plan's last step (nothing is left to train): a rerun of the
+    finished run reads the weights alone and writes the same outputs."""
+    root = tmp_path / "run"
+    shutil.copytree(full, root)
+    (run,) = (root / "state").iterdir()
+    folders = sorted(p for p in run.iterdir() if p.name.startswith("step_"))
+    last, before = folders[-1], folders[-2]
+    assert last.name == "step_00000027" and before.name == "step_00000024"
+    assert sorted(p.name for p in last.iterdir()) == ["model.safetensors", "position.json"]
+    assert (before / "state.pt").is_file()
+    shutil.rmtree(root / "train")
+    caplog.set_level("INFO")
+    run_train(world, root)
+    one_line(caplog, "resumed", rf"resumed from {re.escape(str(last))} \(step 27, epoch 1, .+\)")
+    assert_same_as_full(full, root)
