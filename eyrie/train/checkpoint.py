@@ -5,7 +5,8 @@ and RNG states; not at the plan's last step) and position.json; a folder appears
 (fsynced, renamed into place), and loading one restores every RNG to where the saving run was. A
 resume reads the newest folder that verifies (a cut or garbled one is skipped with a line saying
 why), and pruning never leaves the run without a good one. The run id hashes the settings that
-change the weights and the identity of every input file. Layout and semantics: docs/training.md ("Resume").
+change the weights and the identity of every input file. Layout and semantics: docs/training.md
+("Resume").
 """
 
 from __future__ import annotations
