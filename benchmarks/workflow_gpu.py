@@ -272,11 +272,16 @@ def main() -> int:
         ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
     ).stdout.split("\n")[0]
     result = {"part": args.part, "gpu": gpu, "date": time.strftime("%Y-%m-%d")}
-    result.update(
-        (rehearsal if args.part == "rehearsal" else real)(
-            workdir, args.vllm_python, args.until, args.cache
+    try:
+        result.update(
+            (rehearsal if args.part == "rehearsal" else real)(
+                workdir, args.vllm_python, args.until, args.cache
+            )
         )
-    )
+    finally:  # every job's log comes back, a failed run's too
+        if os.environ.get("OUT") and (workdir / "logs").is_dir():
+            logs = Path(os.environ["OUT"]) / f"logs-{workdir.name}"
+            shutil.copytree(workdir / "logs", logs, dirs_exist_ok=True)
     print(json.dumps(result, indent=1), flush=True)
     name = re.sub(r"\W+", "-", gpu.lower()).strip("-")
     out = REPO / "benchmarks" / "results" / f"workflow-{args.part}-{name}.json"
