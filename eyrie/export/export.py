@@ -195,7 +195,7 @@ def _export(trained, paths, K, settings, rehearsal, have_fp, manifest) -> dict:
     done = {
         "out_dir": str(out_dir),
         "version": str(version),
-        "files": versions.digests(version),
+        "files": versions.files,
         "num_speculative_tokens": K,
         "train_run_id": trained.summary.get("run_id"),
         **mark(rehearsal),

@@ -30,6 +30,7 @@ class DraftVersions:
         self.link = Path(link)
         self.root = self.link.parent / "drafts"
         self.staging = self.root / ".staging"
+        self.files: dict[str, str] | None = None  # the published version's digests (HASHED)
 
     @contextlib.contextmanager
     def new(self) -> Iterator[Path]:
@@ -43,10 +44,10 @@ class DraftVersions:
         return {name: file_sha256(version / name) for name in HASHED}
 
     def publish(self) -> Path:
-        """Name the staged version by its content, point the link at it, prune old versions."""
-        digest = hashlib.sha256(
-            "".join(self.digests(self.staging)[n] for n in HASHED).encode()
-        ).hexdigest()
+        """Name the staged version by its content, point the link at it, prune old versions;
+        `files` then holds its digests (one pass over a draft of gigabytes)."""
+        self.files = self.digests(self.staging)
+        digest = hashlib.sha256("".join(self.files[n] for n in HASHED).encode()).hexdigest()
         final = self.root / f"draft-{digest[:12]}"
         if final.is_dir():  # the same draft exported again
             shutil.rmtree(self.staging)

@@ -185,30 +185,40 @@ def hf(root: Path, kind: str) -> None:
 
 
 def run_vllm(root: Path, kind: str, path: str) -> None:
-    from types import SimpleNamespace
-
     from eyrie.arch.target import inspect_target
+    from eyrie.extract.extractor import ExtractSettings
     from eyrie.extract.vllm_backend import VllmBackend
+    from eyrie.vllm.engine import EXTRACT_EXTRA, bounds
 
     prompts = [np.array(p, dtype=np.int32) for p in json.loads((root / "prompts.json").read_text())]
     info = inspect_target(root / kind)
-    cfg = SimpleNamespace(
-        vllm={
-            "extraction_path": path,
-            "tensor_parallel_size": 1,
-            "gpu_memory_utilization": 0.5,
-            "enforce_eager": True,
-            "max_model_len": 1024,
-        },
-        max_tokens_per_batch=600,
-        dtype=torch.bfloat16,
-        storage_dtype="bfloat16",
-        trust_remote_code=False,
-    )
     ids = layer_ids(kind)
+    # the settings as the stage reads them (the typed sections), and the engine's lengths as
+    # preflight would choose them for these prompts
+    cfg = ExtractSettings.from_settings(
+        {
+            "extract": {
+                "backend": "vllm",
+                "device": "cuda",
+                "dtype": "bfloat16",
+                "storage_dtype": "bfloat16",
+                "max_tokens_per_batch": 600,
+            },
+            "layers": {"aux_ids": ids[:-1]},
+            "trust_remote_code": False,
+            "vllm": {
+                "extraction_path": path,
+                "tensor_parallel_size": 1,
+                "gpu_memory_utilization": 0.5,
+                "enforce_eager": True,
+            },
+        }
+    )
+    longest = max(map(len, prompts)) + EXTRACT_EXTRA
+    engine = bounds(cfg.vllm, longest, chunked=False, source="the longest prompt")
     result = {"kind": kind, "path": path}
     try:
-        backend = VllmBackend(root / kind, info, cfg, ids[:-1], ids[-1])
+        backend = VllmBackend(root / kind, info, cfg, ids[:-1], ids[-1], engine=engine)
     except Exception as exc:  # noqa: BLE001 - a refusal is a result here
         result["refused"] = f"{type(exc).__name__}: {exc}"
         (root / f"{kind}.{path}.json").write_text(json.dumps(result))
