@@ -1,12 +1,12 @@
 """A training run's resumable state: its run id, its step checkpoints and its metrics file.
 
-Contract: `--state-dir/<run id>/step_<N>/` holds model.safetensors, state.pt (optimizer, scheduler
-and RNG states; not at the plan's last step) and position.json; a folder appears only complete
-(fsynced, renamed into place), and loading one restores every RNG to where the saving run was. A
-resume reads the newest folder that verifies (a cut or garbled one is skipped with a line saying
-why), and pruning never leaves the run without a good one. The run id hashes the settings that
-change the weights and the identity of every input file. Layout and semantics: docs/training.md
-("Resume").
+Contract: `--state-dir/<run id>/step_<N>/` holds model.safetensors (all but the frozen tensors),
+state.pt (optimizer, scheduler and RNG states; not at the plan's last step) and position.json; a
+folder appears only complete (fsynced, renamed into place), and loading one restores every RNG to
+where the saving run was. A resume reads the newest folder that verifies (a cut or garbled one is
+skipped with a line saying why), and pruning never leaves the run without a good one. The run id
+hashes the settings that change the weights and the identity of every input file. Layout and
+semantics: docs/training.md ("Resume").
 """
 
 from __future__ import annotations
@@ -170,7 +170,23 @@ def _read_position(path: Path, run_id: str, steps_per_epoch: list[int]) -> dict:
     return position
 
 
+def frozen_keys(model) -> set[str]:
+    """The draft's parameters that training never changes: the target's embedding and, where
+    the draft keeps them, its lm_head rows and final norm (loaded from the target at every
+    build; the run id holds the target's content)."""
+    return {name for name, p in model.named_parameters() if not p.requires_grad}
+
+
+def stored_state(model) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds: the state_dict without the frozen parameters (Kimi-K2.5's
+    embedding alone is 4.7 GB in float32)."""
+    frozen = frozen_keys(model)
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+
 def _read_weights(path: Path, model) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors: the draft's stored_state (or, written by an older eyrie, its
+    whole state_dict), by name and shape."""
     from safetensors.torch import load_file
 
     _check_safetensors_length(path)
@@ -178,8 +194,9 @@ def _read_weights(path: Path, model) -> dict[str, torch.Tensor]:
         weights = load_file(str(path), device="cpu")
     except Exception as exc:  # noqa: BLE001 - the loader's many errors are one problem here
         raise CheckpointProblem(f"{path.name} does not load: {exc}") from None
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    full = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     have = {k: tuple(v.shape) for k, v in weights.items()}
+    want = full if have.keys() == full.keys() else {k: full[k] for k in stored_state(model)}
     if have != want:
         diff = sorted(set(have) ^ set(want)) or [k for k in want if have[k] != want[k]]
         raise CheckpointProblem(
@@ -252,9 +269,11 @@ def _read_state(path: Path, optimizer) -> dict:
 
 
 def restore(ckpt: Checkpoint, model, optimizer, scheduler) -> dict:
-    """Apply a verified checkpoint: weights, optimizer, scheduler and RNG states (a final one:
-    the weights alone); its position."""
-    model.load_state_dict(ckpt.weights, strict=True)
+    """Apply a verified checkpoint: weights (the frozen ones stay the build's), optimizer,
+    scheduler and RNG states (a final one: the weights alone); its position."""
+    # the frozen parameters are the target's own, loaded at the build (_read_weights checked
+    # that the checkpoint holds every other tensor)
+    model.load_state_dict(ckpt.weights, strict=False)
     if ckpt.state is None:
         return ckpt.position
     optimizer.load_state_dict(ckpt.state["optimizer"])
@@ -316,7 +335,7 @@ class Checkpoints:
         with atomic_path(final) as tmp:
             tmp.mkdir()
             save_file(
-                {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+                {k: v.detach().cpu().contiguous() for k, v in stored_state(model).items()},
                 str(tmp / "model.safetensors"),
             )
             if position["step"] < sum(self.steps_per_epoch):

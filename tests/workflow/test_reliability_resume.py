@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eyrie.train import checkpoint
 from eyrie.train.recipe import train
 from tests.support.train_helpers import assert_weights, train_paths, train_settings, weights
 
@@ -257,8 +258,32 @@ def test_the_last_step_keeps_the_weights_alone_and_a_rerun_resumes_there(
     assert last.name == "step_00000027" and before.name == "step_00000024"
     assert sorted(p.name for p in last.iterdir()) == ["model.safetensors", "position.json"]
     assert (before / "state.pt").is_file()
+    # no frozen tensor (the target's embedding) in any checkpoint: the build loads it
+    stored = set(load_file(str(last / "model.safetensors")))
+    assert stored and not any("embed_tokens" in k for k in stored)
     shutil.rmtree(root / "train")
     caplog.set_level("INFO")
     run_train(world, root)
     one_line(caplog, "resumed", rf"resumed from {re.escape(str(last))} \(step 27, epoch 1, .+\)")
+    assert_same_as_full(full, root)
+
+
+def test_a_checkpoint_of_an_older_eyrie_with_every_tensor_resumes(
+    world, full, tmp_path, monkeypatch, caplog
+):
+    """Checkpoints written with the whole state_dict (frozen tensors included), as before:
+    a resume reads them and ends with the uninterrupted run's weights."""
+    root = tmp_path / "old"
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "stored_state", lambda model: model.state_dict())
+        assert run_train(world, root, stop_after_steps=8) is None
+    (run,) = (root / "state").iterdir()
+    assert any(
+        "embed_tokens" in k for k in load_file(str(run / "step_00000008" / "model.safetensors"))
+    )
+    caplog.set_level("INFO")
+    run_train(world, root)
+    assert lines(caplog, "resumed from") == [
+        f"resumed from {run}/step_00000008 (step 8, epoch 0, step 8 of the epoch)"
+    ]
     assert_same_as_full(full, root)
