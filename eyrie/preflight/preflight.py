@@ -15,7 +15,7 @@ from pathlib import Path
 from eyrie.arch.target import inspect_target, read_config, resolve_layer_ids
 from eyrie.config.schema import load_settings, merge_settings, schema_default, vllm_uses
 from eyrie.config.sections import VllmSettings
-from eyrie.core.errors import EyrieError, PreflightError, TargetError
+from eyrie.core.errors import PreflightError, TargetError
 from eyrie.core.io import keep_last_good, provenance, write_json
 from eyrie.core.rehearsal import is_rehearsal, mark
 from eyrie.preflight import vllm_checks as vllm_preflight
@@ -26,7 +26,7 @@ from eyrie.preflight.checks import (
     check_tokenizer,
     check_weights,
 )
-from eyrie.preflight.vllm_env import VllmEnvError, facts_for, prefetch, vllm_python
+from eyrie.preflight.vllm_env import VllmEnvError, facts_for, vllm_python
 from eyrie.store.fingerprint import content_digest
 from eyrie.vllm.engine import EXTRACT_EXTRA
 
@@ -115,16 +115,6 @@ def check_regenerate_env(loaded: dict, config: dict, check: Check) -> None:
         check.problem(f"regenerate.backend: vllm: {exc}")
 
 
-def start_vllm_facts(target: Path, loaded: dict) -> None:
-    """The installed vLLM's facts for the target, asked now in a thread (vllm_env.prefetch);
-    what cannot be asked is reported where the facts are read."""
-    try:
-        vllm = VllmSettings.from_section(loaded.get("vllm"), PreflightError)
-        prefetch(vllm_python(vllm), [read_config(target)])
-    except (EyrieError, OSError, ValueError):
-        return
-
-
 def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, settings: dict) -> dict:
     """Every check, all problems at once (PreflightError); returns preflight.json's content."""
     check = Check([], [])
@@ -133,8 +123,6 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
     aux_setting = (loaded.get("layers") or {}).get("aux_ids")
     extract = loaded.get("extract") or {"storage_dtype": schema_default("extract.storage_dtype")}
     trust = loaded["trust_remote_code"]
-    if vllm_uses(loaded):  # vLLM's import (~20 s) while the checks below run
-        start_vllm_facts(target, loaded)
     info = read_target(target, trust, check)
     aux_ids, final_id = layer_ids(aux_setting, info, check)
     tied = bool(info.text_config.get("tie_word_embeddings"))

@@ -1,9 +1,8 @@
 """Preflight's vLLM environment: the Python at vllm.python, asked for the installed vLLM's facts.
 
 `facts_for` runs `python -m eyrie.preflight.gather` there (one subprocess for every config not
-asked before, cached per process; `prefetch` starts it early, in a thread, so that preflight's
-other checks run while it imports vLLM); `VllmEnvError` says why that environment cannot
-answer, with the fix. See docs/vllm.md (What preflight checks).
+asked before, cached per process); `VllmEnvError` says why that environment cannot answer, with
+the fix. See docs/vllm.md (What preflight checks).
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import json
 import os
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 from eyrie.config.sections import VllmSettings
@@ -32,8 +30,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 # facts per (vLLM python, config.json content), so a process asks each environment once per config
 _FACTS_CACHE: dict[tuple[str, str], dict] = {}
-# keys being asked by a prefetch: its thread, its answers (or its error) and each key's place
-_PENDING: dict[tuple[str, str], tuple[threading.Thread, dict, int]] = {}
 
 
 class VllmEnvError(EyrieError):
@@ -102,51 +98,11 @@ def run_gatherer(python: Path, configs: list[dict], timeout: float = FACTS_TIMEO
     return out
 
 
-def _keys(python: Path, configs: list[dict]) -> list[tuple[str, str]]:
-    return [(str(python), json.dumps(c, sort_keys=True)) for c in configs]
-
-
-def prefetch(python: Path, configs: list[dict]) -> None:
-    """Start asking for `configs`' facts in a thread; `facts_for` then waits for its answers (and
-    raises its VllmEnvError). A daemon thread: a process that stops before asking does not wait
-    for vLLM's import."""
-    keys = _keys(python, configs)
-    todo = [i for i, k in enumerate(keys) if k not in _FACTS_CACHE and k not in _PENDING]
-    if not todo:
-        return
-    box: dict = {}
-
-    def ask() -> None:
-        try:
-            box["facts"] = run_gatherer(python, [configs[i] for i in todo])
-        except VllmEnvError as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=ask, name="eyrie-vllm-facts", daemon=True)
-    thread.start()
-    for place, i in enumerate(todo):
-        _PENDING[keys[i]] = (thread, box, place)
-
-
-def _collect(key: tuple[str, str]) -> None:
-    """A prefetched key's answer into the cache (its error raised, and kept for the next ask)."""
-    thread, box, place = _PENDING[key]
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    del _PENDING[key]
-    _FACTS_CACHE[key] = box["facts"][place]
-
-
 def facts_for(python: Path, configs: list[dict], timeout: float = FACTS_TIMEOUT_S) -> list[dict]:
     """Facts (JSON objects) for each config from the environment of `python`, cached per process
-    and config: configs asked for before are not asked again (a prefetch's are waited for), the
-    others in ONE subprocess. The whole config.json goes: vLLM's own config classes parse it
-    there (facts.parse_config)."""
-    keys = _keys(python, configs)
-    for key in keys:
-        if key in _PENDING:
-            _collect(key)
+    and config: configs asked for before are not asked again, the others in ONE subprocess. The
+    whole config.json goes: vLLM's own config classes parse it there (facts.parse_config)."""
+    keys = [(str(python), json.dumps(c, sort_keys=True)) for c in configs]
     todo = sorted({k: i for i, k in enumerate(keys) if k not in _FACTS_CACHE}.values())
     if todo:
         for i, got in zip(todo, run_gatherer(python, [configs[i] for i in todo], timeout)):

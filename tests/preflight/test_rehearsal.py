@@ -395,7 +395,6 @@ def test_preflight_checks_a_rehearsal_as_a_real_run_and_marks_it(tmp_path, monke
     hence the store keys and the training run id, apart from the real run's)."""
     facts = real_facts()["llama"]
     monkeypatch.setattr(vp, "installed_facts", lambda check: facts)
-    monkeypatch.setattr(pf, "start_vllm_facts", lambda *args: None)  # given above, not asked
     texts = ["What does json.dumps do? It serializes an object to a JSON string."] * 20
     target = save_chat_target(
         tmp_path / "target", texts, num_attention_heads=4, num_key_value_heads=2
@@ -422,7 +421,6 @@ def test_a_rehearsal_needs_no_weights(world, tmp_path, monkeypatch):
     import shutil
 
     monkeypatch.setattr(vp, "installed_facts", lambda check: real_facts()["llama"])
-    monkeypatch.setattr(pf, "start_vllm_facts", lambda *args: None)  # given above, not asked
     bare = tmp_path / "bare"
     shutil.copytree(world["target"], bare, ignore=shutil.ignore_patterns("*.safetensors"))
     layers = {"layers": {"aux_ids": [1, 2, 3]}}  # the tiny target has 4 layers

@@ -221,26 +221,6 @@ def test_environment_without_vllm_is_a_problem_with_the_fix():
         vllm_env.run_gatherer(sys.executable, [LLAMA])
 
 
-def test_a_prefetch_is_asked_once_and_its_error_comes_where_the_facts_are_read(monkeypatch):
-    """prefetch runs the gatherer in a thread; facts_for waits for that answer instead of asking
-    again, and raises its error (here the real one of an environment without vLLM)."""
-    calls = []
-    real = vllm_env.run_gatherer
-
-    def counted(python, configs, timeout=vllm_env.FACTS_TIMEOUT_S):
-        calls.append(len(configs))
-        return real(python, configs, timeout)
-
-    monkeypatch.setattr(vllm_env, "run_gatherer", counted)
-    config = {**LLAMA, "name_or_path": "prefetch-test"}  # a key no other test caches
-    vllm_env.prefetch(sys.executable, [config])
-    vllm_env.prefetch(sys.executable, [config])  # pending: not asked twice
-    for _ in range(2):
-        with pytest.raises(vllm_env.VllmEnvError, match=r"No module named 'vllm'"):
-            vllm_env.facts_for(sys.executable, [config])
-    assert calls == [1]
-
-
 def test_gatherer_timeout_is_a_problem():
     with pytest.raises(vllm_env.VllmEnvError, match=r"took more than 0 s"):
         vllm_env.run_gatherer(sys.executable, [LLAMA], timeout=0.01)
