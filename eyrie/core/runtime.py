@@ -63,6 +63,9 @@ def set_torch_threads(asked: int, share: int = 1) -> None:
     torch.set_num_threads(max(1, usable_threads(asked) // share))
 
 
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
 def cuda_visible() -> bool:
     """Whether a CUDA device is visible, asked through NVML (PYTORCH_NVML_BASED_CUDA_CHECK):
     torch's default check initialises the CUDA driver, after which a forked child cannot use
@@ -78,9 +81,6 @@ def cuda_visible() -> bool:
             del os.environ[NVML_CHECK]
         else:
             os.environ[NVML_CHECK] = before
-
-
-NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def auto_device(key: str, value: str, error: type[Exception]) -> str:

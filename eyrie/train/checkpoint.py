@@ -113,6 +113,12 @@ class Checkpoint:
 POSITION_KEYS = ("step", "epoch", "step_in_epoch", "tokens", "wall_s", "run_id")
 
 
+def is_last(step: int, steps_per_epoch: list[int]) -> bool:
+    """Whether `step` is the plan's last: its checkpoint has no state.pt (nothing is left to
+    train)."""
+    return step == sum(steps_per_epoch)
+
+
 def step_of(path: Path) -> int | None:
     """N of a step_<N> folder name; None for any other name."""
     digits = path.name.removeprefix("step_")
@@ -132,7 +138,7 @@ def read_checkpoint(
     """
     position = _read_position(path, run_id, steps_per_epoch)
     weights = _read_weights(path / "model.safetensors", model)
-    last = position["step"] == sum(steps_per_epoch)
+    last = is_last(position["step"], steps_per_epoch)
     state = None if last else _read_state(path / "state.pt", optimizer)
     return Checkpoint(path, position, weights, state)
 
@@ -338,7 +344,7 @@ class Checkpoints:
                 {k: v.detach().cpu().contiguous() for k, v in stored_state(model).items()},
                 str(tmp / "model.safetensors"),
             )
-            if position["step"] < sum(self.steps_per_epoch):
+            if not is_last(position["step"], self.steps_per_epoch):
                 torch.save(
                     {
                         "optimizer": optimizer.state_dict(),

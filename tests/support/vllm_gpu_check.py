@@ -184,6 +184,28 @@ def hf(root: Path, kind: str) -> None:
     )
 
 
+def extract_settings(aux_ids: list[int] | None, path: str, **vllm) -> dict:
+    """The extraction stage's --settings for the vLLM backend on one GPU, bf16, eager, the
+    `path` asked for; `vllm`: more keys of the vllm section."""
+    return {
+        "extract": {
+            "backend": "vllm",
+            "device": "cuda",
+            "dtype": "bfloat16",
+            "storage_dtype": "bfloat16",
+            "max_tokens_per_batch": 600,
+        },
+        "layers": {"aux_ids": aux_ids},
+        "trust_remote_code": False,
+        "vllm": {
+            "extraction_path": path,
+            "tensor_parallel_size": 1,
+            "enforce_eager": True,
+            **vllm,
+        },
+    }
+
+
 def run_vllm(root: Path, kind: str, path: str) -> None:
     from eyrie.arch.target import inspect_target
     from eyrie.extract.extractor import ExtractSettings
@@ -196,23 +218,7 @@ def run_vllm(root: Path, kind: str, path: str) -> None:
     # the settings as the stage reads them (the typed sections), and the engine's lengths as
     # preflight would choose them for these prompts
     cfg = ExtractSettings.from_settings(
-        {
-            "extract": {
-                "backend": "vllm",
-                "device": "cuda",
-                "dtype": "bfloat16",
-                "storage_dtype": "bfloat16",
-                "max_tokens_per_batch": 600,
-            },
-            "layers": {"aux_ids": ids[:-1]},
-            "trust_remote_code": False,
-            "vllm": {
-                "extraction_path": path,
-                "tensor_parallel_size": 1,
-                "gpu_memory_utilization": 0.5,
-                "enforce_eager": True,
-            },
-        }
+        extract_settings(ids[:-1], path, gpu_memory_utilization=0.5)
     )
     longest = max(map(len, prompts)) + EXTRACT_EXTRA
     engine = bounds(cfg.vllm, longest, chunked=False, source="the longest prompt")
@@ -366,24 +372,8 @@ def rehearsal(root: Path, kind: str, path: str = "auto") -> dict:
         ),
         shard,
     )
-    settings = {
-        "extract": {
-            "backend": "vllm",
-            "device": "cuda",
-            "dtype": "bfloat16",
-            "storage_dtype": "bfloat16",
-            "max_tokens_per_batch": 600,
-        },
-        "layers": {"aux_ids": None if kind == "llama" else [1, 2, 3]},
-        "trust_remote_code": False,
-        "vllm": {
-            "extraction_path": path,
-            "tensor_parallel_size": 1,
-            "gpu_memory_utilization": 0.6,
-            "enforce_eager": True,
-            "rehearsal": True,
-        },
-    }
+    aux_ids = None if kind == "llama" else [1, 2, 3]
+    settings = extract_settings(aux_ids, path, gpu_memory_utilization=0.6, rehearsal=True)
     # what the extractor reads of a preflight report (the whole report: preflight): the target's
     # fingerprint and the engine's lengths, as preflight chooses them for this shard
     vllm = VllmSettings.from_section(settings["vllm"])
