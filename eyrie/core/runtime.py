@@ -19,7 +19,9 @@ import os
 # real run's) load them instead of building them again: torch.compile's graphs (training's draft,
 # vLLM's), Triton's kernels (vLLM's MoE and attention kernels), vLLM's own compile cache, the
 # driver's PTX JIT cache, DeepGEMM's and FlashInfer's JIT kernels (fp8 and MLA targets), and
-# matplotlib's font list (training's plot builds it on a first run).
+# matplotlib's font list (training's plot builds it on a first run); and the installed vLLM's facts
+# (eyrie.vllm.facts_cache), which preflight, extraction and evaluation read.
+VLLM_FACTS_CACHE = "EYRIE_VLLM_FACTS_CACHE"
 CACHES = {
     "TORCHINDUCTOR_CACHE_DIR": "inductor",
     "TRITON_CACHE_DIR": "triton",
@@ -28,6 +30,7 @@ CACHES = {
     "DG_JIT_CACHE_DIR": "deep_gemm",
     "FLASHINFER_WORKSPACE_BASE": "flashinfer",
     "MPLCONFIGDIR": "matplotlib",
+    VLLM_FACTS_CACHE: "vllm-facts",
 }
 
 # `datasets` (which speculators imports) imports JAX and TensorFlow when they are installed: ~20 s

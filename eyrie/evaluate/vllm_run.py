@@ -180,10 +180,18 @@ def worker(request_path: str, result_path: str) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     try:
+        start = time.perf_counter()
         # the slow part, done while the parent plans or the other engine runs: `import vllm`
-        # alone defers the engine's modules to the first use of vllm.LLM (~8 s more on an H100)
+        # alone defers the engine's modules to the first use of vllm.LLM, and vllm.LLM the
+        # platform (on a GPU its compiled ops) to the first engine built
         from vllm import LLM, SamplingParams  # noqa: F401
+        from vllm.platforms import current_platform
 
+        log.info(
+            "vLLM imported in %.1f s (platform %s); waiting for the request",
+            time.perf_counter() - start,
+            current_platform.device_type,
+        )
         request = wait_for_request(Path(request_path), os.getppid())
         if request is None:
             return 0
@@ -209,7 +217,9 @@ def generate(request: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
+    start = time.perf_counter()
     llm = LLM(**request["engine"], speculative_config=request["speculative_config"])
+    log.info("engine built in %.1f s", time.perf_counter() - start)
     eos = request["eos_token_id"]
     # The HF loop's stopping rule (eyrie.evaluate.specdec): the tokenizer's eos or max_new_tokens;
     # ignore_eos keeps vLLM from adding generation_config's other eos ids as stop tokens.

@@ -135,6 +135,7 @@ class TrainRecipe:
         self._stack.callback(self.data.close)
         vocab = read_vocab(self.paths.vocab)  # d2t, t2d
         self.plan = self._plan()
+        built = time.monotonic()
         self.draft = build_trainable(
             self.paths.target,
             self.expect,
@@ -144,6 +145,7 @@ class TrainRecipe:
             self.device,
             self.rehearsal,
         )
+        log.info("draft built on %s in %.1f s", self.device, time.monotonic() - built)
         self.checkpoints = Checkpoints(self.run_dir, self.rid, self.plan.steps_per_epoch)
         position = self._restore()
         self.resumed_from = position["step"]
@@ -268,6 +270,8 @@ class TrainRecipe:
             batches, wait = staged
             state.waited += wait
             sums, grad_norm = stepper.step(batches)
+            if n == 0:  # torch.compile builds the draft's graphs (or loads them) in the first
+                log.info("first step launched in %.1f s", time.monotonic() - state.started)
             if n + 1 < len(self.schedule):  # read while the device still works on this step
                 staged = stepper.stage(self.loader)
             tokens = [sum(t) for t in zip(*(self.data.tokens(p) for p in packs))]  # [all, loss]
@@ -277,7 +281,9 @@ class TrainRecipe:
             stopping = stop_after_steps is not None and step >= stop_after_steps and step < total
             self.reporter.report(state, epoch, stopping)
             if step % self.cfg.checkpoint_every == 0 or step == total or stopping:
+                saving = time.monotonic()
                 self.checkpoint()
+                log.info("checkpoint of step %d in %.1f s", step, time.monotonic() - saving)
             if on_step is not None:
                 on_step(step)
             if stopping:
@@ -343,10 +349,12 @@ class TrainRecipe:
         if self.dist.main:
             records = read_metrics(self.metrics_path)
             summary = self._summary(records, timing)
+            writing = time.monotonic()
             write_outputs(self.paths.out_dir, self.draft.model, records, summary, cfg)
             log.info(
-                "wrote %s: final loss %s, accuracy per TTT step %s",
+                "wrote %s in %.1f s: final loss %s, accuracy per TTT step %s",
                 self.paths.out_dir,
+                time.monotonic() - writing,
                 fmt(summary["final"]["loss"]),
                 [fmt(a) for a in summary["final"]["full_acc"]],
             )

@@ -1,10 +1,11 @@
 """What the installed vLLM offers for one target, read on a CPU in the vLLM environment.
 
-`gather_facts` imports vLLM and fills a `VllmFacts` (JSON-serialisable) that eyrie.vllm.checks
+`read_facts` imports vLLM and fills a `VllmFacts` (JSON-serialisable) that eyrie.vllm.checks
 compares with the target's adapter (eyrie.arch.registry). The inspectors work on any class, so
 tests run them on classes built to mimic a vLLM release. `parse_config` reads the target's
 config.json with vLLM's own config classes, so what they would raise at engine start is found on
-the CPU. See docs/vllm.md.
+the CPU. `gather_facts` returns the facts a job kept for this environment (facts_cache), else
+reads them. See docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from eyrie.arch.registry import VllmAdapter, adapter_for
 from eyrie.arch.target import fingerprint
 from eyrie.core.errors import VllmAdapterError
-from eyrie.vllm import probe, quantization
+from eyrie.vllm import facts_cache, probe, quantization
 from eyrie.vllm.adapters import (
     EAGLE3_DEFAULT_LAYERS,
     EMBED_METHODS,
@@ -144,6 +145,17 @@ def inspect_helpers(module) -> tuple[dict[str, bool], dict[str, list[str] | None
 
 
 def gather_facts(config: dict) -> VllmFacts:
+    """What the installed vLLM offers for this target config: kept facts (facts_cache) where a
+    job read them before in this very environment, else read_facts."""
+    kept = facts_cache.load(config)
+    if kept is not None:
+        return VllmFacts.from_json(kept)
+    facts = read_facts(config)
+    facts_cache.store(config, facts.to_json())
+    return facts
+
+
+def read_facts(config: dict) -> VllmFacts:
     """Import the installed vLLM and read what it offers for this target config (CPU only).
 
     Reads the whole config: vLLM's own config classes parse it (parse_config), so
