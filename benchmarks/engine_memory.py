@@ -55,7 +55,6 @@ def child(shape: str, longest: int, batch: int | None, out: Path) -> None:
     from eyrie.config.sections import VllmSettings
     from eyrie.preflight.vllm_memory import predict
     from eyrie.preflight.vllm_sizing import architecture_bytes
-    from eyrie.vllm.adapters import engine_environment
     from eyrie.vllm.engine import bound_kwargs, bounds, engine_args
 
     total = torch.cuda.mem_get_info()[1]
@@ -73,7 +72,6 @@ def child(shape: str, longest: int, batch: int | None, out: Path) -> None:
     engine = bounds(v, longest, chunked=False, source="the row's longest sample")
     weights = architecture_bytes(read_config(target))["bytes"]
     predicted = predict(config, v, engine, weights)
-    engine_environment()
     from vllm import LLM
 
     kwargs = engine_args(

@@ -240,9 +240,8 @@ def child_bare(root: Path, shape: str, passes: int) -> dict:
     from vllm import LLM, SamplingParams
 
     from eyrie.formats.tokenized import read_tokenized
-    from eyrie.vllm.adapters import engine_environment, text_only
+    from eyrie.vllm.adapters import text_only
 
-    engine_environment()
     target = root / shape
     config = json.loads((target / "config.json").read_text())
     text = config.get("text_config", config)

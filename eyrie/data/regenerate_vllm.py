@@ -27,7 +27,6 @@ from eyrie.data.regeneration import (
     run_shard,
     target_context,
 )
-from eyrie.vllm.adapters import engine_environment
 from eyrie.vllm.engine import bound_kwargs, bounds, engine_args
 
 log = logging.getLogger(__name__)
@@ -122,7 +121,6 @@ def load_backend(target: str | Path, cfg: RegenSettings, vllm: VllmSettings) -> 
             f"{target}: neither the tokenizer nor generation_config.json names an eos token; "
             "a response would only ever stop at regenerate.max_new_tokens"
         )
-    engine_environment()
     llm = LLM(**engine_kwargs(target, cfg, vllm))
     params = SamplingParams(**sampling_kwargs(cfg, ends))
     context = vllm.max_model_len or target_context(target)

@@ -20,7 +20,6 @@ from eyrie.core.io import write_json
 from eyrie.core.rehearsal import DRAFT_LOAD_CONFIG
 from eyrie.evaluate.specdec import SpecStats
 from eyrie.evaluate.vllm_check import VllmPlan
-from eyrie.vllm.adapters import engine_environment
 from eyrie.vllm.engine import bound_kwargs, bounds, engine_args
 
 log = logging.getLogger(__name__)
@@ -117,7 +116,7 @@ class EngineWorkers:
 
     def __enter__(self) -> EngineWorkers:
         self._tmp = tempfile.TemporaryDirectory(prefix="eyrie-eval-vllm-")
-        env = engine_environment(dict(os.environ))
+        env = dict(os.environ)
         # greedy sampling never uses FlashInfer's top-k/top-p sampler; offline installs lack it
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         for name in self.NAMES:

@@ -30,7 +30,7 @@ from eyrie.core.errors import ExtractError
 from eyrie.extract.batches import WRITERS, FileBatch, HostBatch, PinnedStaging, StoredBatch
 from eyrie.extract.requestfile import BAD, TOKEN_IDS, RequestFile, request_path
 from eyrie.formats.codecs import HIDDEN, bytes_per_token
-from eyrie.vllm.adapters import engine_environment, request_key
+from eyrie.vllm.adapters import request_key
 from eyrie.vllm.checks import ExtractLayers, choose_path, config_problems, version_problems
 from eyrie.vllm.engine import bound_kwargs, engine_args
 from eyrie.vllm.facts import gather_facts
@@ -114,7 +114,6 @@ class VllmBackend:
         # vLLM forks its engine core unless CUDA is initialised here: the device was resolved
         # through NVML (eyrie.core.runtime.cuda_visible), and nothing touches CUDA before LLM();
         # a spawned engine core would import vLLM again (BENCHMARKS.md, issue 38)
-        engine_environment()
         from vllm import LLM
 
         self.cfg = cfg

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -104,11 +103,11 @@ EAGLE3_DEFAULT_LAYERS = (
 )
 
 
-# What eyrie's engines (extraction, evaluation, regeneration) start vLLM with unless the user's
-# environment sets it, where the installed vLLM still has the V1 model runner: V1, on which
-# eyrie's GPU checks ran. V2 is vLLM's default from 0.26 on (VllmFacts.default_runner); EAGLE-3
-# acceptance was reported lower on it. vLLM 0.34 deleted V1 and refuses the switch set to 0.
-ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+# eyrie's engines (extraction, evaluation, regeneration) set no model runner: each runs on the one
+# the installed vLLM picks (VllmConfig.use_v2_model_runner, a fact: VllmFacts.default_runner), as
+# `vllm serve` does. From 0.26 that is V2 for dense targets; vLLM itself keeps V1 for what its V2
+# lacks (0.26-0.33: MoE targets, the extract_hidden_states method of the native path), and 0.34
+# has V2 only. A VLLM_USE_V2_MODEL_RUNNER in the user's environment wins (0.34 refuses 0).
 
 # the modules of vLLM's two GPU model runners
 V1_RUNNER, V2_RUNNER = "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"
@@ -124,16 +123,6 @@ def runner_modules() -> tuple[bool, bool]:
             return False
 
     return found(V1_RUNNER), found(V2_RUNNER)
-
-
-def engine_environment(env=None) -> dict:
-    """ENGINE_ENV set where `env` (os.environ by default) does not set it, if this vLLM has the
-    V1 runner (run in the vLLM environment); returns `env`."""
-    env = os.environ if env is None else env
-    if runner_modules()[0]:
-        for key, value in ENGINE_ENV.items():
-            env.setdefault(key, value)
-    return env
 
 
 def text_only(target) -> dict:

@@ -28,7 +28,6 @@ from eyrie.vllm.adapters import (
     EXTRA_HELPERS,
     NATIVE_CONNECTOR,
     NATIVE_METHOD,
-    engine_environment,
 )
 
 
@@ -65,7 +64,7 @@ class VllmFacts:
     default_runner: str | None = None
     default_runner_how: str | None = None
     # what vLLM's own check of the environment raises at engine start for the environment eyrie's
-    # engines get (the user's, plus eyrie.vllm.adapters.engine_environment); None: accepted
+    # engines get (the user's: eyrie sets no VLLM_ variable of its own); None: accepted
     engine_env_refused: str | None = None
     # whether the hidden-states connector reads the right KV-cache group for a hybrid target
     # (several attention kinds); None: unknown
@@ -185,7 +184,7 @@ def read_facts(config: dict) -> VllmFacts:
     facts.quantization_methods = _quantization_methods()
     facts.eagle3_draft_fields, _ = probe.draft_fields()
     facts.default_runner, facts.default_runner_how = probe.default_runner(facts.architecture)
-    facts.engine_env_refused = probe.environment_refusal(engine_environment({}))
+    facts.engine_env_refused = probe.environment_refusal({})
     facts.native_chunked_prefill, _ = probe.chunked_prefill_with_connector()
     facts.native_hybrid, facts.native_hybrid_how = probe.hybrid_groups()
     facts.quantization_packages = quantization.required_packages(config)

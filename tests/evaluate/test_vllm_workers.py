@@ -27,7 +27,8 @@ request = wait_for_request(req, os.getppid())
 if request is None or request.get("fail"):
     sys.exit(0 if request is None else 1)
 prompts = request["prompts"][: request.get("answer", len(request["prompts"]))]
-res.write_text(json.dumps({"outputs": [[len(p)] for p in prompts]}))
+env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+res.write_text(json.dumps({"outputs": [[len(p)] for p in prompts], "env": env}))
 """
 
 
@@ -47,7 +48,7 @@ def test_a_request_runs_and_the_unused_worker_is_stopped():
     with stand_in_workers() as workers:
         folder = workers.paths("baseline")[0].parent
         result = workers.run("baseline", {"prompts": [[1, 2], [3]]})
-        assert result == {"outputs": [[2], [1]]}
+        assert result["outputs"] == [[2], [1]]
         spec = workers.procs["speculative"]
         assert spec.poll() is None  # still waiting for its request
     assert spec.returncode is not None and not folder.exists()
@@ -96,3 +97,17 @@ def test_workers_stop_when_the_check_fails():
                 pids.append(int(pid_file.read_text()))
             raise EvaluateError("the check failed")
     assert len(pids) == 2 and not any(alive(pid) for pid in pids)
+
+
+@pytest.mark.parametrize("user", [None, "1"])
+def test_the_engines_run_on_the_runner_vllm_or_the_user_picks(monkeypatch, user):
+    """eyrie sets no model runner (docs/vllm.md): an engine process sees the user's
+    VLLM_USE_V2_MODEL_RUNNER, or none; the greedy runs' sampler switch is eyrie's default."""
+    if user is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", user)
+    with stand_in_workers() as workers:
+        env = workers.run("baseline", {"prompts": [[1]]})["env"]
+    assert env.get("VLLM_USE_V2_MODEL_RUNNER") == user
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0")

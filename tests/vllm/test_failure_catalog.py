@@ -35,8 +35,7 @@ from eyrie.preflight import checks as pf_checks
 from eyrie.preflight import preflight as pf
 from eyrie.preflight.vllm_checks import VllmTarget, vllm_checks
 from eyrie.preflight.vllm_env import facts_for
-from eyrie.vllm import adapters
-from eyrie.vllm.adapters import engine_environment, llama_4_scaling
+from eyrie.vllm.adapters import llama_4_scaling
 from eyrie.vllm.facts import VllmFacts, inspect_classes
 from tests.support.train_helpers import train_settings
 from tests.support.vllm_gpu_check import rehearsal_config
@@ -807,25 +806,19 @@ def test_hybrid_attention_states(facts, tmp_path):
 
 @need_vllm
 def test_model_runner_v2_default(facts):
-    # vLLM's default runner per architecture is a fact (V2 from 0.26 on); eyrie's engines start
-    # on V1, where its GPU checks ran, unless the user's environment says otherwise
+    # vLLM's default runner per architecture is a fact (V2 for dense targets from 0.26 on); eyrie's
+    # engines set no runner of their own: they run on vLLM's choice, or the user's
     assert facts["llama"].default_runner in ("v1", "v2")
     assert facts["llama"].default_runner_how.startswith("VllmConfig.use_v2_model_runner")
-    with pytest.MonkeyPatch.context() as mp:  # as in a vLLM environment that has V1
-        mp.setattr(adapters, "runner_modules", lambda: (True, True))
-        assert engine_environment({}) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-        assert engine_environment({"VLLM_USE_V2_MODEL_RUNNER": "1"}) == {
-            "VLLM_USE_V2_MODEL_RUNNER": "1"
-        }
 
 
 @need_vllm
 def test_runner_switch_refused(facts, tmp_path, monkeypatch):
     """vLLM 0.34 deleted the V1 model runner, and its check of the environment at every engine's
-    start refuses VLLM_USE_V2_MODEL_RUNNER=0, which eyrie's engines set on the versions that have
-    V1: there eyrie no longer sets it (the gatherer asks vLLM's own check, facts
-    engine_env_refused), and where the user's environment sets it, preflight says so in one
-    line. The refusal is 0.34's message, put on 0.22's facts."""
+    start refuses VLLM_USE_V2_MODEL_RUNNER=0, which eyrie's engines used to set: they set no
+    runner now (the gatherer asks vLLM's own check, facts engine_env_refused), and where the
+    user's environment sets it, preflight says so in one line. The refusal is 0.34's message,
+    put on 0.22's facts."""
     refused = (
         "VLLM_USE_V2_MODEL_RUNNER=0 is no longer supported: Model Runner V1 has been removed. "
         "Unset this variable."
@@ -837,11 +830,9 @@ def test_runner_switch_refused(facts, tmp_path, monkeypatch):
         "inherit the environment snakemake runs in: unset the variable there, or in the "
         "profile's env)"
     )
-    # eyrie sets the switch only where the V1 runner exists
-    monkeypatch.setattr(adapters, "runner_modules", lambda: (False, True))
-    assert engine_environment({}) == {}
-    monkeypatch.setattr(adapters, "runner_modules", lambda: (True, True))
-    assert engine_environment({}) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    # eyrie's own engines set no switch: its facts are read on the user's environment alone
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert facts["llama"].engine_env_refused is None
 
 
 @need_vllm

@@ -49,7 +49,7 @@ EVERY_VERSION = {
         "native_connector": True,
         "worker_extension": True,
         # vLLM's own check accepts the environment eyrie's engines start in (0.34 refuses the V1
-        # switch set to 0: eyrie.vllm.adapters.engine_environment sets it only where V1 exists)
+        # switch set to 0, which eyrie's engines no longer set)
         "engine_env_refused": None,
     },
 }
