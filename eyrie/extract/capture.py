@@ -252,6 +252,7 @@ class CaptureExtension:
                 "model_class": type(inner).__name__,
                 "adapter": adapter.family,
                 "layers": len(getattr(inner, adapter.layers_attr)),
+                "runner": type(self.model_runner).__module__,  # V1's or V2's (vLLM's choice)
             }
         except Exception:
             log.error("eyrie capture install failed:\n%s", traceback.format_exc())

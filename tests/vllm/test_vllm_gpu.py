@@ -26,6 +26,10 @@ def step(*args: str, timeout: int = 600) -> str:
     proc = subprocess.run(
         [VLLM_PYTHON, CHECK, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
     )
+    if os.environ.get("EYRIE_GPU_LOGS"):  # where to keep each step's log (the runner vLLM chose)
+        logs = Path(os.environ["EYRIE_GPU_LOGS"])
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / ("-".join(args[:1] + args[2:]) + ".log")).write_text(proc.stderr)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
 
