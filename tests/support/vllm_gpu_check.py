@@ -245,7 +245,10 @@ def compare(root: Path) -> dict:
 
     table = {"vllm_version": vllm.__version__}
     for kind in KINDS:
-        saved = torch.load(root / f"{REFERENCE.get(kind, kind)}.hf.pt")
+        reference = root / f"{REFERENCE.get(kind, kind)}.hf.pt"
+        if not reference.exists():  # a family left out of this run
+            continue
+        saved = torch.load(reference)
         ref, margins, moe_layers = saved["states"], saved["margins"], saved["moe_layers"]
         for path in ("native", "capture"):
             meta = root / f"{kind}.{path}.json"
