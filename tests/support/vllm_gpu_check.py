@@ -206,6 +206,35 @@ def extract_settings(aux_ids: list[int] | None, path: str, **vllm) -> dict:
     }
 
 
+def through_a_shard(root: Path, name: str, backend, prompts: list) -> list:
+    """Every prompt's (aux [T, n_aux*H], final [T, H]) float32, as the stage stores them: the
+    backend's batches (host, staged or file rows) written by a ShardWriter, read back by a
+    ShardReader. The backend is closed."""
+    from eyrie.formats.hidden import ShardMeta, ShardReader
+    from eyrie.formats.hidden_writer import ShardWriter
+
+    ids = backend.layer_ids
+    meta = ShardMeta("gpu-check", "gpu-check", ids[:-1], ids[-1], backend.H)
+    shard = root / f"{name}.h5"
+    sample_ids = [str(i) for i in range(len(prompts))]
+    masks = [[1] * len(p) for p in prompts]
+    try:
+        with ShardWriter(shard, meta, sample_ids, [list(map(int, p)) for p in prompts], masks) as w:
+            for batch in backend.states(prompts, torch.bfloat16):
+                try:
+                    batch.write(w)
+                finally:
+                    batch.release()
+    finally:
+        backend.close()
+    reader = ShardReader(shard)
+    got = []
+    for i in range(len(prompts)):
+        sample = reader.read(i, torch.float32)
+        got.append((sample["aux_hidden"], sample["final_hidden"]))
+    return got
+
+
 def run_vllm(root: Path, kind: str, path: str) -> None:
     from eyrie.arch.target import inspect_target
     from eyrie.extract.extractor import ExtractSettings
@@ -230,11 +259,9 @@ def run_vllm(root: Path, kind: str, path: str) -> None:
         (root / f"{kind}.{path}.json").write_text(json.dumps(result))
         return
     out = {}
-    for b in backend.states(prompts, torch.bfloat16):
-        for i, a, f in zip(b.batch, b.aux, b.final):
-            T = len(prompts[i])
-            out[str(i)] = torch.cat([a.reshape(T, len(ids) - 1, -1), f[:, None]], dim=1).float()
-    backend.close()
+    for i, (aux, final) in enumerate(through_a_shard(root, f"{kind}.{path}", backend, prompts)):
+        T = len(prompts[i])
+        out[str(i)] = torch.cat([aux.reshape(T, len(ids) - 1, -1), final[:, None]], dim=1)
     torch.save(out, root / f"{kind}.{path}.pt")
     result["calls"] = "ok"
     (root / f"{kind}.{path}.json").write_text(json.dumps(result))
