@@ -103,13 +103,12 @@ EAGLE3_DEFAULT_LAYERS = (
 )
 
 
-# eyrie's engines (extraction, evaluation, regeneration) set no model runner: each runs on the one
-# the installed vLLM picks (VllmConfig.use_v2_model_runner, a fact: VllmFacts.default_runner), as
-# `vllm serve` does. From 0.26 that is V2 for dense targets; vLLM itself keeps V1 for what its V2
-# lacks (0.26-0.33: MoE targets, the extract_hidden_states method of the native path), and 0.34
-# has V2 only. A VLLM_USE_V2_MODEL_RUNNER in the user's environment wins (0.34 refuses 0).
-
-# the modules of vLLM's two GPU model runners
+# The modules of vLLM's two GPU model runners. eyrie's engines (extraction, evaluation,
+# regeneration) set no runner: each runs on the one the installed vLLM picks
+# (VllmConfig.use_v2_model_runner; a fact: VllmFacts.default_runner), as `vllm serve` does. From
+# 0.26 that is V2 for dense targets; vLLM itself keeps V1 for what its V2 lacks (0.26-0.33: most
+# MoE targets, the native path's extract_hidden_states method), and 0.34 has V2 only. A
+# VLLM_USE_V2_MODEL_RUNNER in the user's environment wins (0.34 refuses 0).
 V1_RUNNER, V2_RUNNER = "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"
 
 
