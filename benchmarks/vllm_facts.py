@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,42 +26,31 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from eyrie.core.runtime import VLLM_FACTS_CACHE  # noqa: E402
+from eyrie.preflight.vllm_env import run_gatherer  # noqa: E402
 from tests.support.vllm_helpers import DEEPSEEK, KIMI_K25, LLAMA  # noqa: E402
 
 CONFIGS = {"llama": LLAMA, "deepseek": DEEPSEEK, "kimi": KIMI_K25}
 
 
-def gather(python: Path, configs: list[Path], cache: Path | None) -> tuple[float, list[dict]]:
-    """(seconds, facts) of one gatherer process, as preflight runs it (eyrie.preflight.vllm_env)."""
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
-    env.pop("PYTHONPATH", None)
-    env.pop(VLLM_FACTS_CACHE, None)
+def gather(python: Path, configs: list[dict], cache: Path | None) -> tuple[float, list[dict]]:
+    """(seconds, facts) of one gatherer process: preflight's own run_gatherer, with the cache
+    folder it inherits set to `cache` (None: no cache)."""
+    saved = os.environ.pop(VLLM_FACTS_CACHE, None)
     if cache is not None:
-        env[VLLM_FACTS_CACHE] = str(cache)
-    args = [a for c in configs for a in ("--config", str(c))]
-    with tempfile.TemporaryDirectory() as cwd:
+        os.environ[VLLM_FACTS_CACHE] = str(cache)
+    try:
         start = time.perf_counter()
-        proc = subprocess.run(
-            [str(python), "-m", "eyrie.preflight.gather", *args],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"{python}: the gatherer failed: {proc.stderr.strip().splitlines()[-1:]}")
-    facts = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return wall, facts
+        facts = run_gatherer(python, configs)
+        return time.perf_counter() - start, facts
+    finally:
+        os.environ.pop(VLLM_FACTS_CACHE, None)
+        if saved is not None:
+            os.environ[VLLM_FACTS_CACHE] = saved
 
 
 def measure(python: Path, repeats: int) -> dict:
+    configs = list(CONFIGS.values())
     with tempfile.TemporaryDirectory() as tmp:
-        configs = []
-        for name, config in CONFIGS.items():
-            path = Path(tmp) / f"{name}.json"
-            path.write_text(json.dumps(config))
-            configs.append(path)
         uncached = [gather(python, configs, None) for _ in range(repeats)]
         first, kept = [], []
         for i in range(repeats):

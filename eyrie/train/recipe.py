@@ -270,7 +270,7 @@ class TrainRecipe:
             batches, wait = staged
             state.waited += wait
             sums, grad_norm = stepper.step(batches)
-            if n == 0:  # torch.compile builds the draft's graphs (or loads them) in the first
+            if n == 0:  # torch.compile builds the draft's graphs (or loads them) in this step
                 log.info("first step launched in %.1f s", time.monotonic() - state.started)
             if n + 1 < len(self.schedule):  # read while the device still works on this step
                 staged = stepper.stage(self.loader)

@@ -23,6 +23,12 @@ pytestmark = pytest.mark.gpu
 KINDS = ("llama", "deepseek_v3", "kimi_k25")
 
 
+def kinds() -> list[str]:
+    """EYRIE_GPU_KINDS=llama,...: only those families (a device call's time limit); the others'
+    tests skip. Default: every family."""
+    return os.environ.get("EYRIE_GPU_KINDS", ",".join(KINDS)).split(",")
+
+
 def step(*args: str, timeout: int = 600) -> str:
     proc = subprocess.run(
         [VLLM_PYTHON, CHECK, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
@@ -40,8 +46,7 @@ def table(tmp_path_factory):
     need_cuda(VLLM_PYTHON)
     root = tmp_path_factory.mktemp("vllm_gpu")
     step("build", str(root))
-    # EYRIE_GPU_KINDS=llama,...: only those families (a device call's time limit); the others skip
-    for kind in os.environ.get("EYRIE_GPU_KINDS", ",".join(KINDS)).split(","):
+    for kind in kinds():
         if kind != "kimi_k25":  # the wrapper's reference is its text model's (deepseek_v3)
             step("hf", str(root), kind)
         for path in ("native", "capture"):
@@ -75,7 +80,7 @@ def test_deepseek_capture_matches_except_at_routing_ties(table, kind):
 
 def checked(table: dict, key: str) -> dict:
     """The table's row for `key`; a skip where EYRIE_GPU_KINDS left its family out."""
-    if key not in table and key.split("/")[0] not in os.environ.get("EYRIE_GPU_KINDS", key):
+    if key not in table and key.split("/")[0] not in kinds():
         pytest.skip(f"{key}: not in EYRIE_GPU_KINDS")
     return table[key]
 
