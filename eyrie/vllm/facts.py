@@ -59,6 +59,10 @@ class VllmFacts:
     quantization_methods: list[str] | None = None  # vLLM's QUANTIZATION_METHODS
     # fields vLLM's speculators "eagle3" converter copies from a draft's config.json (None: unknown)
     eagle3_draft_fields: list[str] | None = None
+    # transformer_layer_config.model_type of each draft kind eyrie exports -> the class vLLM
+    # serves it with (its speculators converter's choice, inspected by its registry); None:
+    # refused or unknown
+    eagle3_draft_classes: dict[str, str | None] | None = None
     # the model runner vLLM picks for this architecture when VLLM_USE_V2_MODEL_RUNNER is unset
     # ("v1" | "v2"; None: no choice in this vLLM or unknown) and what established it
     default_runner: str | None = None
@@ -183,6 +187,7 @@ def read_facts(config: dict) -> VllmFacts:
     facts.worker_extension = _has_worker_extension()
     facts.quantization_methods = _quantization_methods()
     facts.eagle3_draft_fields, _ = probe.draft_fields()
+    facts.eagle3_draft_classes = _read_draft_classes()
     facts.default_runner, facts.default_runner_how = probe.default_runner(facts.architecture)
     facts.engine_env_refused = probe.environment_refusal({})
     facts.native_chunked_prefill, _ = probe.chunked_prefill_with_connector()
@@ -284,6 +289,36 @@ def _read_architecture_class(facts: VllmFacts) -> None:
         facts.eagle3_default_layers = next(
             (m for m in EAGLE3_DEFAULT_LAYERS if hasattr(arch_cls, m)), None
         )
+
+
+def _read_draft_classes() -> dict[str, str | None]:
+    """vLLM's class for each draft kind the export writes (DRAFT_ARCHS): the name its speculators
+    "eagle3" converter gives a draft config of that kind, inspected by vLLM's registry. The
+    inspection is what the evaluation's ModelConfig does for the draft, in a fresh Python process
+    unless vLLM keeps its result (VLLM_CACHE_ROOT/modelinfos, under cache.path): done here, in
+    this process, the evaluation's engine reads it kept (BENCHMARKS.md)."""
+    from eyrie.formats.draft import DRAFT_ARCHS
+
+    try:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.transformers_utils.configs.speculators import algos
+
+        convert = algos.SUPPORTED_SPECULATORS_TYPES["eagle3"]
+    except (ImportError, AttributeError, KeyError):
+        return dict.fromkeys(DRAFT_ARCHS)
+    classes: dict[str, str | None] = {}
+    for kind in DRAFT_ARCHS:
+        served: dict = {"model_type": kind}
+        try:
+            convert({}, served)
+            lazy = ModelRegistry.models.get((served.get("architectures") or [None])[0])
+            if lazy is not None:
+                with _inspect_in_process():
+                    lazy.inspect_model_cls()
+        except Exception:  # noqa: BLE001 - a kind this vLLM refuses or cannot inspect
+            lazy = None
+        classes[kind] = None if lazy is None else served["architectures"][0]
+    return classes
 
 
 def _has_native_method() -> bool:
