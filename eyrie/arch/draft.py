@@ -1,10 +1,13 @@
-"""Build a fresh EAGLE-3 draft: speculators' own Eagle3DraftModel for a target folder.
+"""Build a fresh draft for a target folder with speculators' own model classes: EAGLE-3
+(Eagle3DraftModel) or a block drafter (DFlashDraftModel, DSparkDraftModel: a block of tokens per
+draft forward, from the same target layers).
 
 `build_draft` loads the verifier's embeddings, final norm and lm_head from the target folder (a
 rehearsal: random ones of their shapes, no weights read) and checks the vocabulary map against
 its vocab_size; training and evaluation build their drafts with it, so an untrained draft has the
 trained one's shape. Attention is sdpa (CPU and GPU) unless the
-caller asks for speculators' flex attention (GPU training). docs/training.md.
+caller asks for speculators' flex attention (GPU training). `mask_token` picks the id a block
+drafter feeds at the positions it predicts. docs/training.md.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from transformers import AutoConfig
 
 from eyrie.core.errors import EyrieError
-from eyrie.formats.draft import random_verifier_weights
+from eyrie.formats.draft import BLOCK_METHODS, DRAFT_METHODS, random_verifier_weights
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,15 @@ class DraftSpec:
     # a rehearsal (vllm.rehearsal): random embedding, lm_head and norm rows of the target's
     # shapes instead of its weights, which a rehearsal does not need on disk
     random_verifier: bool = False
+    method: str = "eagle3"  # DRAFT_METHODS, as vLLM's speculative_config.method
+    block_size: int = 8  # block drafters: the positions one draft forward predicts
+    mask_token_id: int | None = None  # block drafters: the id fed at those positions
+
+    def __post_init__(self):
+        if self.method not in DRAFT_METHODS:
+            raise EyrieError(f"draft method {self.method!r}: one of {list(DRAFT_METHODS)}")
+        if self.method in BLOCK_METHODS and self.mask_token_id is None:
+            raise EyrieError(f"a {self.method} draft needs a mask token id (mask_token)")
 
 
 def build_draft(
@@ -49,13 +61,16 @@ def build_draft(
     t2d: torch.Tensor,
     *,
     seed: int | None = None,
+    device: torch.device | str | None = None,
 ):
     """A fresh (untrained) draft for the target at `target_path`, built as `spec` says.
 
     d2t: int64 [draft_vocab] offsets (target_id = i + d2t[i]); t2d: bool [target_vocab].
-    Seeded when `seed` is given, so the same call builds the same weights.
+    Seeded when `seed` is given, so the same call builds the same weights (on one device kind).
+    `device`: where its parameters are made and initialised (default: the CPU). A GPU
+    initialises a target-wide embedding in milliseconds where one CPU thread takes seconds per
+    table, twice (speculators' layers, then post_init); the verifier's rows are read on the CPU.
     """
-    from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
 
     target_path = str(Path(target_path).resolve())
@@ -69,7 +84,8 @@ def build_draft(
     if seed is not None:
         torch.manual_seed(seed)
     verifier_weights = random_verifier_weights(verifier) if spec.random_verifier else nullcontext()
-    with warnings.catch_warnings(), verifier_weights:
+    place = torch.device(device) if device is not None else nullcontext()
+    with warnings.catch_warnings(), verifier_weights, place:
         warnings.simplefilter("ignore")
         layer_config = create_transformer_layer_config(
             verifier_name_or_path=target_path,
@@ -80,17 +96,56 @@ def build_draft(
             full_attention_indices=list(range(spec.num_layers)),
             trust_remote_code=spec.trust_remote_code,
         )
-        model = Eagle3DraftModel.from_training_args(
+        common = dict(
             verifier_config=layer_config,
             t2d=t2d,
             d2t=d2t,
             verifier_name_or_path=target_path,
             draft_vocab_size=int(d2t.shape[0]),
-            norm_before_residual=spec.norm_before_residual,
-            norm_before_fc=spec.norm_before_fc,
-            ttt_steps=spec.ttt_steps,
             target_layer_ids=list(spec.aux_layer_ids),
             draft_attn_impl=spec.attn_impl,
             trust_remote_code=spec.trust_remote_code,
         )
-    return model
+        if spec.method in BLOCK_METHODS:
+            return _model_class(spec.method).from_training_args(
+                **common, block_size=spec.block_size, mask_token_id=spec.mask_token_id
+            )
+        return _model_class(spec.method).from_training_args(
+            **common,
+            norm_before_residual=spec.norm_before_residual,
+            norm_before_fc=spec.norm_before_fc,
+            ttt_steps=spec.ttt_steps,
+        )
+
+
+def _model_class(method: str):
+    """speculators' draft class for a DRAFT_METHODS name."""
+    if method == "dflash":
+        from speculators.models.dflash import DFlashDraftModel
+
+        return DFlashDraftModel
+    if method == "dspark":
+        from speculators.models.dspark import DSparkDraftModel
+
+        return DSparkDraftModel
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    return Eagle3DraftModel
+
+
+def mask_token(tokenizer, vocab_size: int, where: str) -> int:
+    """The id a block drafter feeds at the positions it predicts, without changing the target's
+    tokenizer: its mask token; else the first embedding row past the tokenizer's ids (a row no
+    text reaches, as a mask must be); else one line naming the fix. `where`: the target folder.
+
+    speculators instead adds a `<|MASK|>` token to the tokenizer, which takes that same first
+    free row when there is one."""
+    if tokenizer.mask_token_id is not None:
+        return int(tokenizer.mask_token_id)
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    raise EyrieError(
+        f"{where}: the tokenizer has no mask token and its {len(tokenizer)} ids fill the "
+        f"embedding's {vocab_size} rows, so a block drafter has no id to mark the positions it "
+        "predicts; name one the data never holds (a reserved special token) as its mask token"
+    )

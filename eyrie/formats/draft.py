@@ -38,6 +38,10 @@ CONFIG_FIELDS = (
 
 
 DRAFT_ARCHS = ("llama", "qwen3")  # transformer_layer_config.model_type vLLM serves for EAGLE-3
+# the draft kinds, named as vLLM's speculative_config.method: EAGLE-3 (one token per draft
+# forward, K forwards) and the block drafters (a block of tokens per forward)
+DRAFT_METHODS = ("eagle3", "dflash", "dspark")
+BLOCK_METHODS = ("dflash", "dspark")
 
 
 # Flags that change the network but that vLLM 0.22 does not read: it would serve another model.
@@ -178,7 +182,7 @@ def random_rows(rows: int, cols: int, std: float, seed: int) -> torch.Tensor:
 
     if rows > ROW_BLOCK * SEED_BLOCKS:
         raise ValueError(f"{rows} rows: random_rows draws at most {ROW_BLOCK * SEED_BLOCKS}")
-    out = torch.empty(rows, cols)
+    out = torch.empty(rows, cols, device="cpu")  # its generators are CPU ones, on any device
 
     def fill(block: int) -> None:
         g = torch.Generator().manual_seed(seed * SEED_BLOCKS + block)
@@ -209,7 +213,7 @@ def random_verifier_weights(verifier) -> Iterator[None]:
             table = {
                 "embed_tokens.weight": lambda: random_rows(vocab, hidden, std, seed=first),
                 "lm_head.weight": lambda: random_rows(vocab, hidden, std, seed=first + 1),
-                "model.norm.weight": lambda: torch.ones(hidden),
+                "model.norm.weight": lambda: torch.ones(hidden, device="cpu"),
             }
             rows = drawn[tuple(names)] = {n: table[n]() for n in ROW_ORDER if n in names}
         return {name: t.clone() for name, t in rows.items()}

@@ -57,7 +57,7 @@ def build_trainable(
         attn_impl="simple_flex_attention" if device.type == "cuda" else "sdpa",
         random_verifier=rehearsal,  # the target's weights need not be on disk yet
     )
-    model = build_draft(target, spec, *vocab, seed=cfg.seed).to(device)
+    model = build_draft(target, spec, *vocab, seed=cfg.seed, device=device).to(device)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)

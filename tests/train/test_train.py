@@ -269,3 +269,25 @@ def test_corrupted_shard_values_are_refused_before_the_first_step(world, tmp_pat
     # Without the scan the file opens; the bad sample fails only when training reads it.
     with pytest.raises(ShardError, match=r"sample \d+: non-finite values in aux_hidden"):
         run_train(world, tmp_path, train_settings(verify_shards=False), shards)
+
+
+@pytest.mark.gpu
+def test_a_draft_built_on_the_gpu_has_the_cpu_ones_verifier_rows(world):
+    """build_draft(device=cuda) makes and initialises the parameters on the GPU (training's
+    build; a CPU thread initialises a target-wide embedding slowly, twice): every tensor lands
+    there, the verifier's rows (read on the CPU) equal a CPU build's, and the trainable layers
+    are initialised (finite, not constant)."""
+    from eyrie.arch.draft import DraftSpec, build_draft
+    from eyrie.formats.vocab import read_vocab
+
+    d2t, t2d = read_vocab(world["vocab"])
+    spec = DraftSpec(AUX_IDS, ttt_steps=3)
+    cpu = build_draft(world["target"], spec, d2t, t2d, seed=0)
+    gpu = build_draft(world["target"], spec, d2t, t2d, seed=0, device="cuda").to("cuda")
+    on_gpu = dict(gpu.state_dict())
+    assert {t.device.type for t in on_gpu.values()} == {"cuda"}
+    for name in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight"):
+        assert torch.equal(on_gpu[name].cpu(), cpu.state_dict()[name]), name
+    for name in ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"):
+        weight = on_gpu[name].float()
+        assert torch.isfinite(weight).all() and weight.std() > 0, name

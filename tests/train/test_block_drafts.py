@@ -1,0 +1,79 @@
+"""Block drafters (DFlash, DSpark) built with speculators' own classes for a target folder, and
+trained on eyrie's packs: the same shards and batches as EAGLE-3 (issue 40's first part)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyrie.arch.draft import DraftSpec, build_draft, mask_token
+from eyrie.core.errors import EyrieError
+from eyrie.formats.report import shard_expectation
+from eyrie.formats.vocab import read_vocab
+from eyrie.train.packing import PackedShards
+from tests.support.train_helpers import AUX_IDS
+
+BLOCK = 4
+
+
+def block_draft(world, method: str, seed: int = 0):
+    d2t, t2d = read_vocab(world["vocab"])
+    pad = world["tokenizer"].pad_token_id  # the tiny tokenizer has no mask token, no free row
+    spec = DraftSpec(AUX_IDS, method=method, block_size=BLOCK, mask_token_id=pad)
+    return build_draft(world["target"], spec, d2t, t2d, seed=seed)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_a_block_drafter_trains_on_eyries_packs(world, method):
+    """speculators' model of the method, fed an eyrie pack (the aux states concatenated, the
+    final state, ids, loss mask, document and position ids) with its own training arguments:
+    a finite loss, accuracy per block position, gradients on the draft's weights only (the
+    target's embedding and lm_head rows stay frozen), the config of the method vLLM serves."""
+    model = block_draft(world, method)
+    assert model.config.speculators_model_type == method
+    assert model.config.block_size == BLOCK
+    assert model.config.aux_hidden_state_layer_ids == list(AUX_IDS)
+    train_kwargs, _ = type(model).get_trainer_kwargs(
+        loss_fn="kl_div", loss_implementation="eager", max_anchors=16
+    )
+    data = PackedShards(world["shards"], shard_expectation(world["preflight"]), 128, gap=0)
+    try:
+        _, loss, metrics = model(**data.batch([0, 1]), **train_kwargs)
+    finally:
+        data.close()
+    assert torch.isfinite(loss) and loss > 0
+    first = 0 if method == "dspark" else 1  # dspark also predicts at the block's anchor
+    positions = {f"position_{k}_acc_sum" for k in range(first, BLOCK)}
+    assert positions <= set(metrics)
+    loss.backward()
+    trained = [n for n, p in model.named_parameters() if p.grad is not None and p.grad.any()]
+    assert trained and any(n.startswith("layers.0.") for n in trained)
+    assert model.embed_tokens.weight.grad is None and model.lm_head.weight.grad is None
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_the_same_seed_builds_the_same_block_drafter(world, method):
+    one, two = block_draft(world, method, seed=3), block_draft(world, method, seed=3)
+    other = block_draft(world, method, seed=4)
+    names = [n for n, p in one.named_parameters() if p.requires_grad]
+    assert all(torch.equal(one.state_dict()[n], two.state_dict()[n]) for n in names)
+    assert not all(torch.equal(one.state_dict()[n], other.state_dict()[n]) for n in names)
+
+
+def test_a_block_drafter_without_a_mask_token_is_refused():
+    with pytest.raises(EyrieError, match="dflash draft needs a mask token id"):
+        DraftSpec(AUX_IDS, method="dflash")
+    with pytest.raises(EyrieError, match="draft method 'medusa'"):
+        DraftSpec(AUX_IDS, method="medusa")
+
+
+def test_the_mask_token_is_the_tokenizers_else_the_first_free_row(world):
+    """The tokenizer's own mask token; else the first embedding row past its ids (what
+    speculators' added <|MASK|> would take); else one line naming the folder and the fix."""
+    tok = world["tokenizer"]
+    with pytest.raises(EyrieError, match=r"target-x: the tokenizer has no mask token and its"):
+        mask_token(tok, len(tok), "target-x")
+    assert mask_token(tok, len(tok) + 64, "target-x") == len(tok)
+    masked = type(tok).from_pretrained(world["target"])
+    masked.add_special_tokens({"mask_token": "<|mask|>"})
+    assert mask_token(masked, len(masked), "target-x") == masked.mask_token_id
