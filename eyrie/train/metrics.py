@@ -1,6 +1,6 @@
-"""Training metrics and outputs: a pack's device-side sums, the step records of metrics.jsonl, the
-means the progress line prints, and the output folder (draft, metrics.jsonl, curves.png,
-tensorboard/, train.json).
+"""Training metrics and outputs: the step records of metrics.jsonl (from the packs' device-side
+sums, eyrie.train.kinds), the means the progress line prints, and the output folder (draft,
+metrics.jsonl, curves.png, tensorboard/, train.json).
 
 Contract: a step's record holds its loss (the mean over its packs), per-TTT-step losses and full
 accuracies, token counts, lr, grad norm, data wait and wall time, from the sums of every rank's
@@ -10,6 +10,7 @@ packs. Outputs and metrics: docs/training.md.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -17,19 +18,6 @@ import torch
 from eyrie.config.sections import TrainSettings
 from eyrie.core.io import atomic_path, write_json
 from eyrie.train.curves import TENSORBOARD_DIR, write_event_files
-
-
-def pack_sums(loss: torch.Tensor, metrics: dict, ttt_steps: int) -> torch.Tensor:
-    """One pack's additive device-side metrics, float64 [1 + 3K]: [loss, loss_k.., acc_sum_k..,
-    acc_total_k..] (the host knows the token counts from the plan)."""
-    K = range(ttt_steps)
-    values = [
-        loss,
-        *(metrics[f"loss_{k}_sum"] for k in K),
-        *(metrics[f"full_acc_{k}_sum"] for k in K),
-        *(metrics[f"full_acc_{k}_total"] for k in K),
-    ]
-    return torch.stack([torch.as_tensor(v).detach().to(torch.float64) for v in values])
 
 
 def read_pending(
@@ -62,7 +50,8 @@ def _step_record(sums: list[float], packs: int, ttt_steps: int) -> dict:
     for k in range(K):
         total = sums[3 + 2 * K + k]
         out[f"full_acc_{k}"] = sums[3 + K + k] / total if total else None
-        out[f"loss_{k}"] = sums[3 + k] / packs
+        loss_k = sums[3 + k]  # NaN: a kind without per-position losses (eyrie.train.kinds)
+        out[f"loss_{k}"] = None if math.isnan(loss_k) else loss_k / packs
     return out
 
 

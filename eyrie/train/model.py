@@ -17,6 +17,7 @@ import torch
 from eyrie.config.sections import TrainSettings
 from eyrie.core.errors import EyrieError
 from eyrie.core.runtime import auto_device
+from eyrie.train.kinds import DraftKind, eagle3_kind
 from eyrie.train.launch import Dist
 
 
@@ -28,7 +29,7 @@ class Trainable:
     params: list[torch.nn.Parameter]  # those with requires_grad (not the frozen embeddings/head)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    loss_config: object  # speculators' resolved train.loss
+    kind: DraftKind  # how the step calls it and reads its metrics (eyrie.train.kinds)
 
 
 def build_trainable(
@@ -64,7 +65,9 @@ def build_trainable(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.lr_schedule)
     )
-    return Trainable(model, params, optimizer, scheduler, resolve_loss_config(cfg.loss, "eager"))
+    loss = resolve_loss_config(cfg.loss, "eager")
+    kind = eagle3_kind(cfg.ttt_steps, cfg.ttt_step_loss_decay, loss)
+    return Trainable(model, params, optimizer, scheduler, kind)
 
 
 def wrap_ddp(model: torch.nn.Module, dist: Dist, device: torch.device) -> torch.nn.Module:

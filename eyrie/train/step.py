@@ -2,7 +2,8 @@
 of each pack (the loss of a step is the mean over its packs), the gradient clipped, AdamW and the
 schedule stepped.
 
-Contract: a step returns its device-side sums (`pack_sums` over every rank's packs) and gradient
+Contract: a step returns its device-side sums (the draft kind's `sums`, eyrie.train.kinds, over
+every rank's packs) and gradient
 norm without waiting for the device; the host reads them at log and checkpoint steps only. Under
 DDP the gradients are averaged over ranks at the backward of a rank's last pack. Steps and
 precision: docs/training.md.
@@ -18,7 +19,6 @@ import torch
 
 from eyrie.config.sections import TrainSettings
 from eyrie.train.launch import Dist
-from eyrie.train.metrics import pack_sums
 from eyrie.train.model import Trainable
 from eyrie.train.packing import Prefetcher, decode_batch
 
@@ -53,7 +53,8 @@ class Stepper:
                 for v in b.values():
                     v.record_stream(current)
         draft.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(1 + 3 * self.cfg.ttt_steps, dtype=torch.float64, device=self.device)
+        K = self.draft.kind.positions
+        sums = torch.zeros(1 + 3 * K, dtype=torch.float64, device=self.device)
         for j, batch in enumerate(batches):
             sums += self._pack_step(j, batch)
         self.dist.all_sum(sums)
@@ -80,14 +81,9 @@ class Stepper:
             contextlib.nullcontext() if sync else net.no_sync(),
             torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16),
         ):
-            _, loss, metrics = net(
-                **batch,
-                ttt_steps=cfg.ttt_steps,
-                ttt_step_loss_decay=cfg.ttt_step_loss_decay,
-                loss_config=self.draft.loss_config,
-            )
+            _, loss, metrics = net(**batch, **self.draft.kind.call)
             (loss / self.k if self.k > 1 else loss).backward()
-        return pack_sums(loss, metrics, cfg.ttt_steps)
+        return self.draft.kind.sums(loss, metrics)
 
 
 def add_hidden_noise(states: torch.Tensor, scale: float, width: int) -> torch.Tensor:
