@@ -3,7 +3,9 @@
 Per prompt the target prefills the context; a proposer drafts K tokens; the target verifies them
 in one forward pass; the longest prefix equal to the target's greedy tokens is accepted, plus the
 target's own next (bonus) token. The EAGLE-3 proposer runs the draft the way vLLM does at inference
-(chain drafting on the verified target states), reusing speculators' Eagle3DraftModel submodules.
+(chain drafting on the verified target states), reusing speculators' Eagle3DraftModel submodules;
+the block proposer drafts a DFlash or DSpark block in one draft forward, as their training
+forward runs a block.
 Metrics are vLLM's: AL = 1 + accepted_tokens / num_drafts, counted per verification before the
 output is cut at EOS / max_new_tokens (as vLLM's scheduler counts them).
 """
@@ -215,3 +217,78 @@ class Eagle3Proposer:
             hidden = torch.cat([hidden, carried[None]])
             pos = torch.cat([pos, pos[-1:] + 1])
         return drafted
+
+
+class BlockProposer:
+    """Block drafting (DFlash, DSpark), one block per verification, on the draft's own
+    submodules, as its training forward runs a block at an anchor: the block [latest token, mask
+    token x (B - 1)] at positions T..T+B-1 attends to hidden_norm(fc(aux states)) of every
+    context position t < T and to the whole block (bidirectional). DFlash drafts slots 1..B-1
+    (its anchor slot is the bonus token); a draft that samples from its anchor (DSpark) drafts
+    slots 0..B-1. A Markov head (DSpark) adds to slot j's logits a bias from the token before
+    it (the latest token, then each drafted one in turn), so those slots are drafted in order."""
+
+    def __init__(self, draft):
+        impl = draft.config.transformer_layer_config._attn_implementation
+        if impl not in ("sdpa", "eager"):
+            raise ValueError(
+                f"draft attention {impl!r}: the proposer passes no block mask; "
+                "load the draft with sdpa or eager attention"
+            )
+        self.draft = draft.eval()
+        self.first = 0 if draft.config.sample_from_anchor else 1
+        self.K = draft.block_size - self.first
+        self.markov = getattr(draft, "markov_head", None)
+
+    def backbone(
+        self, token_ids: torch.Tensor, aux_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """token_ids [T+1], aux_states [T, A*H] -> the block's (normed states [B, H], logits
+        [B, draft_vocab]) before any Markov bias."""
+        d = self.draft
+        T, B = aux_states.shape[0], d.block_size
+        context = d.hidden_norm(d.fc(aux_states.to(d.fc.weight.dtype)))[None]  # [1, T, H]
+        block = token_ids.new_full((B,), d.mask_token_id)
+        block[0] = token_ids[-1]
+        x = d.embed_tokens(block)[None]  # [1, B, H]
+        pos = torch.arange(T + B, device=token_ids.device)[None]  # context, then the block
+        rope = d.rotary_emb(context, pos)
+        for layer in d.layers:  # no mask: every context position and the whole block
+            x = layer(
+                hidden_states=x,
+                target_hidden=context,
+                attention_mask=None,
+                position_ids=pos,
+                use_cache=False,
+                position_embeddings=rope,
+            )
+        hidden = d.norm(x)[0]
+        return hidden, d.lm_head(hidden)
+
+    def slot_logits(
+        self, hidden: torch.Tensor, logits: torch.Tensor, before: list[int], slot: int
+    ) -> torch.Tensor:
+        """Slot `slot`'s logits given the target ids before it in the block (`before`: the
+        latest token, then the drafted ones): plus the Markov head's bias where there is one."""
+        if self.markov is None:
+            return logits[slot]
+        prev = before if self.first == 0 else before[:1] + before  # slot k conditions on k-1
+        prev_ids = torch.tensor(prev[: slot + 1], device=logits.device)[None]  # the rest unread
+        bias = self.markov.block_bias(
+            prev_token_ids=prev_ids, hidden_states=hidden[None, : slot + 1]
+        )
+        return logits[slot] + bias[0, -1].to(logits.dtype)
+
+    def to_target(self, draft_id: torch.Tensor) -> int:
+        d2t = self.draft.d2t
+        return int(draft_id if d2t is None else draft_id + d2t[draft_id])
+
+    @torch.no_grad()
+    def __call__(self, token_ids: torch.Tensor, aux_states: torch.Tensor, k: int) -> list[int]:
+        if k != self.K:
+            raise EvaluateError(f"this block drafter drafts {self.K} tokens, asked for {k}")
+        hidden, logits = self.backbone(token_ids, aux_states)
+        before = [int(token_ids[-1])]
+        for slot in range(self.first, self.draft.block_size):
+            before.append(self.to_target(self.slot_logits(hidden, logits, before, slot).argmax()))
+        return before[1:]

@@ -270,3 +270,18 @@ def assert_weights(a: dict, b: dict, exact: bool) -> None:
             assert torch.equal(a[k], b[k]), k
         else:
             torch.testing.assert_close(a[k], b[k], rtol=RTOL, atol=ATOL, msg=k)
+
+
+BLOCK = 4  # the block drafters' block in tests
+
+
+def block_draft(world, method: str, seed: int = 0, attn: str = "sdpa"):
+    """A DFlash or DSpark draft (eyrie.arch.draft) for `world`'s target, blocks of BLOCK; the
+    tiny tokenizer has no mask token and no free embedding row, so its pad token masks."""
+    from eyrie.arch.draft import DraftSpec, build_draft
+    from eyrie.formats.vocab import read_vocab
+
+    d2t, t2d = read_vocab(world["vocab"])
+    pad = world["tokenizer"].pad_token_id
+    spec = DraftSpec(AUX_IDS, method=method, block_size=BLOCK, mask_token_id=pad, attn_impl=attn)
+    return build_draft(world["target"], spec, d2t, t2d, seed=seed)

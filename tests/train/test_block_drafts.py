@@ -6,21 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyrie.arch.draft import DraftSpec, build_draft, mask_token
+from eyrie.arch.draft import DraftSpec, mask_token
 from eyrie.core.errors import EyrieError
 from eyrie.formats.report import shard_expectation
-from eyrie.formats.vocab import read_vocab
 from eyrie.train.packing import PackedShards
-from tests.support.train_helpers import AUX_IDS
-
-BLOCK = 4
-
-
-def block_draft(world, method: str, seed: int = 0):
-    d2t, t2d = read_vocab(world["vocab"])
-    pad = world["tokenizer"].pad_token_id  # the tiny tokenizer has no mask token, no free row
-    spec = DraftSpec(AUX_IDS, method=method, block_size=BLOCK, mask_token_id=pad)
-    return build_draft(world["target"], spec, d2t, t2d, seed=seed)
+from tests.support.train_helpers import AUX_IDS, BLOCK, block_draft
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
