@@ -3,7 +3,8 @@
 The evaluate stage: checks the settings, the preflight report, the vocabulary map, the prompts and
 the exported draft (eyrie.evaluate.inputs), then decodes every prompt with the trained draft and
 with an untrained baseline (eyrie.evaluate.specdec: EAGLE-3 proposer, vLLM's metrics) and writes
-the report JSON and the plot (eyrie.evaluate.plot). Every speculative output is checked token for
+the report JSON, with bootstrap intervals over prompts (eyrie.evaluate.interval), and the plot
+(eyrie.evaluate.plot). Every speculative output is checked token for
 token against plain greedy decoding of the target.
 """
 
@@ -24,6 +25,7 @@ from eyrie.evaluate.inputs import (
     check_inputs,
     load_target,
 )
+from eyrie.evaluate.interval import al_interval, ratio_interval
 from eyrie.evaluate.plot import plot
 from eyrie.evaluate.specdec import (
     Decoding,
@@ -53,9 +55,11 @@ class Decoder:
     stats_at_k: dict = field(init=False)
     # in 16 bits: {run label: prompts whose speculative output differed from greedy decoding}
     differs: dict = field(init=False)
+    # {run label: [(drafts, accepted tokens) of each prompt]}: the intervals' unit (interval.py)
+    per_prompt: dict = field(init=False)
 
     def __post_init__(self):
-        self.differs = {}
+        self.differs, self.per_prompt = {}, {}
         self.stats = {name: SpecStats(self.decoding.K) for name in self.proposers}
         self.stats_at_k = {k: SpecStats(k) for k in range(1, self.decoding.K)}
 
@@ -78,7 +82,11 @@ class Decoder:
         d = self.decoding
         reference = greedy_generate(self.model, prompt_ids, d.max_new_tokens, d.eos_id)
         for name, propose, decoding, stats in self.runs():
+            before = stats.num_drafts, stats.accepted_tokens
             got = speculative_generate(self.model, prompt_ids, propose, decoding, stats=stats)
+            self.per_prompt.setdefault(name, []).append(
+                (stats.num_drafts - before[0], stats.accepted_tokens - before[1])
+            )
             if got != reference:
                 at = next(
                     (i for i, (a, b) in enumerate(zip(got, reference)) if a != b),
@@ -152,9 +160,17 @@ def evaluate(paths: EvalPaths, settings: dict) -> dict:
         "engine": {"name": "hf", "dtype": cfg.dtype, "device": cfg.device},
         "trained": {
             **decoder.stats["trained"].metrics(),
+            "acceptance_length_ci95": al_interval(decoder.per_prompt["trained draft"]),
             "acceptance_length_by_k": decoder.acceptance_length_by_k(),
         },
-        "untrained": decoder.stats["untrained"].metrics(),
+        "untrained": {
+            **decoder.stats["untrained"].metrics(),
+            "acceptance_length_ci95": al_interval(decoder.per_prompt["untrained draft"]),
+        },
+        # the trained draft's AL over the untrained one's, paired by prompt (interval.py)
+        "trained_over_untrained": ratio_interval(
+            decoder.per_prompt["trained draft"], decoder.per_prompt["untrained draft"]
+        ),
         "outputs_match_target_greedy": not decoder.differs,
         # in 16 bits only (float32 refuses a difference): {run: prompts whose output differed}
         "outputs_differing_from_greedy": decoder.differs,

@@ -63,6 +63,10 @@ class VllmFacts:
     # serves it with (its speculators converter's choice, inspected by its registry); None:
     # refused or unknown
     eagle3_draft_classes: dict[str, str | None] | None = None
+    # block drafters (BLOCK_METHODS): method -> {"class": the class vLLM serves it with (None:
+    # no converter, or vLLM's registry lacks the class), "reads": the draft config.json fields
+    # its speculators converter reads (None: no converter)}
+    block_drafts: dict[str, dict] | None = None
     # the model runner vLLM picks for this architecture when VLLM_USE_V2_MODEL_RUNNER is unset
     # ("v1" | "v2"; None: no choice in this vLLM or unknown) and what established it
     default_runner: str | None = None
@@ -188,6 +192,7 @@ def read_facts(config: dict) -> VllmFacts:
     facts.quantization_methods = _quantization_methods()
     facts.eagle3_draft_fields, _ = probe.draft_fields()
     facts.eagle3_draft_classes = _read_draft_classes()
+    facts.block_drafts = _read_block_drafts()
     facts.default_runner, facts.default_runner_how = probe.default_runner(facts.architecture)
     facts.engine_env_refused = probe.environment_refusal({})
     facts.native_chunked_prefill, _ = probe.chunked_prefill_with_connector()
@@ -311,14 +316,39 @@ def _read_draft_classes() -> dict[str, str | None]:
         served: dict = {"model_type": kind}
         try:
             convert({}, served)
-            lazy = ModelRegistry.models.get((served.get("architectures") or [None])[0])
-            if lazy is not None:
-                with _inspect_in_process():
-                    lazy.inspect_model_cls()
-        except Exception:  # noqa: BLE001 - a kind this vLLM refuses or cannot inspect
-            lazy = None
-        classes[kind] = None if lazy is None else served["architectures"][0]
+        except Exception:  # noqa: BLE001 - a kind this vLLM refuses
+            classes[kind] = None
+            continue
+        classes[kind] = _inspected((served.get("architectures") or [None])[0], ModelRegistry)
     return classes
+
+
+def _inspected(name: str | None, registry) -> str | None:
+    """`name` when vLLM's registry has the class and inspects it (in this process, kept under
+    VLLM_CACHE_ROOT as _read_draft_classes says), else None."""
+    lazy = registry.models.get(name) if name else None
+    if lazy is None:
+        return None
+    try:
+        with _inspect_in_process():
+            lazy.inspect_model_cls()
+    except Exception:  # noqa: BLE001 - a class this vLLM cannot inspect is one it cannot serve
+        return None
+    return name
+
+
+def _read_block_drafts() -> dict[str, dict]:
+    """The block_drafts fact: each BLOCK_METHODS converter run on a stand-in draft config
+    (probe.block_draft) and the class it names inspected as _read_draft_classes does."""
+    from vllm.model_executor.models import ModelRegistry
+
+    from eyrie.formats.draft import BLOCK_METHODS
+
+    out = {}
+    for method in BLOCK_METHODS:
+        name, reads, _ = probe.block_draft(method)
+        out[method] = {"class": _inspected(name, ModelRegistry), "reads": reads}
+    return out
 
 
 def _has_native_method() -> bool:

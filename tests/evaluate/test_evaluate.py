@@ -257,6 +257,15 @@ def test_cli_writes_json_and_png(case, tmp_path):
         for p in case["prompts"][:3]:
             speculative_generate(case["model"], p, trained, Decoding(k, 8, case["eos"], AUX), stats)
         assert al == pytest.approx(stats.metrics()["acceptance_length"]) and 1 <= al <= 1 + k
+    # intervals over the 3 prompts (eyrie.evaluate.interval), around the point figures
+    for name in ("trained", "untrained"):
+        low, high = report[name]["acceptance_length_ci95"]
+        assert low <= report[name]["acceptance_length"] <= high
+    ratio = report["trained_over_untrained"]
+    assert ratio["ratio"] == pytest.approx(
+        report["trained"]["acceptance_length"] / report["untrained"]["acceptance_length"]
+    )
+    assert ratio["ci95"][0] <= ratio["ratio"] <= ratio["ci95"][1] and ratio["prompts_for_3pct"] >= 3
     assert report["provenance"]["settings"]["eval"]["num_speculative_tokens"] == K
     assert (tmp_path / "eval.png").read_bytes()[:4] == b"\x89PNG"
     # no temporaries left (.last-good: the report kept for a failed rerun, eyrie.core.io)

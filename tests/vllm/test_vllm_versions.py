@@ -62,6 +62,23 @@ BASE_DRAFT_FIELDS = [
     "target_hidden_size",
 ]
 
+# what each block drafter's speculators converter reads from the draft's config.json (read in
+# vllm/transformers_utils/configs/speculators/algos.py of each version)
+DFLASH_READS = [
+    "aux_hidden_state_layer_ids",
+    "draft_vocab_size",
+    "mask_token_id",
+    "target_hidden_size",
+]
+DSPARK_READS = [
+    *DFLASH_READS,
+    "block_size",
+    "confidence_head_with_markov",
+    "enable_confidence_head",
+    "markov_head_type",
+    "markov_rank",
+]
+
 # facts that differ between versions: version -> config ("*": all) -> fact -> value
 BY_VERSION = {
     "0.22.0": {
@@ -69,6 +86,12 @@ BY_VERSION = {
             "default_runner": "v1",
             "native_chunked_prefill": False,
             "eagle3_draft_fields": BASE_DRAFT_FIELDS,
+            # one EAGLE-3 class, whatever the draft's layer type; DFlash but no DSpark
+            "eagle3_draft_classes": dict.fromkeys(["llama", "qwen3"], "Eagle3LlamaForCausalLM"),
+            "block_drafts": {
+                "dflash": {"class": "DFlashDraftModel", "reads": DFLASH_READS},
+                "dspark": {"class": None, "reads": None},
+            },
         },
         # DeepSeek-family: states captured BEFORE each layer, id N never returned
         "deepseek": {"native_ids": "1..N-1"},
@@ -79,15 +102,46 @@ BY_VERSION = {
             "default_runner": "v2",
             "native_chunked_prefill": True,
             "eagle3_draft_fields": sorted([*BASE_DRAFT_FIELDS, "fc_norm", "norm_output"]),
+            "eagle3_draft_classes": {
+                "llama": "Eagle3LlamaForCausalLM",
+                "qwen3": "Eagle3Qwen3ForCausalLM",
+            },
+            # DSpark served; neither converter reads sample_from_anchor yet
+            "block_drafts": {
+                "dflash": {
+                    "class": "DFlashDraftModel",
+                    "reads": sorted([*DFLASH_READS, "sliding_window_non_causal"]),
+                },
+                "dspark": {"class": "Qwen3DSparkModel", "reads": sorted(DSPARK_READS)},
+            },
         },
         # the final-layer fix: the end layer's output is appended after the loop
         "deepseek": {"native_ids": "1..N"},
         "kimi": {"native_ids": "1..N"},
     },
 }
-BY_VERSION["0.33.0"] = BY_VERSION["0.26.0"]  # no fact eyrie reads changed from 0.26 to 0.33
+# 0.33: the block converters read sample_from_anchor (0.26's DSpark always serves the anchor
+# as a bonus token), DSpark's also its architectures and use_aux_hidden_state
+BY_VERSION["0.33.0"] = {
+    **BY_VERSION["0.26.0"],
+    "*": {
+        **BY_VERSION["0.26.0"]["*"],
+        "block_drafts": {
+            "dflash": {
+                "class": "DFlashDraftModel",
+                "reads": sorted([*DFLASH_READS, "sample_from_anchor", "sliding_window_non_causal"]),
+            },
+            "dspark": {
+                "class": "Qwen3DSparkModel",
+                "reads": sorted(
+                    [*DSPARK_READS, "architectures", "sample_from_anchor", "use_aux_hidden_state"]
+                ),
+            },
+        },
+    },
+}
 # 0.34: the V1 runner deleted (default_runner v2 from its modules, not from use_v2_model_runner)
-BY_VERSION["0.34.0"] = BY_VERSION["0.26.0"]
+BY_VERSION["0.34.0"] = BY_VERSION["0.33.0"]
 DENSE_IDS = {"llama": "0..N", "qwen3_moe": "0..N", "gpt_oss": "0..N"}
 
 # the path preflight (vllm.extraction_path: auto) picks per version and config
