@@ -67,9 +67,9 @@ def build_draft(
 
     d2t: int64 [draft_vocab] offsets (target_id = i + d2t[i]); t2d: bool [target_vocab].
     Seeded when `seed` is given, so the same call builds the same weights (on one device kind).
-    `device`: where its parameters are made and initialised (default: the CPU). A GPU
-    initialises a target-wide embedding in milliseconds where one CPU thread takes seconds per
-    table, twice (speculators' layers, then post_init); the verifier's rows are read on the CPU.
+    `device`: where its parameters are made and initialised (default: the CPU, whose modules
+    initialise a target-wide embedding on one thread: BENCHMARKS.md); the verifier's rows are
+    read on the CPU either way.
     """
     from speculators.train.cli import create_transformer_layer_config
 
