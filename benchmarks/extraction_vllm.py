@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -307,6 +308,7 @@ def child_eyrie(
             delivered = min(delivered, time.perf_counter() - t0)
             got = run_shards(ex, tokenized, root / f"{shape}-{path}", 1, behind=False)
             one = got if one is None or got["seconds"] < one["seconds"] else one
+            check_disk(root, got["shard_bytes"], shards)
             got = run_shards(ex, tokenized, root / f"{shape}-{path}", shards, behind=True)
             many = got if many is None or got["seconds"] < many["seconds"] else many
         out["storage"][storage] = {
@@ -319,6 +321,20 @@ def child_eyrie(
         many.pop("shard_bytes")
     ex.close()
     return out
+
+
+def check_disk(root: Path, shard_bytes: int, shards: int) -> None:
+    """Room under `root` for `shards` shards of `shard_bytes` at once (the back-to-back run), or
+    one line naming what is needed, what is free and the fix: a full disk mid-write fails the row
+    with ENOSPC and leaves a cut shard behind."""
+    free, need = shutil.disk_usage(root).free, shard_bytes * shards
+    if need > free:
+        fits = free // max(1, shard_bytes)
+        fixes = ["give --work a larger disk", *([f"--shards {fits}"] if fits else [])]
+        raise RuntimeError(
+            f"{root}: {shards} shards of {shard_bytes / 2**30:.1f} GiB need {need / 2**30:.1f} "
+            f"GiB, {free / 2**30:.1f} GiB free; {', or '.join([*fixes, 'fewer --prompts'])}"
+        )
 
 
 def run_shards(ex, tokenized, stem: Path, shards: int, behind: bool) -> dict:

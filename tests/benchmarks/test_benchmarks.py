@@ -312,3 +312,21 @@ def test_long_record_benchmark_small():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "first 32 tokens and mask equal: True" in proc.stdout
     assert "| head (now) | 33 |" in proc.stdout
+
+
+def test_the_vllm_extraction_benchmark_checks_the_disk_before_its_shards(tmp_path):
+    """A full disk mid-shard failed a row on the H100 (ENOSPC, a cut shard left behind): the
+    back-to-back run first checks there is room for all its shards, naming need, free and fixes."""
+    import shutil
+
+    bench = vllm_bench()
+    free = shutil.disk_usage(tmp_path).free
+    bench.check_disk(tmp_path, shard_bytes=2**20, shards=3)  # 3 MiB: room
+    with pytest.raises(
+        RuntimeError,
+        match=r"3 shards of .* GiB need .* GiB free; give --work a "
+        r"larger disk, or --shards 1, or fewer --prompts",
+    ):
+        bench.check_disk(tmp_path, shard_bytes=free // 2 + 1, shards=3)
+    with pytest.raises(RuntimeError, match=r"free; give --work a larger disk, or fewer --prompts"):
+        bench.check_disk(tmp_path, shard_bytes=free + 1, shards=1)
