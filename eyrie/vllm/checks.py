@@ -255,3 +255,28 @@ def version_warnings(facts: VllmFacts) -> list[str]:
             "(docs/vllm.md) before a long job"
         ]
     return []
+
+
+def block_draft_problems(method: str, facts: VllmFacts, draft: dict, where: str) -> list[str]:
+    """Why this vLLM would not serve a block drafter (`method`: dflash, dspark) whose config.json
+    is `draft` as it was trained ([] when it would): no converter or class for the method, or a
+    draft that samples from its anchor (speculators' DSpark default) on a converter that does not
+    read sample_from_anchor and so serves the anchor as a bonus token (vLLM 0.22's DFlash, 0.26's
+    DSpark: `block_drafts` in docs/vllm.md). `where`: the draft's config.json, for the line."""
+    known = (facts.block_drafts or {}).get(method)
+    if known is None:  # facts from before the field: nothing known to check
+        return []
+    if known["class"] is None:
+        return [
+            f"{where}: vLLM {facts.version} serves no {method} draft (no speculators "
+            f"{method!r} converter or class); install a vLLM that does (docs/vllm.md's "
+            "version table; bash scripts/setup-vllm.sh VERSION)"
+        ]
+    if draft.get("sample_from_anchor") and "sample_from_anchor" not in (known["reads"] or []):
+        return [
+            f"{where}: sample_from_anchor is true (the block's first slot drafts the token after "
+            f"the anchor), but vLLM {facts.version}'s {method} converter does not read it and "
+            "serves the anchor as a bonus token: the draft would run with the other convention; "
+            "install vLLM 0.33 or later, or train with sample_from_anchor false"
+        ]
+    return []

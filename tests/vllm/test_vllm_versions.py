@@ -237,3 +237,44 @@ def test_environments_with_one_torch_share_its_files():
     for sites in pairs:
         inodes = {(site / "torch" / "lib" / "libtorch_cuda.so").stat().st_ino for site in sites}
         assert len(inodes) == 1, [str(site) for site in sites]
+
+
+@pytest.fixture(scope="module")
+def block_configs(world, tmp_path_factory):
+    """config.json of a DFlash and of a DSpark draft as speculators saves them (its defaults:
+    DSpark samples from its anchor, DFlash does not)."""
+    import json
+
+    from tests.support.train_helpers import block_draft
+
+    out = {}
+    for method in ("dflash", "dspark"):
+        folder = tmp_path_factory.mktemp(method)
+        block_draft(world, method).save_pretrained(folder)
+        out[method] = json.loads((folder / "config.json").read_text())
+    return out
+
+
+# per version: the problem each saved block draft meets (None: served as trained)
+BLOCK_SERVED = {
+    "0.22.0": {"dflash": None, "dspark": "serves no dspark draft"},
+    "0.26.0": {"dflash": None, "dspark": "does not read it and serves the anchor as a bonus"},
+    "0.33.0": {"dflash": None, "dspark": None},
+    "0.34.0": {"dflash": None, "dspark": None},
+}
+
+
+def test_which_block_drafts_each_version_serves_as_trained(version_facts, block_configs):
+    """eyrie.vllm.checks.block_draft_problems on each installed vLLM's facts and speculators'
+    own saved configs: 0.22 has no DSpark, 0.26 serves a DSpark draft that samples from its
+    anchor with the anchor as a bonus token (its converter never reads sample_from_anchor)."""
+    from eyrie.vllm.checks import block_draft_problems
+
+    version, facts = version_facts
+    assert block_configs["dspark"]["sample_from_anchor"] is True
+    assert not block_configs["dflash"]["sample_from_anchor"]
+    for method, config in block_configs.items():
+        got = block_draft_problems(method, facts["llama"], config, "draft/config.json")
+        want = BLOCK_SERVED[version][method]
+        assert (got == []) if want is None else (len(got) == 1 and want in got[0]), got
+        assert all(line.startswith("draft/config.json: ") for line in got)
