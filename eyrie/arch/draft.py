@@ -119,18 +119,11 @@ def build_draft(
 
 
 def _model_class(method: str):
-    """speculators' draft class for a DRAFT_METHODS name."""
-    if method == "dflash":
-        from speculators.models.dflash import DFlashDraftModel
+    """speculators' draft class for a DRAFT_METHODS name, from its own registry (the names are
+    the ones its classes register under, as vLLM's methods)."""
+    from speculators import SpeculatorModel
 
-        return DFlashDraftModel
-    if method == "dspark":
-        from speculators.models.dspark import DSparkDraftModel
-
-        return DSparkDraftModel
-    from speculators.models.eagle3 import Eagle3DraftModel
-
-    return Eagle3DraftModel
+    return SpeculatorModel.registry[method]
 
 
 def mask_token(tokenizer, vocab_size: int, where: str) -> int:
