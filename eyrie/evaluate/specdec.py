@@ -143,6 +143,21 @@ def speculative_generate(
     return _cut(out, *limits)
 
 
+def _eval_mode(draft, masks: str, fix: str):
+    """`draft` in eval mode, refused unless its attention takes what a proposer passes (`masks`:
+    dense masks or none; flex attention needs block masks), the line ending with `fix`."""
+    impl = draft.config.transformer_layer_config._attn_implementation
+    if impl not in ("sdpa", "eager"):
+        raise ValueError(f"draft attention {impl!r}: the proposer passes {masks}; {fix}")
+    return draft.eval()
+
+
+def to_target(draft, draft_ids: torch.Tensor) -> torch.Tensor:
+    """Draft-vocab ids -> target ids (target_id = i + d2t[i]; no d2t: the same vocabulary)."""
+    d2t = draft.d2t
+    return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
+
+
 class Eagle3Proposer:
     """EAGLE-3 chain drafting as vLLM runs it, on an Eagle3DraftModel's own submodules.
 
@@ -154,13 +169,11 @@ class Eagle3Proposer:
     """
 
     def __init__(self, draft):
-        impl = draft.config.transformer_layer_config._attn_implementation
-        if impl not in ("sdpa", "eager"):
-            raise ValueError(
-                f"draft attention {impl!r}: the proposer passes dense causal masks; "
-                "load the draft with eyrie.evaluate.inputs.load_draft (sdpa)"
-            )
-        self.draft = draft.eval()
+        self.draft = _eval_mode(
+            draft,
+            "dense causal masks",
+            "load the draft with eyrie.evaluate.inputs.load_draft (sdpa)",
+        )
 
     def fuse(self, aux_states: torch.Tensor) -> torch.Tensor:
         """aux_states [T, A*H] -> g [T, H]: (input_norm | fc_norm) and fc, as in forward."""
@@ -196,11 +209,6 @@ class Eagle3Proposer:
             return d.lm_head(out), out
         return d.lm_head(d.norm(out)), out
 
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab ids -> target ids (target_id = i + d2t[i])."""
-        d2t = self.draft.d2t
-        return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
-
     @torch.no_grad()
     def __call__(self, token_ids: torch.Tensor, aux_states: torch.Tensor, k: int) -> list[int]:
         # token_ids: [T+1] int64; aux_states: [T, A*H]
@@ -211,7 +219,7 @@ class Eagle3Proposer:
         drafted = []
         for _ in range(k):
             logits, carried = self.head(self.decode(ids, hidden, pos)[-1])  # [Vd], [H]
-            token = self.to_target(logits.argmax())  # [] int64 target id
+            token = to_target(self.draft, logits.argmax())  # [] int64 target id
             drafted.append(int(token))
             ids = torch.cat([ids, token[None]])
             hidden = torch.cat([hidden, carried[None]])
@@ -229,13 +237,9 @@ class BlockProposer:
     it (the latest token, then each drafted one in turn), so those slots are drafted in order."""
 
     def __init__(self, draft):
-        impl = draft.config.transformer_layer_config._attn_implementation
-        if impl not in ("sdpa", "eager"):
-            raise ValueError(
-                f"draft attention {impl!r}: the proposer passes no block mask; "
-                "load the draft with sdpa or eager attention"
-            )
-        self.draft = draft.eval()
+        self.draft = _eval_mode(
+            draft, "no block mask", "load the draft with sdpa or eager attention"
+        )
         self.first = 0 if draft.config.sample_from_anchor else 1
         self.K = draft.block_size - self.first
         self.markov = getattr(draft, "markov_head", None)
@@ -279,10 +283,6 @@ class BlockProposer:
         )
         return logits[slot] + bias[0, -1].to(logits.dtype)
 
-    def to_target(self, draft_id: torch.Tensor) -> int:
-        d2t = self.draft.d2t
-        return int(draft_id if d2t is None else draft_id + d2t[draft_id])
-
     @torch.no_grad()
     def __call__(self, token_ids: torch.Tensor, aux_states: torch.Tensor, k: int) -> list[int]:
         if k != self.K:
@@ -290,5 +290,6 @@ class BlockProposer:
         hidden, logits = self.backbone(token_ids, aux_states)
         before = [int(token_ids[-1])]
         for slot in range(self.first, self.draft.block_size):
-            before.append(self.to_target(self.slot_logits(hidden, logits, before, slot).argmax()))
+            drafted = self.slot_logits(hidden, logits, before, slot).argmax()
+            before.append(int(to_target(self.draft, drafted)))
         return before[1:]

@@ -25,6 +25,7 @@ from eyrie.evaluate.specdec import (
     greedy_generate,
     speculative_generate,
     target_step,
+    to_target,
 )
 from tests.support.models import TEXTS, random_model, random_vocab_map, save_target, tiny_llama
 from tests.support.stages import stage_args
@@ -201,7 +202,7 @@ def test_step_logits_match_speculators_forward(case):
         drafted = propose(ids, aux[:-1], 2)
         hook.remove()
         torch.testing.assert_close(seen[0], step0_ref[-1], rtol=1e-4, atol=1e-5)
-        assert drafted[0] == int(propose.to_target(draft_tokens[0][0, -1]))
+        assert drafted[0] == int(to_target(propose.draft, draft_tokens[0][0, -1]))
         # step 1 at position p = T-3: context pairs 0..p, then (x_{p+2}, out0[p]) at id p+2,
         # which is what forward's teacher-forced TTT step 1 computes at p
         p = T - 3
