@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from eyrie.arch.registry import VllmAdapter, adapter_for
 from eyrie.arch.target import fingerprint
 from eyrie.core.errors import VllmAdapterError
-from eyrie.vllm import facts_cache, probe, quantization
+from eyrie.vllm import draft_probe, facts_cache, probe, quantization
 from eyrie.vllm.adapters import (
     EAGLE3_DEFAULT_LAYERS,
     EMBED_METHODS,
@@ -190,7 +190,7 @@ def read_facts(config: dict) -> VllmFacts:
     facts.native_connector = _has_native_connector()
     facts.worker_extension = _has_worker_extension()
     facts.quantization_methods = _quantization_methods()
-    facts.eagle3_draft_fields, _ = probe.draft_fields()
+    facts.eagle3_draft_fields, _ = draft_probe.draft_fields()
     facts.eagle3_draft_classes = _read_draft_classes()
     facts.block_drafts = _read_block_drafts()
     facts.default_runner, facts.default_runner_how = probe.default_runner(facts.architecture)
@@ -302,25 +302,14 @@ def _read_draft_classes() -> dict[str, str | None]:
     inspection is what the evaluation's ModelConfig does for the draft, in a fresh Python process
     unless vLLM keeps its result (VLLM_CACHE_ROOT/modelinfos, under cache.path): done here, in
     this process, the evaluation's engine reads it kept (BENCHMARKS.md)."""
+    from vllm.model_executor.models import ModelRegistry
+
     from eyrie.formats.draft import DRAFT_ARCHS
 
-    try:
-        from vllm.model_executor.models import ModelRegistry
-        from vllm.transformers_utils.configs.speculators import algos
-
-        convert = algos.SUPPORTED_SPECULATORS_TYPES["eagle3"]
-    except (ImportError, AttributeError, KeyError):
-        return dict.fromkeys(DRAFT_ARCHS)
-    classes: dict[str, str | None] = {}
-    for kind in DRAFT_ARCHS:
-        served: dict = {"model_type": kind}
-        try:
-            convert({}, served)
-        except Exception:  # noqa: BLE001 - a kind this vLLM refuses
-            classes[kind] = None
-            continue
-        classes[kind] = _inspected((served.get("architectures") or [None])[0], ModelRegistry)
-    return classes
+    return {
+        kind: _inspected(draft_probe.eagle3_draft_class(kind), ModelRegistry)
+        for kind in DRAFT_ARCHS
+    }
 
 
 def _inspected(name: str | None, registry) -> str | None:
@@ -339,14 +328,14 @@ def _inspected(name: str | None, registry) -> str | None:
 
 def _read_block_drafts() -> dict[str, dict]:
     """The block_drafts fact: each BLOCK_METHODS converter run on a stand-in draft config
-    (probe.block_draft) and the class it names inspected as _read_draft_classes does."""
+    (draft_probe.block_draft) and the class it names inspected as _read_draft_classes does."""
     from vllm.model_executor.models import ModelRegistry
 
     from eyrie.formats.draft import BLOCK_METHODS
 
     out = {}
     for method in BLOCK_METHODS:
-        name, reads, _ = probe.block_draft(method)
+        name, reads, _ = draft_probe.block_draft(method)
         out[method] = {"class": _inspected(name, ModelRegistry), "reads": reads}
     return out
 

@@ -7,10 +7,8 @@ with stand-in arguments and read what comes out:
   can't be read either is reported as unknown;
 - `default_runner`: VllmConfig.use_v2_model_runner on a stand-in config for the architecture (a
   vLLM without it has one runner: which one, its modules say);
-- `chunked_prefill_with_connector`: VllmConfig's check of the KV connector's settings;
-- `draft_fields`: the speculators "eagle3" converter applied to a draft config;
-- `block_draft`: a block drafter's converter (dflash, dspark) applied to a draft config that
-  records which fields it reads, and the class it names.
+- `chunked_prefill_with_connector`: VllmConfig's check of the KV connector's settings.
+What vLLM's draft loaders do with a draft's config: eyrie.vllm.draft_probe.
 Each returns (value, how) with value None when unknown; `how` says what was run. Runs in the
 vLLM environment (imports torch and vllm inside the functions). See docs/vllm.md.
 """
@@ -364,89 +362,6 @@ def chunked_prefill_with_connector() -> tuple[bool | None, str]:
     except Exception as exc:  # noqa: BLE001
         return None, f"unknown: {how} failed otherwise ({type(exc).__name__}: {exc})"
     return True, how
-
-
-def draft_fields() -> tuple[list[str] | None, str]:
-    """The draft config.json fields vLLM's speculators "eagle3" converter carries into the
-    model config it serves: the converter run on a draft config setting every field."""
-    try:
-        from vllm.transformers_utils.configs.speculators import algos
-
-        convert = algos.SUPPORTED_SPECULATORS_TYPES["eagle3"]
-    except (ImportError, AttributeError, KeyError) as exc:
-        return None, f"unknown: no speculators eagle3 converter ({exc})"
-    marker = object()
-    draft = {
-        f: marker
-        for f in (
-            "draft_vocab_size",
-            "target_hidden_size",
-            "norm_before_residual",
-            "norm_before_fc",
-            "fc_norm",
-            "norm_output",
-            "eagle_aux_hidden_state_layer_ids",
-            "embed_requires_grad",
-        )
-    }
-    served: dict = {"model_type": "llama"}
-    try:
-        convert(draft, served)
-    except Exception as exc:  # noqa: BLE001
-        return None, f"unknown: the eagle3 converter failed on a stand-in ({exc})"
-    return sorted(k for k, v in served.items() if v is marker), "the eagle3 converter run"
-
-
-class _Reading(dict):
-    """A draft config.json that records every key read from it (present or not)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.read: set[str] = set()
-
-    def __getitem__(self, key):
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def get(self, key, default=None):
-        self.read.add(key)
-        return super().get(key, default)
-
-
-# a block drafter's config.json as speculators writes it (values of the right types), for the
-# converters to read; which keys they read is what block_draft reports
-BLOCK_DRAFT_STAND_IN = {
-    "draft_vocab_size": 32,
-    "target_hidden_size": 64,
-    "mask_token_id": 0,
-    "aux_hidden_state_layer_ids": [1, 2, 3],
-    "block_size": 8,
-    "sample_from_anchor": False,
-    "sliding_window_non_causal": False,
-    "markov_rank": 8,
-    "markov_head_type": "vanilla",
-    "enable_confidence_head": True,
-    "confidence_head_with_markov": True,
-}
-
-
-def block_draft(method: str) -> tuple[str | None, list[str] | None, str]:
-    """(the class vLLM serves a `method` draft with, the config.json fields its speculators
-    converter reads, how): the converter run on BLOCK_DRAFT_STAND_IN; None where this vLLM has
-    no converter for the method or it fails on the stand-in."""
-    try:
-        from vllm.transformers_utils.configs.speculators import algos
-
-        convert = algos.SUPPORTED_SPECULATORS_TYPES[method]
-    except (ImportError, AttributeError, KeyError):
-        return None, None, f"no speculators {method!r} converter in this vLLM"
-    draft, served = _Reading(BLOCK_DRAFT_STAND_IN), {"model_type": "qwen3"}
-    try:
-        convert(draft, served)
-    except Exception as exc:  # noqa: BLE001
-        return None, sorted(draft.read), f"the {method} converter failed on a stand-in ({exc})"
-    archs = served.get("architectures") or [None]
-    return archs[0], sorted(draft.read), f"the {method} converter run on a stand-in draft config"
 
 
 def hybrid_groups() -> tuple[bool | None, str]:
