@@ -46,6 +46,7 @@ class DraftSpec:
     method: str = "eagle3"  # DRAFT_METHODS, as vLLM's speculative_config.method
     block_size: int = 8  # block drafters: the positions one draft forward predicts
     mask_token_id: int | None = None  # block drafters: the id fed at those positions
+    sample_from_anchor: bool | None = None  # block drafters; None: the method's own default
 
     def __post_init__(self):
         if self.method not in DRAFT_METHODS:
@@ -108,7 +109,10 @@ def build_draft(
         )
         if spec.method in BLOCK_METHODS:
             return _model_class(spec.method).from_training_args(
-                **common, block_size=spec.block_size, mask_token_id=spec.mask_token_id
+                **common,
+                block_size=spec.block_size,
+                mask_token_id=spec.mask_token_id,
+                sample_from_anchor=spec.sample_from_anchor,
             )
         return _model_class(spec.method).from_training_args(
             **common,
@@ -128,8 +132,9 @@ def _model_class(method: str):
 
 def mask_token(tokenizer, vocab_size: int, where: str) -> int:
     """The id a block drafter feeds at the positions it predicts, without changing the target's
-    tokenizer: its mask token; else the first embedding row past the tokenizer's ids (a row no
-    text reaches, as a mask must be); else one line naming the fix. `where`: the target folder.
+    tokenizer: its mask token; else the first embedding row past its ids (a row no text reaches,
+    as a mask must be); else its pad token when that is a token of its own (not bos, eos or unk:
+    padding is never text); else one line naming the key to set. `where`: the target folder.
 
     speculators instead adds a `<|MASK|>` token to the tokenizer, which takes that same first
     free row when there is one."""
@@ -137,8 +142,13 @@ def mask_token(tokenizer, vocab_size: int, where: str) -> int:
         return int(tokenizer.mask_token_id)
     if len(tokenizer) < vocab_size:
         return len(tokenizer)
+    pad = tokenizer.pad_token_id
+    others = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id}
+    if pad is not None and pad not in others:
+        return int(pad)
     raise EyrieError(
-        f"{where}: the tokenizer has no mask token and its {len(tokenizer)} ids fill the "
-        f"embedding's {vocab_size} rows, so a block drafter has no id to mark the positions it "
-        "predicts; name one the data never holds (a reserved special token) as its mask token"
+        f"{where}: the tokenizer has no mask token, no pad token of its own, and its "
+        f"{len(tokenizer)} ids fill the embedding's {vocab_size} rows, so a block drafter has "
+        "no id to mark the positions it predicts; set train.mask_token_id to an id the data "
+        "never holds (a reserved special token)"
     )

@@ -180,7 +180,16 @@ TABLE = (
     Row("train.report_to", ("train_draft",)),
     *(
         Row(f"train.{name}", TRAIN)
-        for name in ("loss", "lr_schedule", "hidden_noise", "norm_before_fc")
+        for name in (
+            "loss",
+            "lr_schedule",
+            "hidden_noise",
+            "norm_before_fc",
+            "method",
+            "block_size",
+            "sample_from_anchor",
+            "mask_token_id",
+        )
     ),
     # preflight sizes the evaluation's vLLM engine from them
     Row("eval.num_speculative_tokens", ("evaluate_draft", "evaluate_vllm"), VLLM_READ),

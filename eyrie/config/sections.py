@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from eyrie.config.schema import (
     added_later,
+    block_positions,
     flag_problems,
     load_settings,
     report_problems,
@@ -76,6 +77,23 @@ class TrainSettings:
     log_every: int
     verify_shards: bool
     report_to: tuple[str, ...]  # where the curves go besides metrics.jsonl (eyrie.train.curves)
+    method: str  # eagle3 | dflash | dspark (eyrie.formats.draft.DRAFT_METHODS)
+    block_size: int  # block drafters: positions per draft forward, the anchor's included
+    sample_from_anchor: bool | None  # block drafters; None: the method's own
+    mask_token_id: int | None  # block drafters; None: eyrie.arch.draft.mask_token's choice
+
+    @property
+    def block(self) -> bool:
+        """A block drafter (a block of tokens per draft forward), not EAGLE-3."""
+        return self.method != "eagle3"
+
+    @property
+    def positions(self) -> int:
+        """Tokens one draft pass proposes, the K its metrics count: EAGLE-3's TTT steps, or a
+        block's (eyrie.config.schema.block_positions)."""
+        if not self.block:
+            return self.ttt_steps
+        return block_positions(self.method, self.block_size, self.sample_from_anchor)
 
     @classmethod
     def from_settings(cls, settings: dict) -> "TrainSettings":

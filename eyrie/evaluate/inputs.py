@@ -3,7 +3,8 @@
 The settings (`EvalSettings.from_settings`), the preflight report, the vocabulary map, the
 prompts and the exported draft are each checked against the target (`check_inputs`: one error
 naming the file and the fix); then the target is loaded (eyrie.arch.loader) and the trained draft
-and an untrained baseline of its shape become EAGLE-3 proposers (`build_proposers`).
+and an untrained baseline of its shape become proposers of its kind, EAGLE-3 or block
+(`build_proposers`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from eyrie.config.schema import load_settings
 from eyrie.core.errors import EvaluateError
 from eyrie.core.rehearsal import draft_is_rehearsal, refusal
 from eyrie.core.runtime import auto_device, auto_dtype
-from eyrie.evaluate.specdec import Eagle3Proposer
+from eyrie.evaluate.specdec import BlockProposer, Eagle3Proposer
+from eyrie.formats.draft import is_block
 from eyrie.formats.report import read_report
 from eyrie.formats.tokenized import read_prompts
 from eyrie.formats.vocab import read_vocab
@@ -108,10 +110,11 @@ def check_draft(
     """The draft must read the aux layers the preflight chose and use this vocabulary map
     (`vocab_map`: d2t, t2d)."""
     d2t, t2d = vocab_map
-    draft_aux = list(draft.config.eagle_aux_hidden_state_layer_ids)
+    key = "aux_hidden_state_layer_ids" if is_block(draft) else "eagle_aux_hidden_state_layer_ids"
+    draft_aux = list(getattr(draft.config, key))
     if draft_aux != list(aux_ids):
         raise EvaluateError(
-            f"{path}: draft eagle_aux_hidden_state_layer_ids {draft_aux} differ "
+            f"{path}: draft {key} {draft_aux} differ "
             f"from the preflight's aux_layer_ids {list(aux_ids)}; retrain/export "
             "the draft with the preflight's layers (or rerun preflight)"
         )
@@ -155,7 +158,7 @@ class EvalInputs:
     d2t: torch.Tensor
     t2d: torch.Tensor
     prompts: list  # (sample_id, prompt ids)
-    draft: object  # speculators' Eagle3DraftModel
+    draft: object  # speculators' Eagle3DraftModel, DFlashDraftModel or DSparkDraftModel
 
 
 def check_inputs(paths: EvalPaths, cfg: EvalSettings) -> EvalInputs:
@@ -178,6 +181,14 @@ def check_inputs(paths: EvalPaths, cfg: EvalSettings) -> EvalInputs:
         raise EvaluateError(refusal(Path(paths.draft) / "provenance.json", "a draft", fix))
     draft = load_draft(paths.draft)
     check_draft(draft, paths.draft, aux_ids, info.hidden_size, (d2t, t2d))
+    if is_block(draft):
+        most = BlockProposer.positions(draft)
+        if cfg.K > most:
+            raise EvaluateError(
+                f"{paths.draft}: a {draft.config.speculators_model_type} draft proposes {most} "
+                f"tokens per forward (block_size {draft.block_size}), but "
+                f"eval.num_speculative_tokens is {cfg.K}; set it to at most {most}"
+            )
     verifier = draft.config.speculators_config.verifier.name_or_path
     if verifier and Path(verifier).resolve() != Path(paths.target).resolve():
         log.warning(
@@ -214,16 +225,29 @@ def build_proposers(target: str | Path, inputs: EvalInputs, device: str, dtype: 
     from eyrie.arch.draft import DraftSpec, build_draft
 
     draft = inputs.draft
-    tl = draft.config.transformer_layer_config
-    spec = DraftSpec(
-        inputs.aux_ids,
-        num_layers=tl.num_hidden_layers,
-        draft_arch=tl.model_type,
-        norm_before_residual=draft.config.norm_before_residual,
-        norm_before_fc=draft.config.norm_before_fc,
-    )
+    c = draft.config
+    tl = c.transformer_layer_config
+    common = dict(num_layers=tl.num_hidden_layers, draft_arch=tl.model_type)
+    if is_block(draft):
+        spec = DraftSpec(
+            inputs.aux_ids,
+            **common,
+            method=c.speculators_model_type,
+            block_size=c.block_size,
+            mask_token_id=c.mask_token_id,
+            sample_from_anchor=c.sample_from_anchor,
+        )
+        proposer = BlockProposer
+    else:
+        spec = DraftSpec(
+            inputs.aux_ids,
+            **common,
+            norm_before_residual=c.norm_before_residual,
+            norm_before_fc=c.norm_before_fc,
+        )
+        proposer = Eagle3Proposer
     untrained = build_draft(target, spec, inputs.d2t, inputs.t2d, seed=UNTRAINED_SEED)
     return {
-        "trained": Eagle3Proposer(draft.to(device, getattr(torch, dtype))),
-        "untrained": Eagle3Proposer(untrained.to(device, getattr(torch, dtype))),
+        "trained": proposer(draft.to(device, getattr(torch, dtype))),
+        "untrained": proposer(untrained.to(device, getattr(torch, dtype))),
     }

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from eyrie.arch.hooks import capture_hidden_states
+from eyrie.config.schema import block_positions
 from eyrie.core.errors import EvaluateError
 
 # propose(token_ids [T+1] int64, aux_states [T, A*H] float, k) -> k target token ids.
@@ -241,8 +242,14 @@ class BlockProposer:
             draft, "no block mask", "load the draft with sdpa or eager attention"
         )
         self.first = 0 if draft.config.sample_from_anchor else 1
-        self.K = draft.block_size - self.first
+        self.K = self.positions(draft)
         self.markov = getattr(draft, "markov_head", None)
+
+    @staticmethod
+    def positions(draft) -> int:
+        """The tokens one block proposes: every slot, or all but the anchor's."""
+        c = draft.config
+        return block_positions(c.speculators_model_type, c.block_size, c.sample_from_anchor)
 
     def backbone(
         self, token_ids: torch.Tensor, aux_states: torch.Tensor
@@ -285,11 +292,11 @@ class BlockProposer:
 
     @torch.no_grad()
     def __call__(self, token_ids: torch.Tensor, aux_states: torch.Tensor, k: int) -> list[int]:
-        if k != self.K:
-            raise EvaluateError(f"this block drafter drafts {self.K} tokens, asked for {k}")
+        if not 1 <= k <= self.K:  # the first k slots, as vLLM with fewer speculative tokens
+            raise EvaluateError(f"this block drafter drafts up to {self.K} tokens, asked for {k}")
         hidden, logits = self.backbone(token_ids, aux_states)
         before = [int(token_ids[-1])]
-        for slot in range(self.first, self.draft.block_size):
+        for slot in range(self.first, self.first + k):
             drafted = self.slot_logits(hidden, logits, before, slot).argmax()
             before.append(int(to_target(self.draft, drafted)))
         return before[1:]

@@ -23,6 +23,7 @@ from eyrie.core.errors import ExportError
 from eyrie.core.io import provenance, write_json
 from eyrie.core.rehearsal import is_rehearsal, mark, marked, refuse_in_real_run
 from eyrie.formats.draft import (
+    BLOCK_METHODS,
     DRAFT_ARCHS,
     UNSERVABLE_FLAGS,
     expected_tensors,
@@ -45,13 +46,20 @@ class TrainedDraft:
     summary: dict  # train.json
 
 
-def read_trained(train_dir: Path) -> TrainedDraft:
-    """The run in `train_dir`: its files present, no flag vLLM ignores, a layer type vLLM serves."""
+def read_trained(train_dir: Path, cfg: TrainSettings) -> TrainedDraft:
+    """The run in `train_dir`: its files present, the kind of draft `cfg` names (train.method),
+    no flag vLLM ignores, a layer type vLLM serves."""
     draft_dir, summary_path = train_dir / "draft", train_dir / "train.json"
     for path in (draft_dir / "config.json", draft_dir / "model.safetensors", summary_path):
         if not path.is_file():
             raise ExportError(f"{path}: not found; run eyrie train first")
     trained = json.loads((draft_dir / "config.json").read_text())
+    method = trained.get("speculators_model_type")
+    if method != cfg.method:
+        raise ExportError(
+            f"{draft_dir / 'config.json'}: a {method} draft, but train.method is {cfg.method}; "
+            "retrain with this config (snakemake reruns train_draft when train.method changes)"
+        )
     for flag, reason in UNSERVABLE_FLAGS.items():
         if trained.get(flag):
             raise ExportError(
@@ -62,7 +70,7 @@ def read_trained(train_dir: Path) -> TrainedDraft:
     if arch not in DRAFT_ARCHS:
         raise ExportError(
             f"{draft_dir / 'config.json'}: transformer_layer_config.model_type {arch!r}; "
-            f"vLLM serves EAGLE-3 drafts of type {', '.join(DRAFT_ARCHS)}"
+            f"vLLM serves drafts of type {', '.join(DRAFT_ARCHS)}"
         )
     summary = json.loads(summary_path.read_text())
     return TrainedDraft(train_dir, draft_dir, arch, summary)
@@ -108,15 +116,25 @@ def expected_config(
     reference, trained: TrainedDraft, target: Path, K: int, architectures: list[str]
 ) -> dict:
     """Dotted config.json key -> the value the export must hold (validate_export checks it)."""
+    method = reference.config.speculators_model_type
+    aux = list(trained.summary["aux_layer_ids"])
+    if method in BLOCK_METHODS:
+        c = reference.config
+        own = {
+            "aux_hidden_state_layer_ids": aux,
+            "block_size": c.block_size,
+            "mask_token_id": c.mask_token_id,
+            "sample_from_anchor": c.sample_from_anchor,
+        }
+    else:
+        own = {"eagle_aux_hidden_state_layer_ids": aux, "norm_output": False, "fc_norm": False}
     return {
-        "speculators_model_type": "eagle3",
+        "speculators_model_type": method,
         "transformer_layer_config.model_type": trained.arch,
         "target_hidden_size": reference.hidden_size,
         "draft_vocab_size": reference.draft_vocab_size,
-        "eagle_aux_hidden_state_layer_ids": list(trained.summary["aux_layer_ids"]),
-        "norm_output": False,
-        "fc_norm": False,
-        "speculators_config.algorithm": "eagle3",
+        **own,
+        "speculators_config.algorithm": method,
         "speculators_config.default_proposal_method": "greedy",
         "speculators_config.proposal_methods.0.proposal_type": "greedy",
         "speculators_config.proposal_methods.0.speculative_tokens": K,
@@ -137,11 +155,17 @@ def export(
     """Write a new draft version (config.json, config.py, model.safetensors, provenance.json)
     beside `out_dir`, check it, then point the link `out_dir` at it and write `manifest`."""
     cfg = TrainSettings.from_settings(settings)
-    K = num_speculative_tokens if num_speculative_tokens is not None else cfg.ttt_steps
+    K = num_speculative_tokens if num_speculative_tokens is not None else cfg.positions
     if K < 1:
         raise ExportError(f"--num-speculative-tokens {K}: must be >= 1")
     target, train_dir, out_dir = Path(target).resolve(), Path(train_dir), Path(out_dir)
-    trained = read_trained(train_dir)
+    trained = read_trained(train_dir, cfg)
+    if cfg.block and K > cfg.positions:
+        raise ExportError(
+            f"--num-speculative-tokens {K}: a {cfg.method} draft proposes at most "
+            f"{cfg.positions} tokens per forward (train.block_size {cfg.block_size}, "
+            f"train.sample_from_anchor {cfg.sample_from_anchor}); give at most {cfg.positions}"
+        )
     rehearsal = check_rehearsal(trained, is_rehearsal(settings))
     have_fp = check_target(trained, target)
     # a rehearsal's target may have no weights yet: random verifier rows of its shapes

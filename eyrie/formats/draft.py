@@ -37,6 +37,22 @@ CONFIG_FIELDS = (
 )
 
 
+# ... and every block drafter's (speculators' DFlash and DSpark configs; DSpark adds its Markov
+# and confidence heads' fields, which speculators always writes)
+BLOCK_CONFIG_FIELDS = (
+    "speculators_model_type",
+    "architectures",
+    "transformer_layer_config",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "aux_hidden_state_layer_ids",
+    "block_size",
+    "mask_token_id",
+    "sample_from_anchor",
+    "speculators_config",
+)
+
+
 DRAFT_ARCHS = ("llama", "qwen3")  # transformer_layer_config.model_type vLLM serves for EAGLE-3
 # the draft kinds, named as vLLM's speculative_config.method: EAGLE-3 (one token per draft
 # forward, K forwards) and the block drafters (a block of tokens per forward)
@@ -55,26 +71,40 @@ UNSERVABLE_FLAGS = {
 def load_draft(
     path: str | Path, *, verifier: str | Path | None = None, attn_implementation: str = "sdpa"
 ):
-    """Load a draft folder with speculators' Eagle3DraftModel.from_pretrained.
+    """Load a draft folder with speculators' own class for its speculators_model_type
+    (Eagle3DraftModel, DFlashDraftModel, DSparkDraftModel).from_pretrained.
 
     The default attention (flex) cannot run TTT steps > 1 on CPU for short batches, so this
     selects `attn_implementation` (sdpa) in the config; `verifier` replaces the verifier path
     recorded in the folder (the verifier's lm_head/norm are loaded from it).
     """
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators import SpeculatorModel
 
-    config = Eagle3SpeculatorConfig.from_pretrained(str(path))
+    method = json.loads((Path(path) / "config.json").read_text()).get("speculators_model_type")
+    if method not in DRAFT_METHODS:
+        raise ValueError(f"speculators_model_type {method!r} is not one of {list(DRAFT_METHODS)}")
+    model_class = SpeculatorModel.registry[method]
+    config = model_class.config_class.from_pretrained(str(path))
     if verifier is not None:
         config.speculators_config.verifier.name_or_path = str(verifier)
     config.transformer_layer_config._attn_implementation = attn_implementation
-    return Eagle3DraftModel.from_pretrained(str(path), config=config)
+    return model_class.from_pretrained(str(path), config=config)
+
+
+def is_block(model) -> bool:
+    """Whether a speculators draft is a block drafter (DFlash, DSpark) rather than EAGLE-3."""
+    return model.config.speculators_model_type in BLOCK_METHODS
 
 
 def expected_tensors(model) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape the export must hold: the draft's state without verifier_* tensors
-    (those are the target's own norm/lm_head, loaded from the verifier by every client)."""
+    """Tensor name -> shape the export must hold: the draft's state without the tensors its class
+    leaves out of a checkpoint (verifier_*: the target's own norm/lm_head; a block drafter's
+    embedding, the target's too), which every client loads from the verifier."""
+    left_out = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
     return {
-        k: tuple(v.shape) for k, v in model.state_dict().items() if not k.startswith("verifier_")
+        k: tuple(v.shape)
+        for k, v in model.state_dict().items()
+        if not k.startswith("verifier_") and k not in left_out
     }
 
 
@@ -101,32 +131,40 @@ def random_packed_batch(model, seed: int = 0, ttt_steps: int = 3) -> dict[str, t
 
 @torch.no_grad()
 def draft_outputs(model, batch: dict, ttt_steps: int) -> dict[str, torch.Tensor]:
-    """Logits of every TTT step ([1, T, draft_vocab] each, captured at lm_head), draft tokens
-    and the loss against the batch's verifier states."""
+    """Logits of every draft forward ([1, T, draft_vocab] each for EAGLE-3's TTT steps; a block
+    drafter's blocks at every anchor in one), captured at lm_head, its draft tokens (EAGLE-3)
+    and its loss against the batch's verifier states. Anchors are drawn with a fixed seed, so
+    two drafts are compared on the same blocks."""
     from speculators.losses import resolve_loss_config
 
     logits: list[torch.Tensor] = []
     handle = model.lm_head.register_forward_hook(lambda mod, args, out: logits.append(out.clone()))
     was_training = model.training
     model.eval()
+    if is_block(model):
+        kwargs, _ = type(model).get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager")
+    else:
+        kwargs = dict(ttt_steps=ttt_steps, loss_config=resolve_loss_config("kl_div", "eager"))
     try:
         # speculators compiles forward whenever CUDA is present, even for a CPU model; the
         # comparison runs eagerly on CPU (deterministic, and no C++ toolchain needed).
-        with torch.compiler.set_stance("force_eager"):
-            tokens, loss, _ = model(
-                **batch, ttt_steps=ttt_steps, loss_config=resolve_loss_config("kl_div", "eager")
-            )
+        with torch.compiler.set_stance("force_eager"), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            tokens, loss, _ = model(**batch, **kwargs)
     finally:
         handle.remove()
         model.train(was_training)
     out = {f"logits_{k}": x for k, x in enumerate(logits)}
-    out.update({f"tokens_{k}": x for k, x in enumerate(tokens)}, loss=loss)
+    if not is_block(model):
+        out.update({f"tokens_{k}": x for k, x in enumerate(tokens)})
+    out["loss"] = loss
     return out
 
 
 def check_config(config: dict, where: Path, expect: dict) -> None:
     """Every field present and non-null; the values we set are the values written."""
-    missing = [k for k in CONFIG_FIELDS if config.get(k) is None]
+    fields = BLOCK_CONFIG_FIELDS if config.get("speculators_model_type") in BLOCK_METHODS else None
+    missing = [k for k in fields or CONFIG_FIELDS if config.get(k) is None]
     if missing:
         raise ExportError(f"{where}: fields {missing} missing or null; the export must set them")
     for key, want in expect.items():

@@ -21,7 +21,7 @@ from eyrie.train.curves import TENSORBOARD_DIR, write_event_files
 
 
 def read_pending(
-    pending: list[tuple[dict, torch.Tensor, torch.Tensor]], packs: int, ttt_steps: int
+    pending: list[tuple[dict, torch.Tensor, torch.Tensor]], packs: int, positions: int
 ) -> list[dict]:
     """The metrics records of steps whose device values were not read yet (one wait)."""
     sums = torch.stack([s for _, s, _ in pending]).tolist()
@@ -33,7 +33,7 @@ def read_pending(
             {
                 "step": head["step"],
                 "epoch": head["epoch"],
-                **_step_record([v[0], tokens, loss_tokens, *v[1:]], packs, ttt_steps),
+                **_step_record([v[0], tokens, loss_tokens, *v[1:]], packs, positions),
                 "lr": head["lr"],
                 "grad_norm": norm,
                 "data_wait_s": head["data_wait_s"],
@@ -43,9 +43,9 @@ def read_pending(
     return records
 
 
-def _step_record(sums: list[float], packs: int, ttt_steps: int) -> dict:
+def _step_record(sums: list[float], packs: int, positions: int) -> dict:
     """A step's metrics from the sums of its packs over all ranks (loss: mean over packs)."""
-    K = ttt_steps
+    K = positions
     out = {"loss": sums[0] / packs, "tokens": int(sums[1]), "loss_tokens": int(sums[2])}
     for k in range(K):
         total = sums[3 + 2 * K + k]
@@ -64,9 +64,9 @@ def write_outputs(
         tmp.mkdir()
         model.to("cpu").save_pretrained(tmp / "draft")
         (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-        plot_curves(records, cfg.ttt_steps, tmp / "curves.png")
+        plot_curves(records, cfg.positions, tmp / "curves.png")
         if "tensorboard" in cfg.report_to:
-            write_event_files(tmp / TENSORBOARD_DIR, records, cfg.ttt_steps, cfg.log_every)
+            write_event_files(tmp / TENSORBOARD_DIR, records, cfg.positions, cfg.log_every)
         write_json(tmp / "train.json", summary)
 
 
@@ -80,7 +80,7 @@ def fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4f}"
 
 
-def plot_curves(records: list[dict], ttt_steps: int, path: Path) -> None:
+def plot_curves(records: list[dict], positions: int, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -90,11 +90,11 @@ def plot_curves(records: list[dict], ttt_steps: int, path: Path) -> None:
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot(steps, [r["loss"] for r in records], lw=1)
     ax_loss.set(xlabel="step", ylabel="loss (sum over TTT steps)", title="training loss")
-    for k in range(ttt_steps):
+    for k in range(positions):
         pts = [
             (r["step"], r[f"full_acc_{k}"]) for r in records if r.get(f"full_acc_{k}") is not None
         ]
-        ax_acc.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, label=f"TTT step {k}")
+        ax_acc.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, label=f"drafted token {k}")
     ax_acc.set(
         xlabel="step",
         ylabel="accuracy (all previous steps correct)",

@@ -17,7 +17,7 @@ import torch
 from eyrie.config.sections import TrainSettings
 from eyrie.core.errors import EyrieError
 from eyrie.core.runtime import auto_device
-from eyrie.train.kinds import DraftKind, eagle3_kind
+from eyrie.train.kinds import DraftKind, block_kind, eagle3_kind
 from eyrie.train.launch import Dist
 
 
@@ -57,6 +57,10 @@ def build_trainable(
         ttt_steps=cfg.ttt_steps,
         attn_impl="simple_flex_attention" if device.type == "cuda" else "sdpa",
         random_verifier=rehearsal,  # the target's weights need not be on disk yet
+        method=cfg.method,
+        block_size=cfg.block_size,
+        mask_token_id=block_mask_token(target, cfg, int(vocab[1].shape[0])),
+        sample_from_anchor=cfg.sample_from_anchor,
     )
     model = build_draft(target, spec, *vocab, seed=cfg.seed, device=device).to(device)
     model.train()
@@ -65,9 +69,36 @@ def build_trainable(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.lr_schedule)
     )
-    loss = resolve_loss_config(cfg.loss, "eager")
-    kind = eagle3_kind(cfg.ttt_steps, cfg.ttt_step_loss_decay, loss)
+    if cfg.block:
+        kind = block_kind(model, cfg.loss)
+    else:
+        loss = resolve_loss_config(cfg.loss, "eager")
+        kind = eagle3_kind(cfg.ttt_steps, cfg.ttt_step_loss_decay, loss)
+    if kind.positions != cfg.positions:  # one count of drafted tokens for records and export
+        raise EyrieError(
+            f"the {cfg.method} draft proposes {kind.positions} tokens per pass but the settings "
+            f"give {cfg.positions}: speculators changed its block convention"
+        )
     return Trainable(model, params, optimizer, scheduler, kind)
+
+
+def block_mask_token(target: Path, cfg: TrainSettings, vocab_size: int) -> int | None:
+    """A block drafter's mask id: train.mask_token_id, else the target tokenizer's choice
+    (eyrie.arch.draft.mask_token); None for EAGLE-3."""
+    from transformers import AutoTokenizer
+
+    from eyrie.arch.draft import mask_token
+
+    if not cfg.block:
+        return None
+    if cfg.mask_token_id is None:
+        return mask_token(AutoTokenizer.from_pretrained(str(target)), vocab_size, str(target))
+    if cfg.mask_token_id >= vocab_size:
+        raise EyrieError(
+            f"train.mask_token_id {cfg.mask_token_id} is past the target's {vocab_size} "
+            "embedding rows; give an id below it (a reserved special token), or null"
+        )
+    return cfg.mask_token_id
 
 
 def wrap_ddp(model: torch.nn.Module, dist: Dist, device: torch.device) -> torch.nn.Module:

@@ -129,7 +129,7 @@ class TrainRecipe:
             self.paths.shards,
             self.expect,
             self.cfg.max_tokens_per_batch,
-            self.cfg.ttt_steps - 1,
+            0 if self.cfg.block else self.cfg.ttt_steps - 1,  # EAGLE-3's TTT shifts need a gap
             values_checked=self.cfg.verify_shards,
         )
         self._stack.callback(self.data.close)
@@ -376,7 +376,7 @@ class TrainRecipe:
             "tokens": position["tokens"],
             "final": {
                 "loss": mean(last, "loss"),
-                "full_acc": [mean(last, f"full_acc_{k}") for k in range(cfg.ttt_steps)],
+                "full_acc": [mean(last, f"full_acc_{k}") for k in range(cfg.positions)],
                 "over_last_steps": len(last),
             },
             "wall_time_s": position["wall_s"],
@@ -391,6 +391,7 @@ class TrainRecipe:
                 "tokenizer_hash": expect["tokenizer_hash"],
                 "hidden_size": expect["hidden_size"],
             },
+            "method": cfg.method,  # the kind of draft (train.method)
             "aux_layer_ids": expect["aux_layer_ids"],
             "final_layer_id": expect["final_layer_id"],
             "learning_rate": cfg.learning_rate,  # the peak rate it trained with (auto resolved)

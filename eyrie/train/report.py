@@ -107,7 +107,7 @@ class Reporter:
         curves = Curves.open(
             cfg.report_to,
             run_dir,
-            Scalars(cfg.ttt_steps, cfg.log_every, total),
+            Scalars(cfg.positions, cfg.log_every, total),
             read_metrics(metrics_path),
             curves_config,
         )
@@ -120,7 +120,7 @@ class Reporter:
         step, total = state.position["step"], self.total
         log_now = step % cfg.log_every == 0 or step == total
         if log_now or step % cfg.checkpoint_every == 0 or stopping:
-            records = read_pending(state.pending, cfg.packs_per_step, cfg.ttt_steps)  # waits
+            records = read_pending(state.pending, cfg.packs_per_step, cfg.positions)  # waits
             state.position["wall_s"] = records[-1]["wall_s"] = state.wall_s()
             state.pending.clear()
             if self.metrics_file is not None:
@@ -133,7 +133,7 @@ class Reporter:
             return
         window = state.window
         accs = " ".join(
-            f"acc{t}={fmt(mean(window, f'full_acc_{t}'))}" for t in range(cfg.ttt_steps)
+            f"acc{t}={fmt(mean(window, f'full_acc_{t}'))}" for t in range(cfg.positions)
         )
         log.info(
             "step %d/%d epoch %d loss %s %s lr %.2e %.0f tok/s (data wait %.1f%%)",

@@ -191,7 +191,17 @@ NEW_DATA_KEYS = (
     "chat_template_kwargs",
     "reasoning_parser",
 )
-NEW_TRAIN_KEYS = ("report_to", "loss", "lr_schedule", "hidden_noise", "norm_before_fc")
+NEW_TRAIN_KEYS = (
+    "report_to",
+    "loss",
+    "lr_schedule",
+    "hidden_noise",
+    "norm_before_fc",
+    "method",
+    "block_size",
+    "sample_from_anchor",
+    "mask_token_id",
+)
 
 
 def test_every_key_added_since_finished_runs_is_marked_added_in_the_schema():

@@ -3,6 +3,8 @@ trained on eyrie's packs: the same shards and batches as EAGLE-3 (issue 40's fir
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -59,11 +61,19 @@ def test_a_block_drafter_without_a_mask_token_is_refused():
 
 def test_the_mask_token_is_the_tokenizers_else_the_first_free_row(world):
     """The tokenizer's own mask token; else the first embedding row past its ids (what
-    speculators' added <|MASK|> would take); else one line naming the folder and the fix."""
+    speculators' added <|MASK|> would take); else its pad token when that is a token of its own;
+    else one line naming the folder and the key to set."""
     tok = world["tokenizer"]
-    with pytest.raises(EyrieError, match=r"target-x: the tokenizer has no mask token and its"):
-        mask_token(tok, len(tok), "target-x")
     assert mask_token(tok, len(tok) + 64, "target-x") == len(tok)
+    assert mask_token(tok, len(tok), "target-x") == tok.pad_token_id  # <|pad|>: never text
+    shared = type(tok).from_pretrained(world["target"])
+    shared.pad_token = shared.eos_token  # as many published tokenizers pad
+    with pytest.raises(
+        EyrieError,
+        match=r"target-x: the tokenizer has no mask token, no pad token of its own.*"
+        r"set train.mask_token_id",
+    ):
+        mask_token(shared, len(shared), "target-x")
     masked = type(tok).from_pretrained(world["target"])
     masked.add_special_tokens({"mask_token": "<|mask|>"})
     assert mask_token(masked, len(masked), "target-x") == masked.mask_token_id
@@ -121,3 +131,63 @@ def test_the_training_step_trains_a_block_drafter(world, method):
     record = read_pending(pending[-1:], 1, kind.positions)[0]
     assert all(record[f"loss_{k}"] is None for k in range(kind.positions))
     assert all(0.0 <= record[f"full_acc_{k}"] <= 1.0 for k in range(kind.positions))
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_a_block_drafter_trains_exports_and_evaluates_through_the_stages(world, tmp_path, method):
+    """train.method picks the kind of draft; the train, export and evaluate stages take it from
+    there: training records accuracy per drafted token (block_size - 1 for dflash, all slots for
+    dspark), the export writes the block drafter's config as speculators and vLLM read it and
+    loads back with identical outputs, and the Hugging Face evaluation decodes with the block
+    proposer (its outputs equal the target's greedy ones) at K up to the block's tokens."""
+    from eyrie.cli import main as cli_main
+    from eyrie.export.export import export
+    from eyrie.formats.draft import BLOCK_CONFIG_FIELDS, load_draft
+    from eyrie.train.recipe import train
+    from tests.support.stages import stage_args
+    from tests.support.train_helpers import train_paths, train_settings, write_eval_set
+
+    settings = train_settings(epochs=1, method=method, block_size=BLOCK)
+    positions = BLOCK if method == "dspark" else BLOCK - 1
+    settings["eval"] = {"num_speculative_tokens": positions, "max_new_tokens": 12, "device": "cpu"}
+    summary = train(train_paths(world, tmp_path), settings)
+    assert summary["method"] == method
+    assert len(summary["final"]["full_acc"]) == positions
+    records = (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
+    assert f'"full_acc_{positions - 1}"' in records[-1] and '"loss_0": null' in records[-1]
+
+    out = tmp_path / "draft"
+    export(world["target"], tmp_path / "train", out, settings)
+    config = json.loads((out / "config.json").read_text())
+    assert all(config.get(f) is not None for f in BLOCK_CONFIG_FIELDS)
+    assert config["speculators_model_type"] == config["speculators_config"]["algorithm"] == method
+    assert config["aux_hidden_state_layer_ids"] == list(AUX_IDS)
+    assert config["block_size"] == BLOCK
+    assert config["mask_token_id"] == world["tokenizer"].pad_token_id  # no mask token, no free row
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == positions
+    assert type(load_draft(out)).__name__ == type(load_draft(tmp_path / "train" / "draft")).__name__
+
+    prompts = [
+        ids[: ids.index(world["tokenizer"].convert_tokens_to_ids("<|start|>"), 2) + 3]
+        for ids, _ in world["samples"][:3]
+    ]
+    eval_set = write_eval_set(tmp_path / "eval.parquet", prompts)
+    report = tmp_path / "eval.json"
+    rc = cli_main(
+        stage_args(
+            "evaluate",
+            target=world["target"],
+            draft=out,
+            vocab=world["vocab"],
+            eval_set=eval_set,
+            preflight=world["preflight"],
+            out=report,
+            plot=tmp_path / "eval.png",
+            settings=settings,
+        )
+    )
+    assert rc == 0
+    got = json.loads(report.read_text())
+    assert got["K"] == positions and got["outputs_match_target_greedy"]
+    assert len(got["trained"]["acceptance_length_by_k"]) == positions
+    assert 1.0 <= got["trained"]["acceptance_length"] <= 1 + positions

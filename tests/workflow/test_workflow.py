@@ -96,6 +96,27 @@ def test_training_setting_reruns_only_train_export_evaluate(built):
     assert planned_with(built, train__learning_rate=1e-3) == FROM_TRAINING
 
 
+@pytest.mark.slow
+def test_a_finished_eagle3_run_switched_to_block_drafters_retrains_from_its_shards(built, tmp_path):
+    """train.method on a finished EAGLE-3 run (on a copy): dspark, then dflash, each reruns
+    training, export and evaluation only (the shards, tokenization and preflight stay); each
+    draft is exported as its kind and evaluated by decoding; a rerun plans nothing."""
+    work = tmp_path / "wf"
+    shutil.copytree(built, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    shards = sorted((work / "results/tiny/hidden").glob("shard_*.h5"))
+    before = [p.stat().st_mtime_ns for p in shards]
+    for method in ("dspark", "dflash"):
+        write_config(work, train__method=method)
+        assert planned(work) == FROM_TRAINING
+        assert job_table(snakemake(work)) == FROM_TRAINING
+        draft = json.loads((work / "results/tiny/draft/config.json").read_text())
+        assert draft["speculators_model_type"] == method
+        ev = json.loads((work / "results/tiny/eval/eval.json").read_text())
+        assert ev["outputs_match_target_greedy"] is True and ev["trained"]["num_drafts"] > 0
+        assert planned(work) == {}
+    assert [p.stat().st_mtime_ns for p in shards] == before
+
+
 def dag_styles(workdir: Path) -> dict[str, set[str]]:
     """Rule -> node styles in `snakemake --dag` (dot): "dashed" marks a job that needs no run."""
     dot = snakemake(workdir, "--dag")
