@@ -113,6 +113,9 @@ def build_draft(
                 block_size=spec.block_size,
                 mask_token_id=spec.mask_token_id,
                 sample_from_anchor=spec.sample_from_anchor,
+                # every layer is full attention, which speculators trains bidirectional within
+                # the block; vLLM (0.26+) runs a DFlash draft causal unless this is set
+                sliding_window_non_causal=True,
             )
         return _model_class(spec.method).from_training_args(
             **common,

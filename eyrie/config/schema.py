@@ -134,6 +134,12 @@ def block_problems(config: dict) -> list[str]:
             f"drafts only so far; set {key}: false (the Hugging Face evaluation decodes block "
             "drafters: eval/eval.json) or train.method: eagle3"
         )
+    if method == "dflash" and train.get("sample_from_anchor") is True:
+        problems.append(
+            "train.sample_from_anchor: true with train.method: dflash: vLLM serves a DFlash "
+            "draft's anchor as the bonus token (0.22, 0.26) or refuses the flag (0.33+); set it "
+            "to null or false, or use train.method: dspark"
+        )
     block, k = train.get("block_size", 8), _section(config, "eval").get("num_speculative_tokens", 3)
     if isinstance(block, int) and isinstance(k, int):
         most = block_positions(method, block, train.get("sample_from_anchor"))

@@ -235,7 +235,8 @@ class BlockProposer:
     context position t < T and to the whole block (bidirectional). DFlash drafts slots 1..B-1
     (its anchor slot is the bonus token); a draft that samples from its anchor (DSpark) drafts
     slots 0..B-1. A Markov head (DSpark) adds to slot j's logits a bias from the token before
-    it (the latest token, then each drafted one in turn), so those slots are drafted in order."""
+    it (the latest token, then each drafted one in turn), so those slots are drafted in order.
+    At K below the block's tokens the block is cut to the slots K needs, as vLLM runs it."""
 
     def __init__(self, draft):
         self.draft = _eval_mode(
@@ -252,12 +253,12 @@ class BlockProposer:
         return block_positions(c.speculators_model_type, c.block_size, c.sample_from_anchor)
 
     def backbone(
-        self, token_ids: torch.Tensor, aux_states: torch.Tensor
+        self, token_ids: torch.Tensor, aux_states: torch.Tensor, length: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """token_ids [T+1], aux_states [T, A*H] -> the block's (normed states [B, H], logits
-        [B, draft_vocab]) before any Markov bias."""
+        [B, draft_vocab]) before any Markov bias; B is `length` (default the trained block)."""
         d = self.draft
-        T, B = aux_states.shape[0], d.block_size
+        T, B = aux_states.shape[0], length or d.block_size
         context = d.hidden_norm(d.fc(aux_states.to(d.fc.weight.dtype)))[None]  # [1, T, H]
         block = token_ids.new_full((B,), d.mask_token_id)
         block[0] = token_ids[-1]
@@ -292,9 +293,11 @@ class BlockProposer:
 
     @torch.no_grad()
     def __call__(self, token_ids: torch.Tensor, aux_states: torch.Tensor, k: int) -> list[int]:
-        if not 1 <= k <= self.K:  # the first k slots, as vLLM with fewer speculative tokens
+        if not 1 <= k <= self.K:
             raise EvaluateError(f"this block drafter drafts up to {self.K} tokens, asked for {k}")
-        hidden, logits = self.backbone(token_ids, aux_states)
+        # as vLLM drafts K tokens: a block of the anchor's slot and K more (DFlash), or of K slots
+        # when the anchor's drafts too; never padded to the trained block_size
+        hidden, logits = self.backbone(token_ids, aux_states, self.first + k)
         before = [int(token_ids[-1])]
         for slot in range(self.first, self.first + k):
             drafted = self.slot_logits(hidden, logits, before, slot).argmax()

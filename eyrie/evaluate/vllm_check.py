@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyrie.arch.target import inspect_target
+from eyrie.config.schema import block_positions
 from eyrie.config.sections import VllmSettings, load_with_vllm
 from eyrie.core.errors import EvaluateError, TargetError
 from eyrie.core.rehearsal import draft_is_rehearsal, refuse_in_real_run
-from eyrie.formats.draft import DRAFT_ARCHS, UNSERVABLE_FLAGS
+from eyrie.formats.draft import BLOCK_METHODS, DRAFT_ARCHS, DRAFT_METHODS, UNSERVABLE_FLAGS
 from eyrie.formats.tokenized import read_prompts
 
 log = logging.getLogger(__name__)
@@ -69,10 +70,11 @@ def read_draft_config(draft_dir: Path) -> dict:
 def format_problems(config: dict) -> list[str]:
     """What vLLM would serve differently from the trained draft: the method, flags, layer type."""
     problems = []
-    if config.get("speculators_model_type") != "eagle3":
+    method = config.get("speculators_model_type")
+    if method not in DRAFT_METHODS:
         problems.append(
-            f"speculators_model_type is {config.get('speculators_model_type')!r}, not "
-            "'eagle3'; this stage serves EAGLE-3 drafts only"
+            f"speculators_model_type is {method!r}, not one of {', '.join(DRAFT_METHODS)}; "
+            "re-export the draft with eyrie export"
         )
     for flag, reason in UNSERVABLE_FLAGS.items():
         if config.get(flag):
@@ -84,7 +86,7 @@ def format_problems(config: dict) -> list[str]:
     if layer.get("model_type") not in DRAFT_ARCHS:
         problems.append(
             f"transformer_layer_config.model_type {layer.get('model_type')!r}; vLLM "
-            f"serves EAGLE-3 drafts of type {', '.join(DRAFT_ARCHS)}"
+            f"serves drafts of type {', '.join(DRAFT_ARCHS)}"
         )
     return problems
 
@@ -110,20 +112,43 @@ def target_problems(config: dict, info) -> list[str]:
             f"draft_vocab_size {draft_vocab!r} must be an integer within "
             f"1..{info.vocab_size}; re-export the draft"
         )
-    aux = config.get("eagle_aux_hidden_state_layer_ids")
+    key = aux_key(config)
+    aux = config.get(key)
     N = info.num_hidden_layers
     if not (isinstance(aux, list) and aux and all(isinstance(i, int) and 0 <= i < N for i in aux)):
         problems.append(
-            f"eagle_aux_hidden_state_layer_ids {aux!r} must be a non-empty list of "
+            f"{key} {aux!r} must be a non-empty list of "
             f"layer ids within 0..{N - 1} (the target has {N} layers)"
         )
     return problems
 
 
+def aux_key(config: dict) -> str:
+    """The config field naming the target layers a draft reads (EAGLE-3's own name, or the
+    block drafters')."""
+    if config.get("speculators_model_type") in BLOCK_METHODS:
+        return "aux_hidden_state_layer_ids"
+    return "eagle_aux_hidden_state_layer_ids"
+
+
+def block_width_problems(config: dict, K: int) -> list[str]:
+    """K past the tokens a block drafter's block proposes (eyrie.config.schema.block_positions)."""
+    method = config.get("speculators_model_type")
+    if method not in BLOCK_METHODS:
+        return []
+    most = block_positions(method, config.get("block_size"), config.get("sample_from_anchor"))
+    if K <= most:
+        return []
+    return [
+        f"eval.num_speculative_tokens {K} but this {method} draft proposes {most} tokens per "
+        f"block (block_size {config.get('block_size')}); set it to at most {most}"
+    ]
+
+
 def check_draft_config(draft_dir: str | Path, info) -> dict:
     """Refuse, from config.json alone, a draft vLLM would not serve as trained (all problems at
-    once): not EAGLE-3, flags vLLM 0.22 ignores (fc_norm, norm_output), another target's shapes,
-    aux layers outside the target, no weights. Returns the config."""
+    once): no draft kind eyrie trains, flags vLLM 0.22 ignores (fc_norm, norm_output), another
+    target's shapes, aux layers outside the target, no weights. Returns the config."""
     draft_dir = Path(draft_dir)
     config = read_draft_config(draft_dir)
     problems = format_problems(config) + target_problems(config, info)
@@ -179,15 +204,20 @@ def read_hf_eval(path: str | Path, K: int, max_new_tokens: int) -> dict:
     }
 
 
-def check_installed_vllm(target: str | Path) -> None:
+def check_installed_vllm(target: str | Path, draft_dir: str | Path, draft: dict) -> None:
     """Preflight's vLLM checks that serving needs, repeated in the job's first seconds: eval.vllm
-    and the vLLM environment are not compared settings (switching them reruns no preflight)."""
-    from eyrie.vllm.checks import version_problems
+    and the vLLM environment are not compared settings (switching them reruns no preflight);
+    and for a block drafter, that this vLLM serves it as trained (`draft`: its config.json)."""
+    from eyrie.vllm.checks import block_draft_problems, version_problems
     from eyrie.vllm.facts import gather_facts
 
     config = json.loads((Path(target) / "config.json").read_text())
     facts = gather_facts(config)
     problems = version_problems(facts)
+    method = draft.get("speculators_model_type")
+    if method in BLOCK_METHODS:
+        where = str(Path(draft_dir) / "config.json")
+        problems += block_draft_problems(method, facts, draft, where)
     if not facts.eagle3_target:
         problems.append(
             f"vLLM {facts.version}: {facts.architecture_class or facts.architecture} "
@@ -284,8 +314,11 @@ def plan_evaluation(
     except TargetError as exc:
         raise EvaluateError(str(exc)) from exc
     draft_config = check_draft_config(paths.draft, info)
+    width = block_width_problems(draft_config, cfg.K)
+    if width:
+        raise EvaluateError(f"{Path(paths.draft) / 'config.json'}: " + "; ".join(width))
     check_rehearsal(paths, cfg.rehearsal)
-    check_installed_vllm(paths.target)
+    check_installed_vllm(paths.target, paths.draft, draft_config)
     hf = None if paths.hf_eval is None else read_hf_eval(paths.hf_eval, cfg.K, cfg.max_new_tokens)
     prompts = read_prompts(paths.eval_set, cfg.num_prompts, info.vocab_size)
     if hf is not None:

@@ -262,7 +262,9 @@ def block_draft_problems(method: str, facts: VllmFacts, draft: dict, where: str)
     is `draft` as it was trained ([] when it would): no converter or class for the method, or a
     draft that samples from its anchor (speculators' DSpark default) on a converter that does not
     read sample_from_anchor and so serves the anchor as a bonus token (vLLM 0.22's DFlash, 0.26's
-    DSpark: `block_drafts` in docs/vllm.md). `where`: the draft's config.json, for the line."""
+    DSpark: `block_drafts` in docs/vllm.md), or sliding_window_non_causal false on a converter that
+    reads it (0.26's DFlash and later: every layer causal, unlike training). `where`: the draft's
+    config.json, for the line."""
     known = (facts.block_drafts or {}).get(method)
     if known is None:  # facts from before the field: nothing known to check
         return []
@@ -278,5 +280,14 @@ def block_draft_problems(method: str, facts: VllmFacts, draft: dict, where: str)
             f"the anchor), but vLLM {facts.version}'s {method} converter does not read it and "
             "serves the anchor as a bonus token: the draft would run with the other convention; "
             "install vLLM 0.33 or later, or train with sample_from_anchor false"
+        ]
+    if "sliding_window_non_causal" in (known["reads"] or []) and not draft.get(
+        "sliding_window_non_causal"
+    ):
+        return [
+            f"{where}: sliding_window_non_causal is false, and vLLM {facts.version}'s {method} "
+            "converter reads it as `causal` for every draft layer, but speculators trains full "
+            "attention layers bidirectional within the block: the draft would run another "
+            "network; re-export it with eyrie (which sets it true)"
         ]
     return []

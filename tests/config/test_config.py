@@ -72,6 +72,37 @@ def test_config_yaml_gives_the_schemas_defaults():
     assert differ == []
 
 
+@pytest.mark.parametrize(
+    "train,others,wants",
+    [
+        ({"method": "dspark"}, {}, []),  # K 3 of a dspark block of 8
+        ({"method": "dflash", "block_size": 3}, {}, ["proposes 2 tokens per forward"]),
+        (
+            {"method": "dspark"},
+            {"eval": {"vllm": True}, "vllm": {"rehearsal": True}},
+            ["eval.vllm: true with train.method: dspark", "vllm.rehearsal: true with"],
+        ),
+        ({"method": "dflash", "sample_from_anchor": True}, {}, ["bonus token (0.22, 0.26)"]),
+        ({"method": "eagle3", "block_size": 2}, {"eval": {"vllm": True}}, []),
+    ],
+)
+def test_a_block_drafter_is_checked_when_the_config_is_read(train, others, wants):
+    """What a block drafter cannot do yet, or cannot do at all, is one line per problem when
+    the workflow reads the config (before any job): the vLLM evaluation and rehearsal (EAGLE-3
+    only so far), K past the block's tokens, a DFlash draft that samples from its anchor."""
+    cfg = {"target": {"name": "t"}, "train": train, **others}
+    if "vllm" in others:
+        cfg["extract"] = {"backend": "vllm"}
+    if not wants:
+        validate_config(cfg)
+        return
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert f"{len(wants)} problem" in str(err.value) or len(wants) == 1
+    for want in wants:
+        assert want in str(err.value)
+
+
 def test_all_errors_reported_each_naming_its_key():
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfg["train"]["learning_rate"] = -1

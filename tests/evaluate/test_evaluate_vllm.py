@@ -466,7 +466,8 @@ def test_installed_vllm_check_in_the_vllm_environment(tmp_path, arch, ok):
     )
     proc = vllm_python(
         "import sys; from eyrie.evaluate.vllm_check import check_installed_vllm; "
-        f"check_installed_vllm({str(tmp_path)!r}); print('ok')",
+        f"check_installed_vllm({str(tmp_path)!r}, {str(tmp_path)!r}, "
+        "{'speculators_model_type': 'eagle3'}); print('ok')",
         timeout=180,
     )
     if ok:
@@ -474,6 +475,48 @@ def test_installed_vllm_check_in_the_vllm_environment(tmp_path, arch, ok):
     else:
         assert proc.returncode != 0
         assert "has no vLLM adapter" in proc.stderr or "cannot be an EAGLE-3 target" in proc.stderr
+
+
+@needs_vllm_env
+@pytest.mark.vllm_env
+def test_installed_vllm_check_of_block_drafters_in_the_vllm_environment(tmp_path):
+    """A block drafter in the evaluation's first seconds, against the default environment's
+    vLLM (0.22: DFlash only, its converter not reading sample_from_anchor; docs/vllm.md's
+    block_drafts): a DFlash draft as speculators defaults it passes; a DSpark draft, and a DFlash
+    draft that samples from its anchor, are each one line naming the draft's config.json."""
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
+    cases = {
+        "dflash": ({"sample_from_anchor": False}, None),
+        "dspark": ({"sample_from_anchor": False}, "serves no dspark draft"),
+        "dflash-anchor": ({"sample_from_anchor": True}, "does not read it"),
+    }
+    drafts = {
+        name: {"speculators_model_type": name.split("-")[0], "block_size": 8, **fields}
+        for name, (fields, _) in cases.items()
+    }
+    proc = vllm_python(  # one process: the facts are gathered once
+        "import json\n"
+        "from eyrie.core.errors import EvaluateError\n"
+        "from eyrie.evaluate.vllm_check import check_installed_vllm\n"
+        "out = {}\n"
+        f"for name, draft in {drafts!r}.items():\n"
+        "    try:\n"
+        f"        check_installed_vllm({str(tmp_path)!r}, 'runs/draft', draft)\n"
+        "        out[name] = None\n"
+        "    except EvaluateError as exc:\n"
+        "        out[name] = str(exc)\n"
+        "print(json.dumps(out))\n",
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, (_, refused) in cases.items():
+        if refused is None:
+            assert got[name] is None, name
+        else:
+            assert refused in got[name] and "runs/draft/config.json" in got[name], got[name]
 
 
 @needs_vllm_env

@@ -241,8 +241,9 @@ def test_environments_with_one_torch_share_its_files():
 
 @pytest.fixture(scope="module")
 def block_configs(world, tmp_path_factory):
-    """config.json of a DFlash and of a DSpark draft as speculators saves them (its defaults:
-    DSpark samples from its anchor, DFlash does not)."""
+    """config.json of a DFlash and of a DSpark draft as eyrie builds them (speculators' own
+    classes and defaults: DSpark samples from its anchor, DFlash does not; eyrie sets
+    sliding_window_non_causal, as its layers are all full attention)."""
     import json
 
     from tests.support.train_helpers import block_draft
@@ -278,3 +279,20 @@ def test_which_block_drafts_each_version_serves_as_trained(version_facts, block_
         want = BLOCK_SERVED[version][method]
         assert (got == []) if want is None else (len(got) == 1 and want in got[0]), got
         assert all(line.startswith("draft/config.json: ") for line in got)
+
+
+def test_a_dflash_draft_vllm_would_run_causal_is_refused(version_facts, block_configs):
+    """speculators' own DFlash default, sliding_window_non_causal false, trains its full
+    attention layers bidirectional within the block; vLLM 0.26 and later read the flag as
+    `causal` for every layer, so that draft would be served as another network (0.22 always
+    runs the block bidirectional and does not read it)."""
+    from eyrie.vllm.checks import block_draft_problems
+
+    version, facts = version_facts
+    assert block_configs["dflash"]["sliding_window_non_causal"] is True  # eyrie's export
+    config = {**block_configs["dflash"], "sliding_window_non_causal": False}
+    got = block_draft_problems("dflash", facts["llama"], config, "draft/config.json")
+    if version == "0.22.0":
+        assert got == []
+    else:
+        assert len(got) == 1 and "reads it as `causal` for every draft layer" in got[0], got
