@@ -189,6 +189,7 @@ TABLE = (
             "block_size",
             "sample_from_anchor",
             "mask_token_id",
+            "aux_ids",
         )
     ),
     # preflight sizes the evaluation's vLLM engine from them

@@ -105,6 +105,13 @@ def cross_field_problems(config: dict) -> list[str]:
             f"train.max_tokens_per_batch: {both[0]} is too small for train.ttt_steps={both[1]}; "
             f"set it to at least {8 * both[1]} (8 per TTT step) or lower train.ttt_steps"
         )
+    stored = _section(config, "layers").get("aux_ids")
+    read = _section(config, "train").get("aux_ids")
+    if isinstance(stored, list) and isinstance(read, list) and not set(read) <= set(stored):
+        problems.append(
+            f"train.aux_ids: {read} names layers {sorted(set(read) - set(stored))} that "
+            f"layers.aux_ids {stored} does not extract; name layers it holds, or add them there"
+        )
     return problems + block_problems(config) + rehearsal_problems(config) + report_problems(config)
 
 

@@ -81,11 +81,26 @@ class TrainSettings:
     block_size: int  # block drafters: positions per draft forward, the anchor's included
     sample_from_anchor: bool | None  # block drafters; None: the method's own
     mask_token_id: int | None  # block drafters; None: eyrie.arch.draft.mask_token's choice
+    aux_ids: tuple[int, ...] | None  # the stored layers the draft reads; None: all of them
 
     @property
     def block(self) -> bool:
         """A block drafter (a block of tokens per draft forward), not EAGLE-3."""
         return self.method != "eagle3"
+
+    def draft_layers(self, stored: list[int], where: str) -> list[int]:
+        """The target layers the draft reads: train.aux_ids, each one the shards hold
+        (`stored`: their aux_layer_ids, from `where`), or all of them."""
+        if self.aux_ids is None:
+            return list(stored)
+        missing = [i for i in self.aux_ids if i not in stored]
+        if missing:
+            raise EyrieError(
+                f"train.aux_ids {list(self.aux_ids)}: layers {missing} are not in the shards "
+                f"({where}: aux_layer_ids {list(stored)}); name layers they hold, or add them "
+                "to layers.aux_ids (which extracts them again)"
+            )
+        return list(self.aux_ids)
 
     @property
     def positions(self) -> int:
@@ -103,6 +118,7 @@ class TrainSettings:
             "float": float,
             "float | str": lambda v: v if v == "auto" else float(v),  # learning_rate
             "tuple[str, ...]": tuple,
+            "tuple[int, ...] | None": lambda v: None if v is None else tuple(v),
         }
         section = {**section, "loss": loss_spec(section["loss"])}
         cfg = cls(

@@ -106,16 +106,16 @@ def load_draft(path: str | Path):
 
 def check_draft(
     draft, path, aux_ids: list[int], hidden_size: int, vocab_map: tuple[torch.Tensor, torch.Tensor]
-) -> None:
-    """The draft must read the aux layers the preflight chose and use this vocabulary map
-    (`vocab_map`: d2t, t2d)."""
+) -> list[int]:
+    """The draft must read aux layers the preflight chose (all, or some: train.aux_ids) and use
+    this vocabulary map (`vocab_map`: d2t, t2d); returns the layers it reads."""
     d2t, t2d = vocab_map
     key = "aux_hidden_state_layer_ids" if is_block(draft) else "eagle_aux_hidden_state_layer_ids"
     draft_aux = list(getattr(draft.config, key))
-    if draft_aux != list(aux_ids):
+    if not set(draft_aux) <= set(aux_ids):
         raise EvaluateError(
-            f"{path}: draft {key} {draft_aux} differ "
-            f"from the preflight's aux_layer_ids {list(aux_ids)}; retrain/export "
+            f"{path}: draft {key} {draft_aux} are not among "
+            f"the preflight's aux_layer_ids {list(aux_ids)}; retrain/export "
             "the draft with the preflight's layers (or rerun preflight)"
         )
     if draft.hidden_size != hidden_size:
@@ -135,6 +135,7 @@ def check_draft(
             f"{path}: the draft's d2t/t2d differ from the vocabulary map's; use "
             "the draft trained with this map"
         )
+    return draft_aux
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ def check_inputs(paths: EvalPaths, cfg: EvalSettings) -> EvalInputs:
         )
         raise EvaluateError(refusal(Path(paths.draft) / "provenance.json", "a draft", fix))
     draft = load_draft(paths.draft)
-    check_draft(draft, paths.draft, aux_ids, info.hidden_size, (d2t, t2d))
+    aux_ids = check_draft(draft, paths.draft, aux_ids, info.hidden_size, (d2t, t2d))
     if is_block(draft):
         most = BlockProposer.positions(draft)
         if cfg.K > most:

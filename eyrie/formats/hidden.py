@@ -44,6 +44,15 @@ CHECKED_FIELDS = (
 
 DATASETS = ("input_ids", "loss_mask", "offsets", "sample_ids", "aux_hidden", "final_hidden")
 
+# What the ids and the final state mean, written into every shard so that a reader (a peer's
+# trainer, another kind of draft) need not guess: vLLM's layer-id convention, the final state
+# before the target's final norm. A shard without them (written before) means the same.
+CONVENTIONS = {
+    "layer_ids": "vllm: id k is the residual stream entering decoder layer k; id N (the layer "
+    "count) is the last layer's output",
+    "final_state": "before the final norm: the target's distribution is lm_head(norm(final))",
+}
+
 SCAN_BYTES = 64 << 20  # validate_shard reads ~64 MiB at a time
 
 # Hidden-state reads from this size up are mapped (eyrie.formats.pagecache), smaller ones copied
@@ -110,6 +119,12 @@ def _read_meta(f: h5py.File, path) -> ShardMeta:
     missing = [k for k in fields if k not in a]
     if missing:
         raise ShardError(f"{path}: attr {missing[0]!r} missing; rebuild this shard")
+    for key, meaning in CONVENTIONS.items():
+        if key in a and str(a[key]) != meaning:
+            raise ShardError(
+                f"{path}: attr {key!r} is {str(a[key])!r}, but eyrie reads shards whose "
+                f"{key} are {meaning!r}; re-extract it with eyrie"
+            )
     if "rehearsal" in a and np.asarray(a["rehearsal"]).tolist() != 1:
         raise ShardError(
             f"{path}: attr 'rehearsal' is {np.asarray(a['rehearsal']).tolist()!r}, not 1 (a "

@@ -20,7 +20,14 @@ import torch
 from eyrie.core.errors import ShardError
 from eyrie.core.io import remove_stale_temporaries, sync_path
 from eyrie.formats.codecs import HIDDEN, SCALES, STORAGE, non_finite_dataset, stored_arrays
-from eyrie.formats.hidden import FORMAT, LOCKING, SCHEMA_VERSION, ShardMeta, validate_shard
+from eyrie.formats.hidden import (
+    CONVENTIONS,
+    FORMAT,
+    LOCKING,
+    SCHEMA_VERSION,
+    ShardMeta,
+    validate_shard,
+)
 from eyrie.formats.pagecache import start_writeback, wait_writeback
 
 # Bytes a writer thread has written whose write-back may still be under way; past this it waits
@@ -118,6 +125,7 @@ class ShardWriter:
             schema_version=SCHEMA_VERSION,
             num_samples=len(sample_ids),
             num_tokens=n_tok,
+            **CONVENTIONS,
         )
         for k, v in attrs.items():
             f.attrs[k] = np.asarray(v, dtype=np.int64) if k == "aux_layer_ids" else v

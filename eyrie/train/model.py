@@ -34,14 +34,15 @@ class Trainable:
 
 def build_trainable(
     target: Path,
-    expect: dict,
+    layers: list[int],
     cfg: TrainSettings,
     vocab: tuple[torch.Tensor, torch.Tensor],
     total_steps: int,
     device: torch.device,
     rehearsal: bool,
 ) -> Trainable:
-    """The draft on `device` (`vocab`: d2t, t2d), its AdamW optimizer, LR schedule and loss."""
+    """The draft on `device` reading the target `layers` (`vocab`: d2t, t2d), its AdamW
+    optimizer, LR schedule and loss."""
     from speculators.losses import resolve_loss_config
 
     from eyrie.arch.draft import DraftSpec, build_draft
@@ -49,7 +50,7 @@ def build_trainable(
     # speculators' flex attention on a GPU (a block mask over the packed documents and TTT
     # steps); FlexAttention has no backward on a CPU, where sdpa stays.
     spec = DraftSpec(
-        expect["aux_layer_ids"],
+        layers,
         num_layers=cfg.num_layers,
         draft_arch=cfg.draft_arch,
         norm_before_residual=cfg.norm_before_residual,

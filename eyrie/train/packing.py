@@ -115,6 +115,7 @@ class PackedShards:
         max_tokens: int,
         gap: int,
         values_checked: bool = False,
+        layers: list[int] | None = None,
     ):
         self.max_tokens, self.gap = max_tokens, gap
         # Opening every reader first: a mismatching shard fails before any training.
@@ -144,7 +145,11 @@ class PackedShards:
             )
         self.truncated = sum(n > max_tokens - gap for n in self.lengths)
         self.hidden_size = int(expect["hidden_size"])
-        self.n_aux = len(expect["aux_layer_ids"])
+        stored = list(expect["aux_layer_ids"])
+        # `layers`: the stored layers a draft reads, in its order (train.aux_ids); the batch
+        # then holds their columns of the concatenated states only
+        self.columns = None if layers in (None, stored) else [stored.index(i) for i in layers]
+        self.n_aux = len(stored) if self.columns is None else len(self.columns)
         # Hidden states travel in their stored dtype when widening them to float32 later is exact
         # and equal to the float32 read (bfloat16, float16); float8 shards as their codes and
         # scales, decoded on the device (decode_batch); a mix of storage dtypes as float32.
@@ -173,7 +178,8 @@ class PackedShards:
         pin: bool = False,
         pad_to: int | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Packed batch, each value [1, L, ...]: hidden_states `dtype` [1, L, n_aux*H],
+        """Packed batch, each value [1, L, ...]: hidden_states `dtype` [1, L, n_aux*H] (the
+        columns of `layers` where given),
         verifier_last_hidden_states `dtype` [1, L, H], input_ids/position_ids/document_ids
         int64 [1, L], loss_mask bool [1, L]; each sample followed by `gap` padding positions.
 
@@ -198,6 +204,10 @@ class PackedShards:
             r_i, s_i = self.refs[i]
             # as stored (views of the file's pages); float8 dequantized to float32, or as codes
             s = shift_sample(self.readers[r_i].read(s_i, torch.uint8 if codes else None))
+            if self.columns is not None:
+                aux = s["hidden_states"]
+                rows = aux.view(aux.shape[0], -1, self.hidden_size)[:, self.columns]
+                s["hidden_states"] = rows.reshape(aux.shape[0], -1)
             for k in keys:
                 out[k][pos : pos + n].copy_(s[k][:n])
                 out[k][pos + n : pos + n + gap].zero_()

@@ -124,6 +124,7 @@ class TrainRecipe:
                 self.expect["hidden_size"],
             )
         check_rehearsal(self.paths.shards, self.rehearsal)
+        self.layers = self.cfg.draft_layers(self.expect["aux_layer_ids"], str(self.paths.preflight))
         self._open_run()
         self.data = PackedShards(
             self.paths.shards,
@@ -131,6 +132,7 @@ class TrainRecipe:
             self.cfg.max_tokens_per_batch,
             0 if self.cfg.block else self.cfg.ttt_steps - 1,  # EAGLE-3's TTT shifts need a gap
             values_checked=self.cfg.verify_shards,
+            layers=self.layers,
         )
         self._stack.callback(self.data.close)
         vocab = read_vocab(self.paths.vocab)  # d2t, t2d
@@ -138,7 +140,7 @@ class TrainRecipe:
         built = time.monotonic()
         self.draft = build_trainable(
             self.paths.target,
-            self.expect,
+            self.layers,
             self.cfg,
             vocab,
             self.plan.total_steps,
@@ -392,7 +394,8 @@ class TrainRecipe:
                 "hidden_size": expect["hidden_size"],
             },
             "method": cfg.method,  # the kind of draft (train.method)
-            "aux_layer_ids": expect["aux_layer_ids"],
+            "aux_layer_ids": self.layers,  # the layers the draft reads (train.aux_ids)
+            "stored_layer_ids": expect["aux_layer_ids"],  # the shards' (layers.aux_ids)
             "final_layer_id": expect["final_layer_id"],
             "learning_rate": cfg.learning_rate,  # the peak rate it trained with (auto resolved)
             "inputs": {

@@ -84,6 +84,12 @@ def test_config_yaml_gives_the_schemas_defaults():
         ),
         ({"method": "dflash", "sample_from_anchor": True}, {}, ["bonus token (0.22, 0.26)"]),
         ({"method": "eagle3", "block_size": 2}, {"eval": {"vllm": True}}, []),
+        (
+            {"aux_ids": [2, 9]},
+            {"layers": {"aux_ids": [2, 5, 8]}},
+            ["train.aux_ids: [2, 9] names layers [9] that layers.aux_ids [2, 5, 8] does not"],
+        ),
+        ({"aux_ids": [2, 8]}, {"layers": {"aux_ids": [2, 5, 8]}}, []),
     ],
 )
 def test_a_block_drafter_is_checked_when_the_config_is_read(train, others, wants):
@@ -232,6 +238,7 @@ NEW_TRAIN_KEYS = (
     "block_size",
     "sample_from_anchor",
     "mask_token_id",
+    "aux_ids",
 )
 
 

@@ -52,7 +52,7 @@ def installed_vllm_checked_elsewhere(request, monkeypatch):
     """The stage's installed-vLLM check imports vLLM, which this environment lacks: the tests that
     run the stage here replace it; test_installed_vllm_check_* run the real one in .venv-vllm."""
     if "vllm_env" not in request.keywords:
-        monkeypatch.setattr(vllm_check, "check_installed_vllm", lambda target: None)
+        monkeypatch.setattr(vllm_check, "check_installed_vllm", lambda *args: None)
     if "gpu" not in request.keywords:  # FakeEngines answer: no engine process to start
         monkeypatch.setattr(ev, "EngineWorkers", contextlib.nullcontext)
 
@@ -99,9 +99,18 @@ def write_vocab(root: Path, tok) -> tuple[Path, torch.Tensor, torch.Tensor]:
     return random_vocab_map(root / "vocab.safetensors", tok, DRAFT_VOCAB)
 
 
-def write_draft(root: Path, target: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
-    """An (untrained) draft saved the way training saves it, then the real export."""
-    build_draft(target, DraftSpec(AUX), d2t, t2d, seed=1).save_pretrained(root / "train" / "draft")
+def write_draft(
+    root: Path, target: Path, d2t: torch.Tensor, t2d: torch.Tensor, **train: object
+) -> Path:
+    """An (untrained) draft saved the way training saves it, then the real export. `train`:
+    a block drafter's train settings (method, block_size, sample_from_anchor); its mask is the
+    tokenizer's pad token (eyrie.arch.draft.mask_token)."""
+    spec = DraftSpec(AUX)
+    if train:
+        pad = json.loads((target / "tokenizer_config.json").read_text()).get("pad_token")
+        vocab = json.loads((target / "tokenizer.json").read_text())["model"]["vocab"]
+        spec = DraftSpec(AUX, **train, mask_token_id=vocab[pad])
+    build_draft(target, spec, d2t, t2d, seed=1).save_pretrained(root / "train" / "draft")
     (root / "train" / "train.json").write_text(
         json.dumps(
             {
@@ -112,7 +121,7 @@ def write_draft(root: Path, target: Path, d2t: torch.Tensor, t2d: torch.Tensor) 
         )
     )
     draft = root / "draft"
-    export(target, root / "train", draft, train_settings(ttt_steps=K))
+    export(target, root / "train", draft, train_settings(ttt_steps=K, **train))
     return draft
 
 
@@ -636,3 +645,41 @@ def test_whole_stage_through_vllm(vllm_cuda, world, tmp_path):
         report["acceptance_length"] - hf["trained"]["acceptance_length"]
     )
     assert not vllm_compare.diagnostic_path(out).exists()
+
+
+@pytest.mark.gpu
+@needs_vllm_env
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_a_block_draft_through_vllm(vllm_cuda, world, tmp_path, method):
+    """A block drafter (blocks of K + 1, the anchor the bonus token: what every vLLM with the
+    method serves as trained) through the stage on a GPU: served by the installed vLLM with its
+    method (DSpark on vLLM's V2 runner, which vLLM picks for it), outputs equal to the baseline's
+    and the counters' AL; on a vLLM without the method, one line naming the draft's config."""
+    root = tmp_path / "block"
+    (root / "train").mkdir(parents=True)
+    block = dict(method=method, block_size=K + 1, sample_from_anchor=False)
+    _, d2t, t2d = write_vocab(root, build_chat_tokenizer(TEXTS, vocab_size=300))
+    draft = write_draft(root, world["target"], d2t, t2d, **block)
+    files = {**{k: world[k] for k in ("target", "eval_set")}, "draft": draft}
+    files |= {"vocab": root / "vocab.safetensors", "preflight": world["root"] / "preflight.json"}
+    hf_eval = hf_evaluate(root, files)
+    out = tmp_path / "eval_vllm.json"
+    argv = stage_args({**world, "hf_eval": hf_eval}, out, draft)
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "eyrie.cli", *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        timeout=900,
+    )
+    version = vllm_python("import vllm; print(vllm.__version__)").stdout.strip()
+    if method == "dspark" and version.startswith("0.22."):
+        assert proc.returncode != 0 and "serves no dspark draft" in proc.stderr, proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report = json.loads(out.read_text())
+    assert report["K"] == K and report["outputs_equal"] == report["num_prompts"] == NUM_PROMPTS
+    c = report["counters"]
+    assert c["num_drafts"] > 0 and sum(c["accepted_at_position"]) == c["accepted_tokens"]
+    assert report["acceptance_length"] == pytest.approx(1 + c["accepted_tokens"] / c["num_drafts"])

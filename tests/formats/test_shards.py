@@ -222,6 +222,28 @@ def test_missing_or_foreign_attrs_are_refused(tmp_path):
         ShardReader(other)
 
 
+def test_a_shard_says_what_its_layer_ids_and_final_state_are(tmp_path):
+    """Written into every shard: vLLM's layer-id convention and the final state before the norm
+    (what a reader would otherwise guess); absent (a shard from before) reads the same, another
+    meaning is refused in one line naming the shard."""
+    from eyrie.formats.hidden import CONVENTIONS
+
+    path = tmp_path / "s.h5"
+    write(path)
+    with h5py.File(path, "r") as f:
+        assert {k: str(f.attrs[k]) for k in CONVENTIONS} == CONVENTIONS
+        assert "vllm" in CONVENTIONS["layer_ids"] and "before the final norm" in str(
+            f.attrs["final_state"]
+        )
+    with h5py.File(path, "r+") as f:
+        del f.attrs["layer_ids"], f.attrs["final_state"]
+    ShardReader(path).close()
+    with h5py.File(path, "r+") as f:
+        f.attrs["final_state"] = "after the final norm"
+    with pytest.raises(ShardError, match=f"{path}: attr 'final_state' is 'after the final norm'"):
+        ShardReader(path)
+
+
 def test_exception_inside_writer_leaves_nothing(tmp_path):
     sids, ids, masks = tokens()
     path = tmp_path / "out" / "s.h5"
