@@ -191,3 +191,23 @@ def test_a_block_drafter_trains_exports_and_evaluates_through_the_stages(world, 
     assert got["K"] == positions and got["outputs_match_target_greedy"]
     assert len(got["trained"]["acceptance_length_by_k"]) == positions
     assert 1.0 <= got["trained"]["acceptance_length"] <= 1 + positions
+
+
+def test_the_dspark_papers_loss_is_a_train_loss_setting(world):
+    """train.loss {ce: 0.1, tv: 0.9} (the DSpark paper's 0.1 CE + 0.9 TV) reaches speculators'
+    DSpark as its compound loss, with the confidence head's BCE that it adds: the loss and
+    each term are finite and reported."""
+    from eyrie.config.sections import loss_spec
+    from eyrie.train.kinds import block_kind
+
+    model = block_draft(world, "dspark")
+    kind = block_kind(model, loss_spec({"ce": 0.1, "tv": 0.9}))
+    data = PackedShards(world["shards"], shard_expectation(world["preflight"]), 128, gap=0)
+    try:
+        _, loss, metrics = model(**data.batch([0, 1]), **kind.call)
+    finally:
+        data.close()
+    assert torch.isfinite(loss) and loss > 0
+    for term in ("ce", "tv", "confidence"):
+        assert torch.isfinite(torch.as_tensor(metrics[f"{term}_loss_sum"])), term
+    assert "kl_div_loss_sum" not in metrics
