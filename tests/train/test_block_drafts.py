@@ -211,3 +211,33 @@ def test_the_dspark_papers_loss_is_a_train_loss_setting(world):
     for term in ("ce", "tv", "confidence"):
         assert torch.isfinite(torch.as_tensor(metrics[f"{term}_loss_sum"])), term
     assert "kl_div_loss_sum" not in metrics
+
+
+def test_a_resumed_dspark_run_draws_the_same_anchors(world, tmp_path, monkeypatch):
+    """Exact resume as for EAGLE-3: a DSpark run cut at step 6 and resumed from its step-4
+    checkpoint ends with the uninterrupted run's weights, with anchors subsampled at random
+    (8 per pack here: speculators draws them from torch's generator, which the checkpoint
+    restores)."""
+    from functools import partial
+
+    from safetensors.torch import load_file
+
+    import eyrie.train.model as model_module
+    from eyrie.train.kinds import block_kind
+    from eyrie.train.recipe import train
+    from tests.support.train_helpers import train_paths, train_settings
+
+    monkeypatch.setattr(model_module, "block_kind", partial(block_kind, max_anchors=8))
+    settings = train_settings(epochs=2, checkpoint_every=4, method="dspark", block_size=BLOCK)
+    train(train_paths(world, tmp_path / "full"), settings)
+    assert train(train_paths(world, tmp_path / "cut"), settings, stop_after_steps=6) is None
+    train(train_paths(world, tmp_path / "cut"), settings)  # resumes from step 4
+    full, cut = (
+        load_file(str(tmp_path / r / "train" / "draft" / "model.safetensors"))
+        for r in ("full", "cut")
+    )
+    assert full.keys() == cut.keys() and all(torch.equal(full[k], cut[k]) for k in full)
+    other = tmp_path / "other"
+    train(train_paths(world, other), {"train": {**settings["train"], "seed": 1}})
+    moved = load_file(str(other / "train" / "draft" / "model.safetensors"))
+    assert not all(torch.equal(full[k], moved[k]) for k in full)  # the check can fail
