@@ -478,6 +478,9 @@ def cmd_recipe(args) -> dict:
             "per_position": report["trained"]["per_position_acceptance"],
             "wall_s": wall,
         }
+        rows[name]["paired"] = paired(report, rows) if len(rows) > 1 else None  # not itself
+        rows[name]["per_prompt_counts"] = report["trained"].get("per_prompt")
+        rows[name]["sample_ids"] = report.get("sample_ids")
         shutil.copy(run.res / "eval" / "eval.json", args.workdir / f"{name}.eval.json")
         shutil.copy(
             run.workdir / "logs" / run.name / "train_draft.log", args.workdir / f"{name}.train.log"
@@ -486,6 +489,19 @@ def cmd_recipe(args) -> dict:
         (args.workdir / "recipe.partial.json").write_text(json.dumps({"rows": rows, "ks": ks}))
         log(f"{name}: AL {[rows[name]['al'][k]['hf'] for k in ks]} ({wall} s)")
     return {"rows": rows, "ks": ks}
+
+
+def paired(report: dict, rows: dict) -> dict | None:
+    """This variant's AL at the top K over the first variant's (the first of `rows`, already
+    measured), paired by prompt: both decoded the same prompts (their eval.json's sample_ids),
+    eyrie.evaluate.interval.ratio_interval over their per-prompt counts; None without them."""
+    from eyrie.evaluate.interval import ratio_interval
+
+    first = next(iter(rows.values()))
+    mine, ref = report["trained"].get("per_prompt"), first.get("per_prompt_counts")
+    if not mine or not ref or first.get("sample_ids") != report.get("sample_ids"):
+        return None
+    return ratio_interval(mine, ref)
 
 
 def fmt(x) -> str:
@@ -520,16 +536,20 @@ def table(mode: str, result: dict) -> str:
             lines.append(f"| eyrie / {who} | | | " + " | ".join(ratio) + " |")
     else:
         ref = next(iter(rows.values()))
-        head = [f"AL K={k}" for k in ks] + [f"x first K={k}" for k in ks] + ["train acc"]
+        head = [f"AL K={k}" for k in ks] + [f"x first K={k}" for k in ks]
+        head += [f"x first K={ks[-1]}, 95% paired", "train acc"]
         lines.append("| variant | overrides | steps | " + " | ".join(head) + " |")
         lines.append("|---" * (3 + len(head)) + "|")
         for name, r in rows.items():
             al = [r["al"][k]["hf"] for k in ks]
             rel = [f"{a / ref['al'][k]['hf']:.3f}" for a, k in zip(al, ks)]
             acc = "/".join(f"{a:.2f}" for a in r.get("final", {}).get("full_acc", [])) or "-"
+            p = r.get("paired") or {}
+            ci = p.get("ci95")
+            pair = f"{ci[0]:.3f} - {ci[1]:.3f}" if ci else "-"
             lines.append(
                 f"| {name} | {' '.join(r['overrides']) or '(defaults)'} | {r['steps']} | "
-                + " | ".join([*map(fmt, al), *rel, acc])
+                + " | ".join([*map(fmt, al), *rel, pair, acc])
                 + " |"
             )
     return "\n".join(lines)

@@ -155,6 +155,7 @@ def evaluate(paths: EvalPaths, settings: dict) -> dict:
     report = {
         "K": cfg.K,
         "num_prompts": len(inputs.prompts),
+        "sample_ids": [sample_id for sample_id, _ in inputs.prompts],
         "max_new_tokens": cfg.max_new_tokens,
         "output_tokens": output_tokens,
         "engine": {"name": "hf", "dtype": cfg.dtype, "device": cfg.device},
@@ -162,10 +163,14 @@ def evaluate(paths: EvalPaths, settings: dict) -> dict:
             **decoder.stats["trained"].metrics(),
             "acceptance_length_ci95": al_interval(decoder.per_prompt["trained draft"]),
             "acceptance_length_by_k": decoder.acceptance_length_by_k(),
+            # [drafts, accepted tokens] per prompt, in sample_ids' order: two reports on the
+            # same prompts compare by a paired interval (eyrie.evaluate.interval.ratio_interval)
+            "per_prompt": [list(c) for c in decoder.per_prompt["trained draft"]],
         },
         "untrained": {
             **decoder.stats["untrained"].metrics(),
             "acceptance_length_ci95": al_interval(decoder.per_prompt["untrained draft"]),
+            "per_prompt": [list(c) for c in decoder.per_prompt["untrained draft"]],
         },
         # the trained draft's AL over the untrained one's, paired by prompt (interval.py)
         "trained_over_untrained": ratio_interval(

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.support import REPO
@@ -62,7 +63,8 @@ def test_quality_benchmark_peer_and_recipe_on_the_tiny_config(tmp_path):
 
     recipe = subprocess.run(
         [sys.executable, script, "recipe", *common, "--out", str(tmp_path / "recipe.json")]
-        + ["--variant", "ref", "--variant", "ce", "train.loss=ce", "train.lr_schedule=linear"],
+        + ["--variant", "ref", "--variant", "ce", "train.loss=ce", "train.lr_schedule=linear"]
+        + ["--variant", "spark", "train.method=dspark"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -74,3 +76,14 @@ def test_quality_benchmark_peer_and_recipe_on_the_tiny_config(tmp_path):
     assert "train_draft" in log and "extract_hidden_states" not in log  # retrained only
     assert rows["ce"]["overrides"] == ["train.loss=ce", "train.lr_schedule=linear"]
     assert "| ce | train.loss=ce train.lr_schedule=linear |" in recipe.stdout
+    # each variant against the first, paired by prompt (the same held-out prompts)
+    assert rows["ref"]["paired"] is None
+    for name in ("ce", "spark"):
+        pair = rows[name]["paired"]
+        assert pair["ratio"] == pytest.approx(
+            rows[name]["al"]["2"]["hf"] / rows["ref"]["al"]["2"]["hf"]
+        )
+        assert pair["ci95"][0] <= pair["ratio"] <= pair["ci95"][1]
+    spark = (work / "spark.snakemake.log").read_text()
+    assert "train_draft" in spark and "extract_hidden_states" not in spark  # a block drafter
+    assert all(1 <= c["hf"] <= 3 for c in rows["spark"]["al"].values())  # from the same shards

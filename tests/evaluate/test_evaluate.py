@@ -250,6 +250,10 @@ def test_cli_writes_json_and_png(case, tmp_path):
         assert m["acceptance_length"] == pytest.approx(1 + m["accepted_tokens"] / m["num_drafts"])
         assert len(m["per_position_acceptance"]) == K
         assert sum(m["accepted_at_position"]) == m["accepted_tokens"]
+        # per prompt, in sample_ids' order: the figures' parts (for a paired comparison)
+        assert len(m["per_prompt"]) == len(report["sample_ids"]) == 3
+        assert [sum(c) for c in zip(*m["per_prompt"])] == [m["num_drafts"], m["accepted_tokens"]]
+    assert report["sample_ids"] == ["conv.jsonl:1", "conv.jsonl:2", "conv.jsonl:3"]
     assert report["engine"] == {"name": "hf", "dtype": "float32", "device": "cpu"}  # auto on CPU
     by_k = report["trained"]["acceptance_length_by_k"]
     assert len(by_k) == K and by_k[-1] == report["trained"]["acceptance_length"]
