@@ -45,7 +45,8 @@ def engine_requests(plan: VllmPlan) -> tuple[dict, dict]:
     # The target path is always passed: the draft's verifier.name_or_path may not resolve here.
     speculative = {
         "model": str(Path(plan.paths.draft).resolve()),
-        "method": plan.draft_config["speculators_model_type"],  # eagle3, dflash or dspark
+        # eagle3, dflash or dspark (check_draft_config refused any other)
+        "method": plan.draft_config["speculators_model_type"],
         "num_speculative_tokens": cfg.K,
     }
     if cfg.rehearsal:  # the draft's own weights all the same: its loading is rehearsed too

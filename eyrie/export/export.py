@@ -54,12 +54,6 @@ def read_trained(train_dir: Path, cfg: TrainSettings) -> TrainedDraft:
         if not path.is_file():
             raise ExportError(f"{path}: not found; run eyrie train first")
     trained = json.loads((draft_dir / "config.json").read_text())
-    method = trained.get("speculators_model_type")
-    if method != cfg.method:
-        raise ExportError(
-            f"{draft_dir / 'config.json'}: a {method} draft, but train.method is {cfg.method}; "
-            "retrain with this config (snakemake reruns train_draft when train.method changes)"
-        )
     for flag, reason in UNSERVABLE_FLAGS.items():
         if trained.get(flag):
             raise ExportError(
@@ -71,6 +65,13 @@ def read_trained(train_dir: Path, cfg: TrainSettings) -> TrainedDraft:
         raise ExportError(
             f"{draft_dir / 'config.json'}: transformer_layer_config.model_type {arch!r}; "
             f"vLLM serves drafts of type {', '.join(DRAFT_ARCHS)}"
+        )
+    method = trained.get("speculators_model_type")
+    if method != cfg.method:
+        raise ExportError(
+            f"{draft_dir / 'config.json'}: speculators_model_type {method!r}, but train.method "
+            f"is {cfg.method}; retrain with this config (snakemake reruns train_draft when "
+            "train.method changes)"
         )
     summary = json.loads(summary_path.read_text())
     return TrainedDraft(train_dir, draft_dir, arch, summary)

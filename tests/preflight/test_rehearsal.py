@@ -264,7 +264,7 @@ def test_vllm_evaluation_of_a_rehearsal(world, rehearsed, tmp_path, monkeypatch,
     """A real evaluation refuses the rehearsal's draft before any engine; a rehearsal runs both
     engines on random target weights with the draft's own, without the HF evaluation, and counts
     differing outputs (near-ties of random weights) instead of failing on them."""
-    monkeypatch.setattr(ev, "check_installed_vllm", lambda target: None)  # vLLM is not here
+    monkeypatch.setattr(ev, "check_installed_vllm", lambda *args: None)  # vLLM is not here
     engines = FakeEngines([[5, 6, 7, 8], [9, 9, 9, 9]], [[5, 6, 7, 8], [9, 9, 3, 9]])
     monkeypatch.setattr(vllm_run, "run_engine", engines)
     monkeypatch.setattr(vllm_eval, "EngineWorkers", contextlib.nullcontext)  # no processes here
@@ -304,7 +304,8 @@ def test_real_vllm_evaluation_requests_are_unchanged(world, tmp_path):
     cfg = ev.VllmEvalSettings.from_settings(vllm_eval_settings(False))
     assert cfg.rehearsal is False
     paths = ev.VllmEvalPaths(world["target"], tmp_path, world["eval_set"], None, tmp_path / "o")
-    plan = ev.VllmPlan(paths, cfg, {}, {}, {"eos_token_id": 2}, [("a", [1, 2])], 16)
+    eagle3 = {"speculators_model_type": "eagle3"}  # the exported draft's config (its method)
+    plan = ev.VllmPlan(paths, cfg, {}, eagle3, {"eos_token_id": 2}, [("a", [1, 2])], 16)
     base, spec = vllm_run.engine_requests(plan)
     assert "load_format" not in base["engine"] and base["eos_token_id"] == 2
     assert set(spec["speculative_config"]) == {"model", "method", "num_speculative_tokens"}

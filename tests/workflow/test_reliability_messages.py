@@ -140,9 +140,10 @@ def test_config_problems_are_one_line_each_without_traceback(tmp_path):
         "'.', '_' and '-', starting with a letter or digit (it names the folders "
         "results/<name>/ and logs/<name>/)",
         f"eyrie config: error: {where}: train.bogus: unknown key (allowed here: "
-        "checkpoint_every, device, draft_arch, epochs, hidden_noise, learning_rate, log_every, "
-        "loss, lr_schedule, max_grad_norm, max_tokens_per_batch, norm_before_fc, "
-        "norm_before_residual, num_layers, pack_shape, packs_per_step, precision, report_to, seed, "
+        "aux_ids, block_size, checkpoint_every, device, draft_arch, epochs, hidden_noise, "
+        "learning_rate, log_every, loss, lr_schedule, mask_token_id, max_grad_norm, "
+        "max_tokens_per_batch, method, norm_before_fc, norm_before_residual, num_layers, "
+        "pack_shape, packs_per_step, precision, report_to, sample_from_anchor, seed, "
         "ttt_step_loss_decay, ttt_steps, verify_shards, warmup_steps, weight_decay)",
         f"eyrie config: error: {where}: train.seed: -1 is less than the minimum of 0; give an "
         "integer from 0 to 4294967295",
