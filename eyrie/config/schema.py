@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from eyrie.config.drafts import draft_problems
 from eyrie.core import rehearsal
 from eyrie.core.errors import ConfigError, EyrieError
 
@@ -105,58 +106,8 @@ def cross_field_problems(config: dict) -> list[str]:
             f"train.max_tokens_per_batch: {both[0]} is too small for train.ttt_steps={both[1]}; "
             f"set it to at least {8 * both[1]} (8 per TTT step) or lower train.ttt_steps"
         )
-    stored = _section(config, "layers").get("aux_ids")
-    read = _section(config, "train").get("aux_ids")
-    if isinstance(stored, list) and isinstance(read, list) and not set(read) <= set(stored):
-        problems.append(
-            f"train.aux_ids: {read} names layers {sorted(set(read) - set(stored))} that "
-            f"layers.aux_ids {stored} does not extract; name layers it holds, or add them there"
-        )
-    return problems + block_problems(config) + rehearsal_problems(config) + report_problems(config)
-
-
-def block_positions(method: str, block_size: int, sample_from_anchor: bool | None) -> int:
-    """The tokens one block of a block drafter proposes: every slot when the anchor's slot
-    drafts too (sample_from_anchor; None: the method's own, as speculators defaults it: dspark
-    yes, dflash no), else all but the anchor's (the anchor is the target's bonus token)."""
-    anchor = method == "dspark" if sample_from_anchor is None else sample_from_anchor
-    return block_size if anchor else block_size - 1
-
-
-def block_problems(config: dict) -> list[str]:
-    """A block drafter (train.method dflash or dspark) with what it cannot do yet: the vLLM
-    evaluation (and so a rehearsal, whose last stage it is) serves EAGLE-3 drafts only; and K
-    past the tokens one block proposes."""
-    train = _section(config, "train")
-    method = train.get("method")
-    if method in (None, "eagle3"):
-        return []
-    problems = []
-    asked = {"eval.vllm": ("eval", "vllm"), "vllm.rehearsal": ("vllm", "rehearsal")}
-    for key, (section, name) in asked.items():
-        if _section(config, section).get(name) is not True:
-            continue
-        problems.append(
-            f"{key}: true with train.method: {method}: eyrie's vLLM evaluation serves EAGLE-3 "
-            f"drafts only so far; set {key}: false (the Hugging Face evaluation decodes block "
-            "drafters: eval/eval.json) or train.method: eagle3"
-        )
-    if method == "dflash" and train.get("sample_from_anchor") is True:
-        problems.append(
-            "train.sample_from_anchor: true with train.method: dflash: vLLM serves a DFlash "
-            "draft's anchor as the bonus token (0.22, 0.26) or refuses the flag (0.33+); set it "
-            "to null or false, or use train.method: dspark"
-        )
-    block, k = train.get("block_size", 8), _section(config, "eval").get("num_speculative_tokens", 3)
-    if isinstance(block, int) and isinstance(k, int):
-        most = block_positions(method, block, train.get("sample_from_anchor"))
-        if k > most:
-            problems.append(
-                f"eval.num_speculative_tokens: {k} but a {method} draft with train.block_size "
-                f"{block} proposes {most} tokens per forward; set it to at most {most} or raise "
-                "train.block_size"
-            )
-    return problems
+    drafts = draft_problems(*(_section(config, n) for n in ("train", "layers", "eval", "vllm")))
+    return problems + drafts + rehearsal_problems(config) + report_problems(config)
 
 
 def _section(config: dict, name: str) -> dict:

@@ -15,9 +15,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from eyrie.config.drafts import block_positions
 from eyrie.config.schema import (
     added_later,
-    block_positions,
     flag_problems,
     load_settings,
     report_problems,
@@ -105,7 +105,7 @@ class TrainSettings:
     @property
     def positions(self) -> int:
         """Tokens one draft pass proposes, the K its metrics count: EAGLE-3's TTT steps, or a
-        block's (eyrie.config.schema.block_positions)."""
+        block's (eyrie.config.drafts.block_positions)."""
         if not self.block:
             return self.ttt_steps
         return block_positions(self.method, self.block_size, self.sample_from_anchor)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from eyrie.arch.hooks import capture_hidden_states
-from eyrie.config.schema import block_positions
+from eyrie.config.drafts import block_positions
 from eyrie.core.errors import EvaluateError
 
 # propose(token_ids [T+1] int64, aux_states [T, A*H] float, k) -> k target token ids.

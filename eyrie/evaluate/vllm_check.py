@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyrie.arch.target import inspect_target
-from eyrie.config.schema import block_positions
+from eyrie.config.drafts import block_positions
 from eyrie.config.sections import VllmSettings, load_with_vllm
 from eyrie.core.errors import EvaluateError, TargetError
 from eyrie.core.rehearsal import draft_is_rehearsal, refuse_in_real_run
@@ -132,7 +132,7 @@ def aux_key(config: dict) -> str:
 
 
 def block_width_problems(config: dict, K: int) -> list[str]:
-    """K past the tokens a block drafter's block proposes (eyrie.config.schema.block_positions)."""
+    """K past the tokens a block drafter's block proposes (eyrie.config.drafts.block_positions)."""
     method = config.get("speculators_model_type")
     if method not in BLOCK_METHODS:
         return []

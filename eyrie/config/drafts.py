@@ -1,0 +1,58 @@
+"""Rules about the kind of draft a run trains and the layers it reads, between config keys:
+how many tokens a block drafter proposes (`block_positions`, which training, export and both
+evaluations count by) and what a config asks of a draft that it cannot do (`draft_problems`,
+run by eyrie.config.schema when a config is read). docs/training.md#block-drafters.
+"""
+
+from __future__ import annotations
+
+
+def block_positions(method: str, block_size: int, sample_from_anchor: bool | None) -> int:
+    """The tokens one block of a block drafter proposes: every slot when the anchor's slot
+    drafts too (sample_from_anchor; None: the method's own, as speculators defaults it: dspark
+    yes, dflash no), else all but the anchor's (the anchor is the target's bonus token)."""
+    anchor = method == "dspark" if sample_from_anchor is None else sample_from_anchor
+    return block_size if anchor else block_size - 1
+
+
+def draft_problems(train: dict, layers: dict, evaluation: dict, vllm: dict) -> list[str]:
+    """The sections' draft rules: train.aux_ids among the layers extracted; and for a block
+    drafter (train.method dflash or dspark) what it cannot do yet or at all: the vLLM
+    evaluation (and so a rehearsal, whose last stage it is) serves EAGLE-3 drafts only, vLLM
+    never serves a DFlash draft that samples from its anchor, and K past a block's tokens."""
+    problems = []
+    stored, read = layers.get("aux_ids"), train.get("aux_ids")
+    if isinstance(stored, list) and isinstance(read, list) and not set(read) <= set(stored):
+        problems.append(
+            f"train.aux_ids: {read} names layers {sorted(set(read) - set(stored))} that "
+            f"layers.aux_ids {stored} does not extract; name layers it holds, or add them there"
+        )
+    method = train.get("method")
+    if method in (None, "eagle3"):
+        return problems
+    for key, asked in (
+        ("eval.vllm", evaluation.get("vllm")),
+        ("vllm.rehearsal", vllm.get("rehearsal")),
+    ):
+        if asked is True:
+            problems.append(
+                f"{key}: true with train.method: {method}: eyrie's vLLM evaluation serves "
+                f"EAGLE-3 drafts only so far; set {key}: false (the Hugging Face evaluation "
+                "decodes block drafters: eval/eval.json) or train.method: eagle3"
+            )
+    if method == "dflash" and train.get("sample_from_anchor") is True:
+        problems.append(
+            "train.sample_from_anchor: true with train.method: dflash: vLLM serves a DFlash "
+            "draft's anchor as the bonus token (0.22, 0.26) or refuses the flag (0.33+); set it "
+            "to null or false, or use train.method: dspark"
+        )
+    block, k = train.get("block_size", 8), evaluation.get("num_speculative_tokens", 3)
+    if isinstance(block, int) and isinstance(k, int):
+        most = block_positions(method, block, train.get("sample_from_anchor"))
+        if k > most:
+            problems.append(
+                f"eval.num_speculative_tokens: {k} but a {method} draft with train.block_size "
+                f"{block} proposes {most} tokens per forward; set it to at most {most} or raise "
+                "train.block_size"
+            )
+    return problems
