@@ -20,7 +20,8 @@ from eyrie.core.errors import EvaluateError
 from eyrie.core.rehearsal import draft_is_rehearsal, refusal
 from eyrie.core.runtime import auto_device, auto_dtype
 from eyrie.evaluate.specdec import BlockProposer, Eagle3Proposer
-from eyrie.formats.draft import is_block
+from eyrie.evaluate.vllm_check import block_width_problems, read_draft_config
+from eyrie.formats.draft import aux_key, is_block
 from eyrie.formats.report import read_report
 from eyrie.formats.tokenized import read_prompts
 from eyrie.formats.vocab import read_vocab
@@ -110,7 +111,7 @@ def check_draft(
     """The draft must read aux layers the preflight chose (all, or some: train.aux_ids) and use
     this vocabulary map (`vocab_map`: d2t, t2d); returns the layers it reads."""
     d2t, t2d = vocab_map
-    key = "aux_hidden_state_layer_ids" if is_block(draft) else "eagle_aux_hidden_state_layer_ids"
+    key = aux_key(draft.config.speculators_model_type)
     draft_aux = list(getattr(draft.config, key))
     if not set(draft_aux) <= set(aux_ids):
         raise EvaluateError(
@@ -182,14 +183,9 @@ def check_inputs(paths: EvalPaths, cfg: EvalSettings) -> EvalInputs:
         raise EvaluateError(refusal(Path(paths.draft) / "provenance.json", "a draft", fix))
     draft = load_draft(paths.draft)
     aux_ids = check_draft(draft, paths.draft, aux_ids, info.hidden_size, (d2t, t2d))
-    if is_block(draft):
-        most = BlockProposer.positions(draft)
-        if cfg.K > most:
-            raise EvaluateError(
-                f"{paths.draft}: a {draft.config.speculators_model_type} draft proposes {most} "
-                f"tokens per forward (block_size {draft.block_size}), but "
-                f"eval.num_speculative_tokens is {cfg.K}; set it to at most {most}"
-            )
+    width = block_width_problems(read_draft_config(Path(paths.draft)), cfg.K)
+    if width:
+        raise EvaluateError(f"{Path(paths.draft) / 'config.json'}: " + "; ".join(width))
     verifier = draft.config.speculators_config.verifier.name_or_path
     if verifier and Path(verifier).resolve() != Path(paths.target).resolve():
         log.warning(

@@ -18,7 +18,13 @@ from eyrie.config.drafts import block_positions
 from eyrie.config.sections import VllmSettings, load_with_vllm
 from eyrie.core.errors import EvaluateError, TargetError
 from eyrie.core.rehearsal import draft_is_rehearsal, refuse_in_real_run
-from eyrie.formats.draft import BLOCK_METHODS, DRAFT_ARCHS, DRAFT_METHODS, UNSERVABLE_FLAGS
+from eyrie.formats.draft import (
+    BLOCK_METHODS,
+    DRAFT_ARCHS,
+    DRAFT_METHODS,
+    UNSERVABLE_FLAGS,
+    aux_key,
+)
 from eyrie.formats.tokenized import read_prompts
 
 log = logging.getLogger(__name__)
@@ -112,7 +118,7 @@ def target_problems(config: dict, info) -> list[str]:
             f"draft_vocab_size {draft_vocab!r} must be an integer within "
             f"1..{info.vocab_size}; re-export the draft"
         )
-    key = aux_key(config)
+    key = aux_key(config.get("speculators_model_type"))
     aux = config.get(key)
     N = info.num_hidden_layers
     if not (isinstance(aux, list) and aux and all(isinstance(i, int) and 0 <= i < N for i in aux)):
@@ -123,16 +129,9 @@ def target_problems(config: dict, info) -> list[str]:
     return problems
 
 
-def aux_key(config: dict) -> str:
-    """The config field naming the target layers a draft reads (EAGLE-3's own name, or the
-    block drafters')."""
-    if config.get("speculators_model_type") in BLOCK_METHODS:
-        return "aux_hidden_state_layer_ids"
-    return "eagle_aux_hidden_state_layer_ids"
-
-
 def block_width_problems(config: dict, K: int) -> list[str]:
-    """K past the tokens a block drafter's block proposes (eyrie.config.drafts.block_positions)."""
+    """K past the tokens a block drafter's block proposes (eyrie.config.drafts.block_positions):
+    both evaluations refuse it (`config`: the exported draft's config.json)."""
     method = config.get("speculators_model_type")
     if method not in BLOCK_METHODS:
         return []

@@ -26,6 +26,7 @@ from eyrie.formats.draft import (
     BLOCK_METHODS,
     DRAFT_ARCHS,
     UNSERVABLE_FLAGS,
+    aux_key,
     expected_tensors,
     load_draft,
     random_verifier_weights,
@@ -117,23 +118,22 @@ def expected_config(
     reference, trained: TrainedDraft, target: Path, K: int, architectures: list[str]
 ) -> dict:
     """Dotted config.json key -> the value the export must hold (validate_export checks it)."""
-    method = reference.config.speculators_model_type
-    aux = list(trained.summary["aux_layer_ids"])
+    c = reference.config
+    method = c.speculators_model_type
     if method in BLOCK_METHODS:
-        c = reference.config
         own = {
-            "aux_hidden_state_layer_ids": aux,
             "block_size": c.block_size,
             "mask_token_id": c.mask_token_id,
             "sample_from_anchor": c.sample_from_anchor,
         }
     else:
-        own = {"eagle_aux_hidden_state_layer_ids": aux, "norm_output": False, "fc_norm": False}
+        own = {"norm_output": False, "fc_norm": False}
     return {
         "speculators_model_type": method,
         "transformer_layer_config.model_type": trained.arch,
         "target_hidden_size": reference.hidden_size,
         "draft_vocab_size": reference.draft_vocab_size,
+        aux_key(method): list(trained.summary["aux_layer_ids"]),
         **own,
         "speculators_config.algorithm": method,
         "speculators_config.default_proposal_method": "greedy",

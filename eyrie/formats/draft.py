@@ -60,6 +60,14 @@ DRAFT_METHODS = ("eagle3", "dflash", "dspark")
 BLOCK_METHODS = ("dflash", "dspark")
 
 
+def aux_key(method: str | None) -> str:
+    """The config field naming the target layers a draft of `method` reads: EAGLE-3's own name,
+    or the block drafters'."""
+    if method in BLOCK_METHODS:
+        return "aux_hidden_state_layer_ids"
+    return "eagle_aux_hidden_state_layer_ids"
+
+
 # Flags that change the network but that vLLM 0.22 does not read: it would serve another model.
 UNSERVABLE_FLAGS = {
     "norm_output": "vLLM 0.22 does not read norm_output and would feed un-normed hidden states "
