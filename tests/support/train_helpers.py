@@ -262,6 +262,40 @@ def weights(root: Path) -> dict[str, torch.Tensor]:
     return load_file(str(root / "train" / "draft" / "model.safetensors"))
 
 
+def cut_and_resumed(world: dict, root: Path, settings: dict, cut_at: int = 6):
+    """(weights of an uninterrupted run, weights of a run stopped after `cut_at` steps and
+    resumed from its last checkpoint), both on `world` under `root`."""
+    from eyrie.train.recipe import train
+
+    train(train_paths(world, root / "full"), settings)
+    assert train(train_paths(world, root / "cut"), settings, stop_after_steps=cut_at) is None
+    train(train_paths(world, root / "cut"), settings)  # resumes from its checkpoint
+    return weights(root / "full"), weights(root / "cut")
+
+
+def evaluate_on(world: dict, draft: Path, root: Path, settings: dict, prompts: int) -> dict:
+    """`eyrie evaluate` of the exported `draft` on the first `prompts` samples of `world`, each
+    cut after its assistant header (what a user sends): its eval.json under `root`."""
+    from eyrie.cli import main as cli_main
+
+    start = world["tokenizer"].convert_tokens_to_ids("<|start|>")
+    cut = [ids[: ids.index(start, 2) + 3] for ids, _ in world["samples"][:prompts]]
+    report = root / "eval.json"
+    argv = stage_args(
+        "evaluate",
+        target=world["target"],
+        draft=draft,
+        vocab=world["vocab"],
+        eval_set=write_eval_set(root / "eval.parquet", cut),
+        preflight=world["preflight"],
+        out=report,
+        plot=root / "eval.png",
+        settings=settings,
+    )
+    assert cli_main(argv) == 0
+    return json.loads(report.read_text())
+
+
 def assert_weights(a: dict, b: dict, exact: bool) -> None:
     """The same tensors: bitwise with `exact`, else within DDP's float32 sum order."""
     assert a.keys() == b.keys()

@@ -140,12 +140,10 @@ def test_a_block_drafter_trains_exports_and_evaluates_through_the_stages(world, 
     dspark), the export writes the block drafter's config as speculators and vLLM read it and
     loads back with identical outputs, and the Hugging Face evaluation decodes with the block
     proposer (its outputs equal the target's greedy ones) at K up to the block's tokens."""
-    from eyrie.cli import main as cli_main
     from eyrie.export.export import export
     from eyrie.formats.draft import BLOCK_CONFIG_FIELDS, load_draft
     from eyrie.train.recipe import train
-    from tests.support.stages import stage_args
-    from tests.support.train_helpers import train_paths, train_settings, write_eval_set
+    from tests.support.train_helpers import evaluate_on, train_paths, train_settings
 
     settings = train_settings(epochs=1, method=method, block_size=BLOCK)
     positions = BLOCK if method == "dspark" else BLOCK - 1
@@ -167,27 +165,7 @@ def test_a_block_drafter_trains_exports_and_evaluates_through_the_stages(world, 
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == positions
     assert type(load_draft(out)).__name__ == type(load_draft(tmp_path / "train" / "draft")).__name__
 
-    prompts = [
-        ids[: ids.index(world["tokenizer"].convert_tokens_to_ids("<|start|>"), 2) + 3]
-        for ids, _ in world["samples"][:3]
-    ]
-    eval_set = write_eval_set(tmp_path / "eval.parquet", prompts)
-    report = tmp_path / "eval.json"
-    rc = cli_main(
-        stage_args(
-            "evaluate",
-            target=world["target"],
-            draft=out,
-            vocab=world["vocab"],
-            eval_set=eval_set,
-            preflight=world["preflight"],
-            out=report,
-            plot=tmp_path / "eval.png",
-            settings=settings,
-        )
-    )
-    assert rc == 0
-    got = json.loads(report.read_text())
+    got = evaluate_on(world, out, tmp_path, settings, prompts=3)
     assert got["K"] == positions and got["outputs_match_target_greedy"]
     assert len(got["trained"]["acceptance_length_by_k"]) == positions
     assert 1.0 <= got["trained"]["acceptance_length"] <= 1 + positions
@@ -220,24 +198,22 @@ def test_a_resumed_dspark_run_draws_the_same_anchors(world, tmp_path, monkeypatc
     restores)."""
     from functools import partial
 
-    from safetensors.torch import load_file
-
     import eyrie.train.model as model_module
     from eyrie.train.kinds import block_kind
     from eyrie.train.recipe import train
-    from tests.support.train_helpers import train_paths, train_settings
+    from tests.support.train_helpers import (
+        assert_weights,
+        cut_and_resumed,
+        train_paths,
+        train_settings,
+        weights,
+    )
 
     monkeypatch.setattr(model_module, "block_kind", partial(block_kind, max_anchors=8))
     settings = train_settings(epochs=2, checkpoint_every=4, method="dspark", block_size=BLOCK)
-    train(train_paths(world, tmp_path / "full"), settings)
-    assert train(train_paths(world, tmp_path / "cut"), settings, stop_after_steps=6) is None
-    train(train_paths(world, tmp_path / "cut"), settings)  # resumes from step 4
-    full, cut = (
-        load_file(str(tmp_path / r / "train" / "draft" / "model.safetensors"))
-        for r in ("full", "cut")
-    )
-    assert full.keys() == cut.keys() and all(torch.equal(full[k], cut[k]) for k in full)
+    full, cut = cut_and_resumed(world, tmp_path, settings)  # resumes from step 4
+    assert_weights(full, cut, exact=True)
     other = tmp_path / "other"
     train(train_paths(world, other), {"train": {**settings["train"], "seed": 1}})
-    moved = load_file(str(other / "train" / "draft" / "model.safetensors"))
+    moved = weights(other)
     assert not all(torch.equal(full[k], moved[k]) for k in full)  # the check can fail

@@ -48,11 +48,9 @@ def test_an_eagle3_draft_trained_on_two_of_three_stored_layers_exports_and_evalu
 ):
     """train.aux_ids [1, 3] of shards holding [1, 2, 3]: the draft's fc reads 2 x H, the run
     and the export name [1, 3], and the Hugging Face evaluation captures those two layers."""
-    from eyrie.cli import main as cli_main
     from eyrie.export.export import export
     from eyrie.train.recipe import train
-    from tests.support.stages import stage_args
-    from tests.support.train_helpers import write_eval_set
+    from tests.support.train_helpers import evaluate_on
 
     settings = train_settings(epochs=1, aux_ids=[1, 3])
     settings["eval"] = {"max_new_tokens": 8, "device": "cpu"}
@@ -62,22 +60,5 @@ def test_an_eagle3_draft_trained_on_two_of_three_stored_layers_exports_and_evalu
     export(world["target"], tmp_path / "train", out, settings)
     config = json.loads((out / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3]
-    start = world["tokenizer"].convert_tokens_to_ids("<|start|>")
-    prompts = [ids[: ids.index(start, 2) + 3] for ids, _ in world["samples"][:2]]
-    report = tmp_path / "eval.json"
-    rc = cli_main(
-        stage_args(
-            "evaluate",
-            target=world["target"],
-            draft=out,
-            vocab=world["vocab"],
-            eval_set=write_eval_set(tmp_path / "eval.parquet", prompts),
-            preflight=world["preflight"],
-            out=report,
-            plot=tmp_path / "eval.png",
-            settings=settings,
-        )
-    )
-    assert rc == 0
-    got = json.loads(report.read_text())
+    got = evaluate_on(world, out, tmp_path, settings, prompts=2)
     assert got["aux_layer_ids"] == [1, 3] and got["outputs_match_target_greedy"]

@@ -17,7 +17,13 @@ from eyrie.train.checkpoint import run_id
 from eyrie.train.model import lr_factor
 from eyrie.train.recipe import train
 from eyrie.train.step import add_hidden_noise
-from tests.support.train_helpers import HIDDEN, train_paths, train_settings
+from tests.support.train_helpers import (
+    HIDDEN,
+    assert_weights,
+    cut_and_resumed,
+    train_paths,
+    train_settings,
+)
 
 
 def test_loss_is_a_name_or_a_weighted_sum_in_canonical_json():
@@ -122,17 +128,9 @@ def test_training_with_a_mixed_loss_noise_and_linear_schedule(world, tmp_path):
 
 
 def test_a_resumed_run_with_hidden_noise_draws_the_same_noise(world, tmp_path):
-    from safetensors.torch import load_file
-
     settings = train_settings(epochs=2, checkpoint_every=4, hidden_noise=0.1)
-    train(train_paths(world, tmp_path / "full"), settings)
-    assert train(train_paths(world, tmp_path / "cut"), settings, stop_after_steps=6) is None
-    train(train_paths(world, tmp_path / "cut"), settings)  # resumes from step 4
-    full, cut = (
-        load_file(str(tmp_path / r / "train" / "draft" / "model.safetensors"))
-        for r in ("full", "cut")
-    )
-    assert all(torch.equal(full[k], cut[k]) for k in full)
+    full, cut = cut_and_resumed(world, tmp_path, settings)  # resumes from step 4
+    assert_weights(full, cut, exact=True)
 
 
 def test_auto_learning_rate_scales_with_the_drafts_width():
