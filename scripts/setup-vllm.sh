@@ -2,15 +2,15 @@
 # Creates a vLLM environment: vLLM (which pins its own torch) plus what eyrie's vLLM stages import,
 # and eyrie itself. Idempotent. About 9 GB each from PyPI (README.md gives the time); files that
 # two environments share (most of torch and its CUDA libraries) become one hard link after each
-# install (util-linux's hardlink, where installed), so all three take ~18 GB instead of ~27: a
+# install (util-linux's hardlink, where installed), so all four take ~18 GB instead of ~36: a
 # CI machine once ran out of disk building them. pip replaces a file rather than writing into
 # it, so an upgrade in one environment leaves the others as they were.
-# A "# seed-from: ENV" line in a requirements file starts a new environment with ENV's torch and
-# what torch requires, as hard links (same torch pin): pip finds them installed and unpacks the
-# rest, so the disk never holds a second copy of torch's CUDA libraries, even for a moment (CI ran
-# out of disk building 0.34 beside 0.33).
-# Before each build the free disk is checked (12 GB, 4 with a seed; EYRIE_VLLM_MIN_FREE_GB): too little
-# is one line naming the folder, the free and needed space, and the fix, not pip's Errno 28.
+# Before pip installs, every package the new environment needs at a version an environment already
+# built here holds is hard-linked in (scripts/seed_venv.py reads pip's dry-run report), so the disk
+# never holds a second copy, even for a moment: CI ran out of disk building 0.33 and 0.34 beside
+# 0.22 and 0.26. pip compiles no bytecode (--no-compile; Python writes it for what a process
+# imports: 1.4 GB less for all four). A build that stops on a full disk says so in one line with
+# the folder, the free space and the fix, not only pip's Errno 28.
 # On a CPU-only machine vLLM imports (preflight introspects it) but cannot run a model.
 #   bash scripts/setup-vllm.sh          the default, envs/vllm.txt -> .venv-vllm (vllm.python)
 #   bash scripts/setup-vllm.sh 0.33     envs/vllm-0.33.txt -> .venv-vllm-0.33
@@ -31,17 +31,15 @@ one() {  # one() REQUIREMENTS VENV
     echo "setup-vllm: $venv is up to date"
     return 0
   fi
-  if [ -n "$(seed_of "$req")" ]; then room "$venv" 4; else room "$venv" 12; fi
-  if [ ! -x "$venv/bin/python" ]; then
-    "$PY" -m venv "$venv"
-    seed "$req" "$venv"
-  fi
-  "$venv/bin/python" -m pip install -q --upgrade pip "setuptools<82" wheel
+  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --no-compile --upgrade pip "setuptools<82" wheel || full "$venv"
   # a "# no-deps: SPEC" line: SPEC without its dependencies, first (a pin the registry lacks)
   local nodeps
   nodeps=$(sed -n 's/^# no-deps: //p' "$req")
-  [ -z "$nodeps" ] || "$venv/bin/python" -m pip install -q --no-deps $nodeps
-  "$venv/bin/python" -m pip install -q -r "$req"
+  [ -z "$nodeps" ] || seed "$venv" --no-deps $nodeps
+  [ -z "$nodeps" ] || "$venv/bin/python" -m pip install -q --no-compile --no-deps $nodeps || full "$venv"
+  seed "$venv" -r "$req"
+  "$venv/bin/python" -m pip install -q --no-compile -r "$req" || full "$venv"
   "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
   "$venv/bin/python" - "$venv" <<'PY'
 import sys
@@ -55,62 +53,34 @@ PY
   share "$venv"
 }
 
-room() {  # room() VENV GB: enough free disk for one build, or one line and exit 3
-  local need=${EYRIE_VLLM_MIN_FREE_GB:-$2} dir free
+seed() {  # seed() VENV PIP-ARGS...: link in what the built environments already hold
+  local venv=$1 e built=()
+  shift
+  for e in .venv-vllm .venv-vllm-*; do
+    [ -f "$e/.eyrie-setup" ] && [ "$(realpath "$e")" != "$(realpath "$venv")" ] && built+=("$e")
+  done
+  [ ${#built[@]} -gt 0 ] || return 0
+  local plan=$venv/.eyrie-plan.json spec
+  # fast-deps: metadata by HTTP range requests, not whole wheels (1.7 GB for 0.34) held to the end
+  "$venv/bin/python" -m pip install -qq --dry-run --use-feature=fast-deps --report "$plan" "$@" \
+    || "$venv/bin/python" -m pip install -q --dry-run --report "$plan" "$@" || full "$venv"
+  # the rest one at a time: pip holds every wheel of one command on disk until it ends
+  for spec in $("$PY" scripts/seed_venv.py "$plan" "$venv" "${built[@]}"); do
+    "$venv/bin/python" -m pip install -q --no-compile --no-deps "$spec" || full "$venv"
+  done
+  rm -f "$plan"
+}
+
+full() {  # full() VENV: pip failed; on a (nearly) full disk, one line saying so; exit 1 either way
+  local dir free
   dir=$(dirname "$(realpath -m "$1")")
-  free=$(df -Pk "$dir" | awk 'NR==2 {print int($4 / 1048576)}')
-  if [ "$free" -lt "$need" ]; then
-    echo "setup-vllm: $free GB free on $dir; building $1 needs about $need GB (vLLM with its torch)." \
-      "Free disk there, build one version (bash scripts/setup-vllm.sh 0.34), or set" \
-      "EYRIE_VLLM_MIN_FREE_GB if you know it needs less" >&2
-    exit 3
+  free=$(df -Pk "$dir" | awk 'NR==2 {printf "%.1f", $4 / 1048576}')
+  if awk "BEGIN {exit !($free < 1)}"; then
+    echo "setup-vllm: building $1 stopped with $free GB free on $dir: the disk is full (a vLLM" \
+      "environment takes up to 7 GB beyond the files it shares with those built). Free disk" \
+      "there, or build one version (bash scripts/setup-vllm.sh 0.34); run again to go on" >&2
   fi
-}
-
-seed_of() {  # seed_of() REQUIREMENTS: the built environment its "# seed-from:" line names, if any
-  local from
-  from=$(sed -n 's/^# seed-from: \([^ ]*\).*/\1/p' "$1")
-  [ -n "$from" ] && [ -f "$from/.eyrie-setup" ] && echo "$from"
-  return 0
-}
-
-seed() {  # seed() REQUIREMENTS VENV: a new VENV starts with its seed's torch, as hard links
-  local from site
-  from=$(seed_of "$1")
-  [ -n "$from" ] || return 0
-  site=$("$2/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  # torch and what it requires (CUDA libraries, triton, sympy...), files and records, nothing else:
-  # the new environment gets no package its own requirements would not install
-  "$from/bin/python" - "$site" <<'PY'
-import os
-import sys
-from importlib.metadata import distribution
-
-from pip._vendor.packaging.requirements import Requirement
-from pip._vendor.packaging.utils import canonicalize_name
-
-site, todo, seen, files = sys.argv[1], ["torch"], set(), 0
-while todo:
-    name = canonicalize_name(todo.pop())
-    if name in seen:
-        continue
-    seen.add(name)
-    dist = distribution(name)
-    for line in dist.requires or []:
-        req = Requirement(line)
-        if req.marker is None or req.marker.evaluate({"extra": ""}):
-            todo.append(req.name)
-    for f in dist.files or []:
-        src = os.path.realpath(dist.locate_file(f))
-        if f.parts[0] == ".." or not os.path.isfile(src):
-            continue  # console scripts: pip writes its own where a package is reinstalled
-        dst = os.path.join(site, *f.parts)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        if not os.path.exists(dst):
-            os.link(src, dst)
-            files += 1
-print(f"setup-vllm: seeded {len(seen)} packages ({files} files, hard links): {' '.join(sorted(seen))}")
-PY
+  exit 1
 }
 
 share() {  # share() VENV: hard-link its files that equal those of this checkout's other vLLM envs
