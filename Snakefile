@@ -19,6 +19,9 @@ rule all:
         [] if REHEARSAL else [f"{RESULTS}/eval/eval.json", f"{RESULTS}/eval/eval.png"],
         # evaluation through vLLM itself: needs a GPU and .venv-vllm (docs/vllm.md)
         [f"{RESULTS}/eval/eval_vllm.json"] if VLLM_EVAL else [],
+        # the other kinds train.method lists, and the comparison of all (docs/training.md)
+        [f"{RESULTS}/methods/{m}/draft.json" for m in ALSO],
+        [] if REHEARSAL or not ALSO else f"{RESULTS}/compare/compare.json",
 
 
 # A failed run ends with one line per failed job: its rule, eyrie's error line and the log.

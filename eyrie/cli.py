@@ -89,6 +89,11 @@ STAGES = {
         "acceptance length measured by vLLM itself (vLLM environment)",
         "JSON object with the eval and vllm settings",
     ),
+    "compare": (
+        "eyrie.evaluate.compare",
+        "drafts of several kinds from one extraction, side by side",
+        None,
+    ),
     "store": ("eyrie.store.manage", "list and prune the output store (not a rule)", None),
 }
 # Stages whose --settings may be left out (default {}): preflight checks a folder by hand too.

@@ -8,6 +8,7 @@ import sys
 
 from eyrie.core.errors import TargetError
 from eyrie.core.rehearsal import run_name
+from eyrie.config.drafts import draft_methods
 from eyrie.config.schema import config_file, settings_json, workflow_config
 from eyrie.store.fingerprint import demo_weights_changed, track_target
 from eyrie.config.rules import ComparedAs, engine_sockets, prepare, runtime_settings, settings_param
@@ -18,6 +19,19 @@ configfile: config_file(os.path.join(workflow.basedir, "config", "config.yaml"))
 
 # every problem one line on the terminal, naming its file and key, then exit; warnings one line
 config = workflow_config(config, workflow.configfiles, workflow.overwrite_configfiles)
+
+# train.method may list kinds: the first is the run's draft (its rules, paths and settings text
+# as with one kind: listing more reruns none of its jobs); each other one is trained, exported and
+# evaluated from the same shards in methods/<method>/, and compare/ sets them side by side.
+METHODS = draft_methods(config["train"]["method"])
+config["train"]["method"] = METHODS[0]
+ALSO = METHODS[1:]
+
+
+wildcard_constraints:
+    name=r"[^/]+",
+    method="|".join(ALSO) or "-",
+
 
 # A rehearsal (vllm.rehearsal: true: the vLLM engines on random weights) runs under its own name,
 # <target.name>.rehearsal: its outputs, logs and store keys apart from the real run's.
@@ -124,6 +138,25 @@ CORES = _all_cores()
 def settings(rule_name: str) -> str:
     """params.settings of a rule: the config keys the settings table says it compares."""
     return settings_param(config, rule_name)
+
+
+def also_settings(rule_name: str):
+    """params.settings of `rule_name` for a kind listed after the first (the method wildcard)."""
+
+    def of(wildcards) -> str:
+        train = {**config["train"], "method": wildcards.method}
+        return settings_param({**config, "train": train}, rule_name)
+
+    return of
+
+
+def also_dir(folder: str):
+    """A folder of a kind listed after the first: results/<name>/methods/<method>/<folder>."""
+
+    def of(wildcards) -> str:
+        return f"results/{wildcards.name}/methods/{wildcards.method}/{folder}"
+
+    return of
 
 
 def gpus(device: str, count: int = 1) -> int:

@@ -58,6 +58,59 @@ rule evaluate_draft:
         " --plot {output.plot} --settings {params.settings:q} > {log} 2>&1"
 
 
+use rule evaluate_draft as evaluate_also with:
+    input:
+        draft="results/{name}/methods/{method}/draft.json",
+        vocab="results/{name}/vocab/vocab.safetensors",
+        eval_set=EVAL_SET,
+        preflight="results/{name}/preflight.json",
+        target=TARGET_FILES,
+    output:
+        json="results/{name}/methods/{method}/eval/eval.json",
+        plot=report(
+            "results/{name}/methods/{method}/eval/eval.png",
+            caption="../docs/report/eval.rst",
+            category="Evaluation",
+            subcategory="{method}",
+        ),
+    log:
+        "logs/{name}/methods/{method}/evaluate_draft.log",
+    benchmark:
+        "results/{name}/benchmarks/evaluate_draft.{method}.tsv"
+    params:
+        settings=also_settings("evaluate_draft"),
+        target=target_dir,
+        draft_dir=also_dir("draft"),
+
+
+# The kinds of train.method side by side: the run's draft first, each decoded on the same
+# prompts (docs/training.md#several-kinds-from-one-extraction).
+rule compare_drafts:
+    input:
+        evals=lambda wc: [f"results/{wc.name}/eval/eval.json"]
+        + [f"results/{wc.name}/methods/{m}/eval/eval.json" for m in ALSO],
+        drafts=lambda wc: [f"results/{wc.name}/draft.json"]
+        + [f"results/{wc.name}/methods/{m}/draft.json" for m in ALSO],
+    output:
+        json="results/{name}/compare/compare.json",
+        table="results/{name}/compare/compare.md",
+        plot=report(
+            "results/{name}/compare/compare.png",
+            caption="../docs/report/compare.rst",
+            category="Evaluation",
+        ),
+    log:
+        "logs/{name}/compare_drafts.log",
+    params:
+        methods=METHODS,
+        draft_dirs=lambda wc: [draft_dir(wc)]
+        + [f"results/{wc.name}/methods/{m}/draft" for m in ALSO],
+    shell:
+        "eyrie compare --methods {params.methods} --evals {input.evals}"
+        " --drafts {params.draft_dirs} --out {output.json} --table {output.table}"
+        " --plot {output.plot} > {log} 2>&1"
+
+
 # A rehearsal serves its draft without the Hugging Face evaluation (which reads the real weights);
 # a real run's command text stays what it was (Snakemake's code trigger compares it).
 EVALUATE_VLLM_SHELL = (

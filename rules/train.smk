@@ -1,4 +1,5 @@
-# EAGLE-3 draft training (resumable state kept outside the outputs) and the vLLM export.
+# Draft training (resumable state kept outside the outputs) and the vLLM export; each kind listed
+# after the first in train.method the same, in methods/<method>/.
 
 
 rule train_draft:
@@ -60,3 +61,40 @@ rule export_draft:
     shell:
         "eyrie --threads {threads} export --target {params.target} --train-dir {params.train_dir}"
         " --out-dir {params.out_dir} --manifest {output} --settings {params.settings:q} > {log} 2>&1"
+
+
+use rule train_draft as train_also with:
+    output:
+        draft=directory("results/{name}/methods/{method}/train/draft"),
+        metrics="results/{name}/methods/{method}/train/metrics.jsonl",
+        curves=report(
+            "results/{name}/methods/{method}/train/curves.png",
+            caption="../docs/report/curves.rst",
+            category="Training",
+            subcategory="{method}",
+        ),
+        summary="results/{name}/methods/{method}/train/train.json",
+    log:
+        "logs/{name}/methods/{method}/train_draft.log",
+    benchmark:
+        "results/{name}/benchmarks/train_draft.{method}.tsv"
+    params:
+        settings=also_settings("train_draft"),
+        target=target_dir,
+        out_dir=also_dir("train"),
+        state_dir=also_dir("train_state"),
+
+
+use rule export_draft as export_also with:
+    input:
+        summary="results/{name}/methods/{method}/train/train.json",
+        target=TARGET_WEIGHTS,
+    output:
+        "results/{name}/methods/{method}/draft.json",
+    log:
+        "logs/{name}/methods/{method}/export_draft.log",
+    params:
+        settings=also_settings("export_draft"),
+        target=target_dir,
+        train_dir=also_dir("train"),
+        out_dir=also_dir("draft"),

@@ -1,10 +1,18 @@
 """Rules about the kind of draft a run trains and the layers it reads, between config keys:
-how many tokens a block drafter proposes (`block_positions`, which training, export and both
-evaluations count by) and what a config asks of a draft that it cannot do (`draft_problems`,
-run by eyrie.config.schema when a config is read). docs/training.md#block-drafters.
+the kinds one run trains (`draft_methods`: train.method names one or lists several), how many
+tokens a block drafter proposes (`block_positions`, which training, export and both evaluations
+count by) and what a config asks of a draft that it cannot do (`draft_problems`, run by
+eyrie.config.schema when a config is read). docs/training.md#block-drafters.
 """
 
 from __future__ import annotations
+
+
+def draft_methods(method: str | list[str]) -> list[str]:
+    """The kinds of draft a run trains, its own first: train.method names one or lists several
+    (the first is the run's draft: draft.json, the vLLM evaluation; each other one is trained
+    from the same shards beside it, in drafts/<method>/, and compared: compare/)."""
+    return [method] if isinstance(method, str) else list(method)
 
 
 def block_positions(method: str, block_size: int, sample_from_anchor: bool | None) -> int:
@@ -18,8 +26,9 @@ def block_positions(method: str, block_size: int, sample_from_anchor: bool | Non
 def draft_problems(train: dict, layers: dict, evaluation: dict, vllm: dict) -> list[str]:
     """The sections' draft rules: train.aux_ids among the layers extracted; and for a block
     drafter (train.method dflash or dspark) what it cannot do yet or at all: the vLLM
-    evaluation (and so a rehearsal, whose last stage it is) serves EAGLE-3 drafts only, vLLM
-    never serves a DFlash draft that samples from its anchor, and K past a block's tokens."""
+    evaluation (and so a rehearsal, whose last stage it is) serves the run's draft (the first
+    listed) only if it is EAGLE-3, vLLM never serves a DFlash draft that samples from its
+    anchor, and K past a block's tokens."""
     problems = []
     stored, read = layers.get("aux_ids"), train.get("aux_ids")
     if isinstance(stored, list) and isinstance(read, list) and not set(read) <= set(stored):
@@ -27,27 +36,31 @@ def draft_problems(train: dict, layers: dict, evaluation: dict, vllm: dict) -> l
             f"train.aux_ids: {read} names layers {sorted(set(read) - set(stored))} that "
             f"layers.aux_ids {stored} does not extract; name layers it holds, or add them there"
         )
-    method = train.get("method")
-    if method in (None, "eagle3"):
-        return problems
-    for key, asked in (
-        ("eval.vllm", evaluation.get("vllm")),
-        ("vllm.rehearsal", vllm.get("rehearsal")),
-    ):
-        if asked is True:
-            problems.append(
-                f"{key}: true with train.method: {method}: eyrie's vLLM evaluation serves "
-                f"EAGLE-3 drafts only so far; set {key}: false (the Hugging Face evaluation "
-                "decodes block drafters: eval/eval.json) or train.method: eagle3"
-            )
-    if method == "dflash" and train.get("sample_from_anchor") is True:
+    methods = draft_methods(train.get("method") or "eagle3")
+    if not all(isinstance(m, str) for m in methods):
+        return problems  # the schema names the key
+    if methods[0] != "eagle3":  # the run's draft, which the vLLM evaluation serves
+        for key, asked in (
+            ("eval.vllm", evaluation.get("vllm")),
+            ("vllm.rehearsal", vllm.get("rehearsal")),
+        ):
+            if asked is True:
+                problems.append(
+                    f"{key}: true with train.method: {methods[0]}: eyrie's vLLM evaluation "
+                    f"serves EAGLE-3 drafts only so far; set {key}: false (the Hugging Face "
+                    "evaluation decodes block drafters: eval/eval.json) or list eagle3 first "
+                    "in train.method (the block drafters after it train beside it)"
+                )
+    if "dflash" in methods and train.get("sample_from_anchor") is True:
         problems.append(
             "train.sample_from_anchor: true with train.method: dflash: vLLM serves a DFlash "
             "draft's anchor as the bonus token (0.22, 0.26) or refuses the flag (0.33+); set it "
             "to null or false, or use train.method: dspark"
         )
     block, k = train.get("block_size", 8), evaluation.get("num_speculative_tokens", 3)
-    if isinstance(block, int) and isinstance(k, int):
+    for method in methods:
+        if method == "eagle3" or not isinstance(block, int) or not isinstance(k, int):
+            continue
         most = block_positions(method, block, train.get("sample_from_anchor"))
         if k > most:
             problems.append(

@@ -120,6 +120,11 @@ class TrainSettings:
             "tuple[str, ...]": tuple,
             "tuple[int, ...] | None": lambda v: None if v is None else tuple(v),
         }
+        if not isinstance(section["method"], str):
+            raise EyrieError(
+                f"invalid --settings: train.method: {section['method']}: a stage trains one kind "
+                "of draft; the workflow trains each of a list (rules/train.smk)"
+            )
         section = {**section, "loss": loss_spec(section["loss"])}
         cfg = cls(
             **{

@@ -90,6 +90,21 @@ def test_config_yaml_gives_the_schemas_defaults():
             ["train.aux_ids: [2, 9] names layers [9] that layers.aux_ids [2, 5, 8] does not"],
         ),
         ({"aux_ids": [2, 8]}, {"layers": {"aux_ids": [2, 5, 8]}}, []),
+        # several kinds: the vLLM evaluation serves the first; each block drafter's K is checked
+        ({"method": ["eagle3", "dspark", "dflash"]}, {"eval": {"vllm": True}}, []),
+        (
+            {"method": ["dspark", "eagle3"]},
+            {"eval": {"vllm": True}},
+            ["eval.vllm: true with train.method: dspark: eyrie's vLLM evaluation serves EAGLE-3"],
+        ),
+        (
+            {"method": ["eagle3", "dflash"], "block_size": 3},
+            {},
+            ["a dflash draft with train.block_size 3 proposes 2 tokens"],
+        ),
+        ({"method": ["eagle3", "eagle3"]}, {}, ["train.method"]),
+        ({"method": []}, {}, ["train.method"]),
+        ({"method": ["eagle3", "medusa"]}, {}, ["train.method"]),
     ],
 )
 def test_a_block_drafter_is_checked_when_the_config_is_read(train, others, wants):
@@ -107,6 +122,25 @@ def test_a_block_drafter_is_checked_when_the_config_is_read(train, others, wants
     assert f"{len(wants)} problem" in str(err.value) or len(wants) == 1
     for want in wants:
         assert want in str(err.value)
+
+
+def test_several_kinds_leave_the_run_drafts_settings_as_they_were():
+    """train.method listing kinds: the first is the run's draft, whose rules compare the text a
+    run of that one kind recorded (listing more reruns none of its jobs); a stage given the
+    list itself refuses it (the workflow trains each kind apart)."""
+    from eyrie.config.drafts import draft_methods
+    from eyrie.config.sections import TrainSettings
+    from eyrie.core.errors import EyrieError
+
+    one = validate_config({"target": {"name": "t"}})
+    several = validate_config({"target": {"name": "t"}, "train": {"method": ["eagle3", "dspark"]}})
+    methods = draft_methods(several["train"]["method"])
+    assert methods == ["eagle3", "dspark"] and draft_methods("dflash") == ["dflash"]
+    run_draft = {**several, "train": {**several["train"], "method": methods[0]}}
+    for rule in ("train_draft", "export_draft"):
+        assert settings_param(run_draft, rule) == settings_param(one, rule)
+    with pytest.raises(EyrieError, match="train.method: .*a stage trains one kind"):
+        TrainSettings.from_settings({"train": {"method": ["eagle3", "dspark"]}})
 
 
 def test_all_errors_reported_each_naming_its_key():
@@ -200,11 +234,19 @@ def test_table_names_real_rules_and_conditions():
             assert name in rules, f"{row.key}: no rule {name!r}"
             assert not when or when in CONDITIONS, f"{row.key}: no condition {when!r}"
     # the rules build params.settings from the table, each its own (the engine's are its shards')
-    built = re.findall(r'settings\("(\w+)"\)', _rule_text())
+    text = _rule_text()
+    built = re.findall(r'(?<!\w)settings\("(\w+)"\)', text)
     assert sorted(built) == sorted({e.partition("?")[0] for row in TABLE for e in row.compared})
-    for rule, body in re.findall(r"^rule (\w+):\n(.*?)(?=^\S|\Z)", _rule_text(), re.M | re.S):
+    for rule, body in re.findall(r"^rule (\w+):\n(.*?)(?=^\S|\Z)", text, re.M | re.S):
         own = re.search(r'settings=settings\("(\w+)"\)', body)
         assert own is None or own.group(1) == rule
+    # a rule made from another (`use rule`: a kind listed after the first in train.method)
+    # compares what that one does
+    derived = re.findall(r"^use rule (\w+) as (\w+) with:\n(.*?)(?=^\S|\Z)", text, re.M | re.S)
+    assert derived
+    for base, rule, body in derived:
+        names = re.findall(r'settings=(?:also_)?settings\("(\w+)"\)', body)
+        assert names in ([], [base]), (rule, names)
 
 
 def _rule_text() -> str:

@@ -78,6 +78,10 @@ KEPT_LINTS = {
             "tokenize_eval_prompts",
             "evaluate_draft",
             "evaluate_vllm",
+            "train_also",
+            "export_also",
+            "evaluate_also",
+            "compare_drafts",
         )
     },
     # Read at run time but not compared: a change of the vLLM environment or GPU memory must
