@@ -39,7 +39,8 @@ def _read_json(path: Path, what: str, fix: str) -> dict:
 
 
 def weight_shapes(draft_dir: Path) -> dict[str, list[int]]:
-    """name -> shape of every tensor in the draft's safetensors files (their headers only)."""
+    """name -> shape of every floating-point tensor in the draft's safetensors files (their
+    headers only): the weights, not the vocabulary maps (d2t, t2d: integers)."""
     shapes = {}
     files = sorted(draft_dir.glob("*.safetensors"))
     if not files:
@@ -48,7 +49,13 @@ def weight_shapes(draft_dir: Path) -> dict[str, list[int]]:
         with open(path, "rb") as f:
             size = struct.unpack("<Q", f.read(8))[0]
             header = json.loads(f.read(size))
-        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+        shapes.update(
+            {
+                k: v["shape"]
+                for k, v in header.items()
+                if k != "__metadata__" and v["dtype"] in ("F64", "F32", "F16", "BF16")
+            }
+        )
     return shapes
 
 
@@ -158,6 +165,8 @@ def best_of(rows: list[dict], reports: list[dict]) -> dict:
         note = "no drafts to compare"
     elif ci[0] > 1.0:
         note = f"ahead of {rows[second]['method']} beyond the 95% interval"
+    elif ci[0] == ci[1] == 1.0:
+        note = f"tied with {rows[second]['method']} (the same acceptance on every prompt)"
     else:
         more = versus.get("prompts_for_3pct")
         note = (

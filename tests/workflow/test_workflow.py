@@ -98,22 +98,44 @@ def test_training_setting_reruns_only_train_export_evaluate(built):
 
 @pytest.mark.slow
 def test_a_finished_eagle3_run_switched_to_block_drafters_retrains_from_its_shards(built, tmp_path):
-    """train.method on a finished EAGLE-3 run (on a copy): dspark, then dflash, each reruns
-    training, export and evaluation only (the shards, tokenization and preflight stay); each
-    draft is exported as its kind and evaluated by decoding; a rerun plans nothing."""
+    """train.method on a finished EAGLE-3 run (on a copy): dspark reruns training, export and
+    evaluation only (the shards, tokenization and preflight stay), the draft exported as its
+    kind and evaluated by decoding; then listing dflash and eagle3 after it trains, exports and
+    evaluates those two beside it and compares the three, rerunning none of the run's draft's
+    jobs; a rerun plans nothing."""
     work = tmp_path / "wf"
     shutil.copytree(built, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
     shards = sorted((work / "results/tiny/hidden").glob("shard_*.h5"))
     before = [p.stat().st_mtime_ns for p in shards]
-    for method in ("dspark", "dflash"):
-        write_config(work, train__method=method)
-        assert planned(work) == FROM_TRAINING
-        assert job_table(snakemake(work)) == FROM_TRAINING
-        draft = json.loads((work / "results/tiny/draft/config.json").read_text())
+    write_config(work, train__method="dspark")
+    assert planned(work) == FROM_TRAINING
+    assert job_table(snakemake(work)) == FROM_TRAINING
+    draft = json.loads((work / "results/tiny/draft/config.json").read_text())
+    assert draft["speculators_model_type"] == "dspark"
+    ev = json.loads((work / "results/tiny/eval/eval.json").read_text())
+    assert ev["outputs_match_target_greedy"] is True and ev["trained"]["num_drafts"] > 0
+    assert planned(work) == {}
+
+    run_draft = (work / "results/tiny/draft.json").stat().st_mtime_ns
+    write_config(work, train__method=["dspark", "dflash", "eagle3"])
+    also = {"train_also": 2, "export_also": 2, "evaluate_also": 2, "compare_drafts": 1, "all": 1}
+    assert planned(work) == also
+    assert job_table(snakemake(work)) == also
+    for method in ("dflash", "eagle3"):
+        folder = work / "results/tiny/methods" / method
+        draft = json.loads((folder / "draft/config.json").read_text())
         assert draft["speculators_model_type"] == method
-        ev = json.loads((work / "results/tiny/eval/eval.json").read_text())
+        ev = json.loads((folder / "eval/eval.json").read_text())
         assert ev["outputs_match_target_greedy"] is True and ev["trained"]["num_drafts"] > 0
-        assert planned(work) == {}
+    compared = json.loads((work / "results/tiny/compare/compare.json").read_text())
+    rows = {row["method"]: row for row in compared["methods"]}
+    assert list(rows) == ["dspark", "dflash", "eagle3"] and compared["best"] in rows
+    assert rows["dspark"]["over_run_draft"]["ratio"] == 1.0
+    assert rows["eagle3"]["cost"]["forwards_per_step"] == compared["K"]
+    assert rows["dflash"]["cost"]["forwards_per_step"] == 1
+    assert "| dflash |" in (work / "results/tiny/compare/compare.md").read_text()
+    assert (work / "results/tiny/draft.json").stat().st_mtime_ns == run_draft
+    assert planned(work) == {}
     assert [p.stat().st_mtime_ns for p in shards] == before
 
 
