@@ -131,6 +131,14 @@ def compare(methods: list[str], evals: list[str], drafts: list[str], out: dict) 
                 "over_run_draft": ratio_interval(
                     trained["per_prompt"], first["trained"]["per_prompt"]
                 ),
+                # with eval.temperature > 0: the AL of speculative sampling at it
+                "sampled": {
+                    "temperature": rep["sampled"]["temperature"],
+                    "acceptance_length": rep["sampled"]["trained"]["acceptance_length"],
+                    "acceptance_length_ci95": rep["sampled"]["trained"]["acceptance_length_ci95"],
+                }
+                if "sampled" in rep
+                else None,
                 "cost": step_cost(Path(draft), K),
             }
         )
@@ -217,6 +225,17 @@ def table(report: dict) -> str:
             )
             + " |"
         )
+    sampled = [row for row in report["methods"] if row["sampled"]]
+    if sampled:
+        t = sampled[0]["sampled"]["temperature"]
+        lines += [
+            "",
+            f"Sampled at temperature {t}: "
+            + ", ".join(
+                f"{row['method']} AL {_fmt(row['sampled']['acceptance_length'])}" for row in sampled
+            )
+            + ".",
+        ]
     lines += [
         "",
         "AL / run's draft: paired over the same prompts (bootstrap). GFLOPs: 2 per weight per "

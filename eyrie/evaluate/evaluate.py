@@ -32,9 +32,14 @@ from eyrie.evaluate.specdec import (
     SpecStats,
     greedy_generate,
     speculative_generate,
+    speculative_sample,
 )
 
 log = logging.getLogger(__name__)
+
+# eval.temperature > 0: prompt n is decoded by every run from a generator seeded SAMPLE_SEED + n
+# (the drafts compared draw from the same stream: a paired comparison)
+SAMPLE_SEED = 0
 
 
 @dataclass
@@ -51,6 +56,7 @@ class Decoder:
     model: object
     proposers: dict
     decoding: Decoding
+    temperature: float = 0.0  # > 0: speculative sampling, no greedy reference
     stats: dict = field(init=False)
     stats_at_k: dict = field(init=False)
     # in 16 bits: {run label: prompts whose speculative output differed from greedy decoding}
@@ -76,9 +82,28 @@ class Decoder:
         at = [self.stats_at_k[k] for k in range(1, self.decoding.K)] + [self.stats["trained"]]
         return [s.metrics()["acceptance_length"] for s in at]
 
+    def sample(self, prompt_ids: list[int]) -> list[int]:
+        """Every run's speculative sampling of one prompt (the same seed for each); returns the
+        trained draft's output."""
+        seed = SAMPLE_SEED + len(self.per_prompt.get("trained draft", []))
+        outputs = {}
+        for name, propose, decoding, stats in self.runs():
+            before = stats.num_drafts, stats.accepted_tokens
+            generator = torch.Generator().manual_seed(seed)
+            outputs[name] = speculative_sample(
+                self.model, prompt_ids, propose, decoding, self.temperature, generator, stats
+            )
+            self.per_prompt.setdefault(name, []).append(
+                (stats.num_drafts - before[0], stats.accepted_tokens - before[1])
+            )
+        return outputs["trained draft"]
+
     def decode(self, sample_id: str, prompt_ids: list[int], where) -> list[int]:
         """The target's greedy output; each speculative output must equal it in float32 (else
-        an error: a bug), and is counted in `differs` where it does not in 16 bits."""
+        an error: a bug), and is counted in `differs` where it does not in 16 bits. Sampling
+        (temperature > 0): the trained draft's output, checked by nothing but its counts."""
+        if self.temperature:
+            return self.sample(prompt_ids)
         d = self.decoding
         reference = greedy_generate(self.model, prompt_ids, d.max_new_tokens, d.eos_id)
         for name, propose, decoding, stats in self.runs():
@@ -134,6 +159,31 @@ def decode_prompts(decoder: Decoder, prompts: list, where) -> int:
     return output_tokens
 
 
+def runs(decoder: Decoder) -> dict:
+    """The report's figures of one decoding: the trained and the untrained draft's, and the
+    first's AL over the second's."""
+    per_prompt = decoder.per_prompt
+    return {
+        "trained": {
+            **decoder.stats["trained"].metrics(),
+            "acceptance_length_ci95": al_interval(per_prompt["trained draft"]),
+            "acceptance_length_by_k": decoder.acceptance_length_by_k(),
+            # [drafts, accepted tokens] per prompt, in sample_ids' order: two reports on the
+            # same prompts compare by a paired interval (eyrie.evaluate.interval.ratio_interval)
+            "per_prompt": [list(c) for c in per_prompt["trained draft"]],
+        },
+        "untrained": {
+            **decoder.stats["untrained"].metrics(),
+            "acceptance_length_ci95": al_interval(per_prompt["untrained draft"]),
+            "per_prompt": [list(c) for c in per_prompt["untrained draft"]],
+        },
+        # the trained draft's AL over the untrained one's, paired by prompt (interval.py)
+        "trained_over_untrained": ratio_interval(
+            per_prompt["trained draft"], per_prompt["untrained draft"]
+        ),
+    }
+
+
 def evaluate(paths: EvalPaths, settings: dict) -> dict:
     """Run the evaluation and write eval.json and eval.png; returns the report."""
     cfg = EvalSettings.from_settings(settings)
@@ -152,6 +202,15 @@ def evaluate(paths: EvalPaths, settings: dict) -> dict:
         cfg.dtype,
     )
     output_tokens = decode_prompts(decoder, inputs.prompts, paths.eval_set)
+    sampled = {}
+    if cfg.temperature > 0:
+        log.info("decoding again by speculative sampling at temperature %s", cfg.temperature)
+        sampler = Decoder(model, proposers, decoder.decoding, temperature=cfg.temperature)
+        decode_prompts(sampler, inputs.prompts, paths.eval_set)
+        # the figures of sampling at eval.temperature, as the greedy ones above them
+        sampled = {
+            "sampled": {"temperature": cfg.temperature, "seed": SAMPLE_SEED, **runs(sampler)}
+        }
     report = {
         "K": cfg.K,
         "num_prompts": len(inputs.prompts),
@@ -159,23 +218,8 @@ def evaluate(paths: EvalPaths, settings: dict) -> dict:
         "max_new_tokens": cfg.max_new_tokens,
         "output_tokens": output_tokens,
         "engine": {"name": "hf", "dtype": cfg.dtype, "device": cfg.device},
-        "trained": {
-            **decoder.stats["trained"].metrics(),
-            "acceptance_length_ci95": al_interval(decoder.per_prompt["trained draft"]),
-            "acceptance_length_by_k": decoder.acceptance_length_by_k(),
-            # [drafts, accepted tokens] per prompt, in sample_ids' order: two reports on the
-            # same prompts compare by a paired interval (eyrie.evaluate.interval.ratio_interval)
-            "per_prompt": [list(c) for c in decoder.per_prompt["trained draft"]],
-        },
-        "untrained": {
-            **decoder.stats["untrained"].metrics(),
-            "acceptance_length_ci95": al_interval(decoder.per_prompt["untrained draft"]),
-            "per_prompt": [list(c) for c in decoder.per_prompt["untrained draft"]],
-        },
-        # the trained draft's AL over the untrained one's, paired by prompt (interval.py)
-        "trained_over_untrained": ratio_interval(
-            decoder.per_prompt["trained draft"], decoder.per_prompt["untrained draft"]
-        ),
+        **runs(decoder),
+        **sampled,
         "outputs_match_target_greedy": not decoder.differs,
         # in 16 bits only (float32 refuses a difference): {run: prompts whose output differed}
         "outputs_differing_from_greedy": decoder.differs,

@@ -39,6 +39,7 @@ class EvalSettings:
     num_prompts: int
     device: str  # resolved: cpu | cuda
     dtype: str  # resolved: float32 | bfloat16 | float16, the target's and the draft's
+    temperature: float  # > 0: also decoded by speculative sampling at it
 
     @classmethod
     def from_settings(cls, settings: dict) -> EvalSettings:
@@ -48,7 +49,12 @@ class EvalSettings:
         device = auto_device("eval.device", ev["device"], EvaluateError)
         dtype = auto_dtype(ev["dtype"], device)
         return cls(
-            ev["num_speculative_tokens"], ev["max_new_tokens"], ev["num_prompts"], device, dtype
+            ev["num_speculative_tokens"],
+            ev["max_new_tokens"],
+            ev["num_prompts"],
+            device,
+            dtype,
+            float(ev["temperature"]),
         )
 
 

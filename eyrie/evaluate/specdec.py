@@ -60,15 +60,22 @@ class SpecStats:
 
 
 @torch.no_grad()
-def target_step(target, ids: torch.Tensor, aux_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One full forward of the target over `ids` [L] int64.
-
-    Returns greedy [L] int64 (the argmax next token after each position) and
-    aux [L, A*H] (the aux hidden states of each position, concatenated in `aux_ids` order).
-    """
+def target_logits(
+    target, ids: torch.Tensor, aux_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One full forward of the target over `ids` [L] int64: logits [L, V] (of the next token
+    after each position) and aux [L, A*H] (the aux hidden states of each position, concatenated
+    in `aux_ids` order)."""
     with capture_hidden_states(target, aux_ids) as states:
         logits = target(input_ids=ids[None], use_cache=False).logits[0]  # [L, V]
     aux = torch.cat([states[i][0] for i in aux_ids], dim=-1)  # [L, A*H]
+    return logits, aux
+
+
+def target_step(target, ids: torch.Tensor, aux_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_logits with greedy [L] int64 (the argmax next token after each position) for the
+    logits."""
+    logits, aux = target_logits(target, ids, aux_ids)
     return logits.argmax(dim=-1), aux
 
 
@@ -144,6 +151,69 @@ def speculative_generate(
     return _cut(out, *limits)
 
 
+def verify_sampled(
+    p: torch.Tensor, q: list[torch.Tensor], draft: list[int], generator: torch.Generator
+) -> tuple[int, int]:
+    """Speculative sampling's verification (Leviathan et al. 2023; Chen et al. 2023): p [K+1, V]
+    the target's distributions after the context and after each drafted token, q[j] the one
+    drafted token j was drawn from. Token j is accepted with probability min(1, p_j(x) /
+    q_j(x)); the first rejected is replaced by a draw from max(p_j - q_j, 0), renormalised; with
+    every token accepted the next comes from p_K. The tokens so emitted follow the target's own
+    distribution at any draft. Returns (accepted, the token emitted after them)."""
+    for j, x in enumerate(draft):
+        u = torch.rand((), generator=generator, dtype=torch.float64)
+        if u * q[j][x] < p[j, x]:  # u < p/q, without dividing by a q of 0
+            continue
+        residual = (p[j] - q[j]).clamp(min=0)
+        total = residual.sum()
+        if total <= 0:  # p == q: a rejection has probability 0; float rounding only
+            residual, total = p[j], p[j].sum()
+        token = torch.multinomial(residual / total, 1, generator=generator)
+        return j, int(token)
+    return len(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator))
+
+
+@torch.no_grad()
+def speculative_sample(
+    target,
+    prompt_ids: list[int],
+    propose,
+    decoding: Decoding,
+    temperature: float,
+    generator: torch.Generator,
+    stats: SpecStats | None = None,
+) -> list[int]:
+    """Speculative decoding by sampling at `temperature` (target and draft alike): the draft
+    samples each of its K tokens (SamplePick), the target verifies them (verify_sampled). The
+    output is a sample of the target's own distribution; returns the new tokens."""
+    K, aux_ids = decoding.K, decoding.aux_ids
+    limits = (decoding.max_new_tokens, decoding.eos_id)
+    device = next(target.parameters()).device
+
+    def dist(logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.double() / temperature, dim=-1).cpu()
+
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)  # [P]
+    logits, aux = target_logits(target, ids, aux_ids)
+    first = int(torch.multinomial(dist(logits[-1]), 1, generator=generator))
+    out = [first]
+    ids = torch.cat([ids, ids.new_tensor([first])])  # [L]; aux covers ids[:-1]
+    while not _finished(out, *limits):
+        L = len(ids)
+        pick = SamplePick(temperature, logits.shape[-1], generator)
+        draft = [int(t) for t in propose(ids, aux, K, pick=pick)]
+        seq = torch.cat([ids, ids.new_tensor(draft)])  # [L + K]
+        logits, aux_all = target_logits(target, seq, aux_ids)  # [L + K, V]
+        n, extra = verify_sampled(dist(logits[L - 1 :]), pick.q, draft, generator)
+        if stats is not None:
+            stats.observe(K, n)
+        new = draft[:n] + [extra]
+        out += new
+        ids = torch.cat([ids, ids.new_tensor(new)])  # [L + n + 1]
+        aux = aux_all[: L + n]  # states of ids[:-1], verified
+    return _cut(out, *limits)
+
+
 def _eval_mode(draft, masks: str, fix: str):
     """`draft` in eval mode, refused unless its attention takes what a proposer passes (`masks`:
     dense masks or none; flex attention needs block masks), the line ending with `fix`."""
@@ -157,6 +227,29 @@ def to_target(draft, draft_ids: torch.Tensor) -> torch.Tensor:
     """Draft-vocab ids -> target ids (target_id = i + d2t[i]; no d2t: the same vocabulary)."""
     d2t = draft.d2t
     return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
+
+
+def greedy_pick(draft, logits: torch.Tensor) -> torch.Tensor:
+    """A proposer's token from its draft-vocab logits [Vd]: the argmax, as a target id."""
+    return to_target(draft, logits.argmax())
+
+
+class SamplePick:
+    """A proposer's token sampled from its draft-vocab logits at `temperature`, as a target id;
+    each draw's distribution over the target vocabulary is kept in `q` (zero outside the draft's
+    vocabulary) for the verification (speculative_sample)."""
+
+    def __init__(self, temperature: float, vocab_size: int, generator: torch.Generator):
+        self.temperature, self.vocab_size, self.generator = temperature, vocab_size, generator
+        self.q: list[torch.Tensor] = []
+
+    def __call__(self, draft, logits: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits.double() / self.temperature, dim=-1).cpu()  # [Vd]
+        drafted = torch.multinomial(probs, 1, generator=self.generator)[0]
+        ids = to_target(draft, torch.arange(len(probs), device=logits.device)).cpu()
+        q = torch.zeros(self.vocab_size, dtype=torch.float64).index_add_(0, ids, probs)
+        self.q.append(q)
+        return to_target(draft, drafted.to(logits.device))
 
 
 class Eagle3Proposer:
@@ -211,7 +304,9 @@ class Eagle3Proposer:
         return d.lm_head(d.norm(out)), out
 
     @torch.no_grad()
-    def __call__(self, token_ids: torch.Tensor, aux_states: torch.Tensor, k: int) -> list[int]:
+    def __call__(
+        self, token_ids: torch.Tensor, aux_states: torch.Tensor, k: int, pick=greedy_pick
+    ) -> list[int]:
         # token_ids: [T+1] int64; aux_states: [T, A*H]
         T = aux_states.shape[0]
         ids = token_ids[1:]  # [T]: x_{t+1} pairs with g_t
@@ -220,7 +315,7 @@ class Eagle3Proposer:
         drafted = []
         for _ in range(k):
             logits, carried = self.head(self.decode(ids, hidden, pos)[-1])  # [Vd], [H]
-            token = to_target(self.draft, logits.argmax())  # [] int64 target id
+            token = pick(self.draft, logits)  # [] int64 target id
             drafted.append(int(token))
             ids = torch.cat([ids, token[None]])
             hidden = torch.cat([hidden, carried[None]])
@@ -292,7 +387,9 @@ class BlockProposer:
         return logits[slot] + bias[0, -1].to(logits.dtype)
 
     @torch.no_grad()
-    def __call__(self, token_ids: torch.Tensor, aux_states: torch.Tensor, k: int) -> list[int]:
+    def __call__(
+        self, token_ids: torch.Tensor, aux_states: torch.Tensor, k: int, pick=greedy_pick
+    ) -> list[int]:
         if not 1 <= k <= self.K:
             raise EvaluateError(f"this block drafter drafts up to {self.K} tokens, asked for {k}")
         # as vLLM drafts K tokens: a block of the anchor's slot and K more (DFlash), or of K slots
@@ -300,6 +397,5 @@ class BlockProposer:
         hidden, logits = self.backbone(token_ids, aux_states, self.first + k)
         before = [int(token_ids[-1])]
         for slot in range(self.first, self.first + k):
-            drafted = self.slot_logits(hidden, logits, before, slot).argmax()
-            before.append(int(to_target(self.draft, drafted)))
+            before.append(int(pick(self.draft, self.slot_logits(hidden, logits, before, slot))))
         return before[1:]

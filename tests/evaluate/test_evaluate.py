@@ -353,3 +353,66 @@ def test_bad_settings_listed_together():
                 }
             }
         )
+
+
+# ------------------------------------------------------------------ sampling (eval.temperature)
+
+
+def test_speculative_sampling_emits_the_targets_distribution():
+    """verify_sampled keeps the target's distribution whatever the draft's: over many draws of a
+    draft token from q, the first token emitted (the draft's if accepted, else the residual's
+    draw) is distributed as p, here with a q far from p and with a one-hot q on p's least
+    likely token (a greedy draft's)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 2, dtype=torch.float64)
+    for q0 in ([0.05, 0.05, 0.1, 0.3, 0.5], [0.0, 0.0, 0.0, 0.0, 1.0]):
+        q = torch.tensor(q0, dtype=torch.float64)
+        counts = torch.zeros(5)
+        n = 20000
+        for _ in range(n):
+            x = int(torch.multinomial(q, 1, generator=g))
+            accepted, extra = ev_specdec.verify_sampled(p, [q], [x], g)
+            counts[x if accepted else extra] += 1
+        assert torch.allclose(counts / n, p[0].float(), atol=0.015), (q0, counts / n)
+
+
+def test_sampling_at_a_tiny_temperature_is_greedy_decoding(case):
+    """speculative_sample's plumbing (the drafted tokens, the target's distributions after
+    each, the aux states carried) is the greedy path's: near temperature 0 both distributions
+    are one-hot, so the output is the target's greedy one and the draft's acceptance that of
+    greedy speculative decoding."""
+    model, eos = case["model"], case["eos"]
+    trained = Eagle3Proposer(load_draft(case["draft"]))
+    for prompt in case["prompts"][:2]:
+        greedy, sampled = SpecStats(K), SpecStats(K)
+        decoding = Decoding(K, 9, eos, AUX)
+        want = speculative_generate(model, prompt, trained, decoding, stats=greedy)
+        g = torch.Generator().manual_seed(1)
+        got = ev_specdec.speculative_sample(model, prompt, trained, decoding, 1e-4, g, sampled)
+        assert got == want == greedy_generate(model, prompt, 9, eos)
+        assert sampled.metrics() == greedy.metrics()
+
+
+def test_cli_at_a_temperature_reports_sampled_decoding_too(case, tmp_path):
+    """eval.temperature: 1 adds the figures of speculative sampling ("sampled"), the trained and
+    the untrained draft's and at every K' <= K, from a seeded stream: a second run reports the
+    same; the greedy figures stay what they were."""
+    reports = []
+    for n in range(2):
+        out = tmp_path / str(n)
+        out.mkdir()
+        assert cli.main(cli_args(case, out, temperature=1.0)) == 0
+        reports.append(json.loads((out / "eval.json").read_text()))
+    greedy_dir = tmp_path / "greedy"
+    greedy_dir.mkdir()
+    assert cli.main(cli_args(case, greedy_dir)) == 0
+    greedy = json.loads((greedy_dir / "eval.json").read_text())
+    assert "sampled" not in greedy and greedy["trained"] == reports[0]["trained"]
+    sampled = reports[0]["sampled"]
+    assert sampled == reports[1]["sampled"] and sampled["temperature"] == 1.0
+    for name in ("trained", "untrained"):
+        m = sampled[name]
+        assert m["num_draft_tokens"] == K * m["num_drafts"] > 0
+        assert [sum(c) for c in zip(*m["per_prompt"])] == [m["num_drafts"], m["accepted_tokens"]]
+    assert len(sampled["trained"]["acceptance_length_by_k"]) == K
+    assert sampled["trained_over_untrained"]["ratio"] > 0
