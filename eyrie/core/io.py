@@ -114,18 +114,15 @@ def last_good_path(path: str | Path) -> Path:
 
 
 def keep_last_good(path: str | Path) -> Path:
-    """Link a just-written output to `.last-good/<name>` beside it: Snakemake deletes a job's
+    """Copy a just-written output to `.last-good/<name>` beside it: Snakemake deletes a job's
     outputs before the job runs, so a rerun that fails would leave the user without the last
-    good report; the failure lines name this copy (eyrie.core.failures)."""
+    good report; the failure lines name this copy (eyrie.core.failures). A copy, not a link: an
+    output emptied or edited in place must not take its last good copy with it. The outputs kept
+    are reports and the eval set (kilobytes to megabytes)."""
     keep = last_good_path(path)
     keep.parent.mkdir(exist_ok=True)
-    tmp = keep.with_name(f".{keep.name}.tmp-{os.getpid()}")
-    _remove(tmp)
-    try:
-        os.link(path, tmp)
-    except OSError:
+    with atomic_path(keep) as tmp:
         shutil.copy2(path, tmp)
-    os.replace(tmp, keep)
     return keep
 
 

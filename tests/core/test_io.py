@@ -84,3 +84,18 @@ def test_a_failed_fsync_keeps_the_old_output(tmp_path, monkeypatch):
         with atomic_path(final) as tmp:
             tmp.write_bytes(b"new")
     assert final.read_bytes() == b"old" and sorted(tmp_path.iterdir()) == [final]
+
+
+def test_the_last_good_copy_outlives_its_output_emptied_in_place(tmp_path):
+    """keep_last_good copies: a report emptied or rewritten in place (an editor, `> file`)
+    leaves `.last-good/` whole; it was a hard link, emptied with it."""
+    from eyrie.core.io import keep_last_good
+
+    report = tmp_path / "eval.json"
+    report.write_text('{"ok": true}\n')
+    keep = keep_last_good(report)
+    with open(report, "w"):
+        pass  # emptied in place: the same inode
+    assert keep.read_text() == '{"ok": true}\n' and report.read_text() == ""
+    assert os.stat(keep).st_ino != os.stat(report).st_ino
+    assert sorted(p.name for p in keep.parent.iterdir()) == ["eval.json"]  # no temporary left

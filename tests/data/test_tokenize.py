@@ -538,7 +538,7 @@ def test_cli_end_to_end(tok, target, tmp_path):
     assert run_cli(target, inputs, out) == 0
     names = sorted(p.name for p in out.iterdir())
     assert names == [
-        ".last-good",  # report.json and eval.parquet, linked: a failed rerun keeps them
+        ".last-good",  # report.json and eval.parquet, copied: a failed rerun keeps them
         "eval.parquet",
         "report.json",
         "shard_000.parquet",
