@@ -8,6 +8,7 @@ import sys
 
 from eyrie.core.errors import TargetError
 from eyrie.core.rehearsal import run_name
+from eyrie.chat.template import folder_templates, keyword_problems
 from eyrie.config.drafts import draft_methods
 from eyrie.config.schema import config_file, settings_json, workflow_config
 from eyrie.store.fingerprint import demo_weights_changed, track_target
@@ -60,6 +61,12 @@ else:
     except TargetError as exc:  # one line, no traceback frames (Snakemake lets SystemExit out)
         sys.exit(f"eyrie config: error: {exc}")
     TARGET_WEIGHTS, TARGET_TOKENIZER = [_tracked["weights"]], [_tracked["tokenizer"]]
+    # a template switch the template never reads (a misspelt enable_thinking) renders every
+    # record without it, in silence: one line now (the demo target's: at tokenization)
+    for _problem in keyword_problems(
+        config["data"]["chat_template_kwargs"] or {}, *folder_templates(TARGET)
+    ):
+        sys.exit(f"eyrie config: error: {_problem}")
 TARGET_FILES = list(dict.fromkeys(TARGET_WEIGHTS + TARGET_TOKENIZER))  # the whole target
 CONVERSATIONS = config["data"]["conversations"] or (
     [f"resources/{NAME}/conversations.jsonl"] if DEMO else []

@@ -518,6 +518,33 @@ def test_template_switches_reach_training_and_evaluation_prompts(tmp_path):
         ChatTemplate.load(target, kwargs={"tools": []})
 
 
+def test_a_template_switch_the_template_never_reads_is_one_line(tmp_path):
+    """A misspelt switch (enable_thinkin) rendered every record without enable_thinking, 200 of
+    200 records used, in silence; now tokenization (and the parse, for a user's target) stops
+    on one line naming the key and the switches the template reads (Qwen3's published template)."""
+    from eyrie.chat.template import ChatTemplate, folder_templates, keyword_problems
+
+    target = make_target(tmp_path / "qwen3", "qwen3")
+    inputs = [write_jsonl(tmp_path / "c.jsonl", many(2))]
+    settings = {"num_eval": 1, "num_shards": 1, "chat_template_kwargs": {"enable_thinkin": False}}
+    want = (
+        "data.chat_template_kwargs.enable_thinkin: the chat template never reads it (it reads "
+        "content, enable_thinking, reasoning_content); fix the spelling or remove it"
+    )
+    with pytest.raises(DataError) as err:
+        tokenize(target, inputs, tmp_path / "out", {"data": settings})
+    assert str(err.value) == want
+    assert not (tmp_path / "out").exists()
+    assert keyword_problems({"enable_thinkin": False}, *folder_templates(target)) == [want]
+    assert keyword_problems({"enable_thinking": False}, *folder_templates(target)) == []
+    # a switch only the tokenizer's own code reads (remote code) is read
+    assert (
+        keyword_problems({"enable_thinkin": 1}, *folder_templates(target)[:1], ["enable_thinkin"])
+        == []
+    )
+    assert ChatTemplate.load(target, kwargs={"enable_thinking": True}).kwargs
+
+
 def test_parquet_and_datasets_records_keep_only_their_own_keys(tmp_path):
     """Arrow gives every row every field of a struct column: the nulls it adds never reach the
     template (Qwen3-Coder would render <parameter=date>None)."""

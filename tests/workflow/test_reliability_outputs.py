@@ -265,6 +265,32 @@ def test_a_damaged_entry_is_never_restored(tmp_path, caplog):
     assert store.entries() == []
 
 
+def test_a_template_switch_the_target_never_reads_is_one_line_at_parse_time(tmp_path):
+    """A user's target whose template reads enable_thinking, and the config says
+    enable_thinkin: the dry run stops on one line before any job (it trained on renderings
+    without the switch)."""
+    from transformers import AutoTokenizer
+
+    from tests.support.models import config_only_llama
+    from tests.support.template_cases import standin_target
+
+    target = standin_target(tmp_path / "qwen3", "qwen3")
+    config_only_llama(target, len(AutoTokenizer.from_pretrained(target)))
+    (tmp_path / "convs.jsonl").touch()
+    kwargs = {"enable_thinkin": False}
+    write_config(tmp_path, target__path=str(target), data__chat_template_kwargs=kwargs)
+    proc = run_snakemake(tmp_path, "-n")
+    eyrie = [ln for ln in proc.stderr.splitlines() if ln.startswith("eyrie")]
+    assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
+    assert eyrie == [
+        "eyrie config: error: data.chat_template_kwargs.enable_thinkin: the chat template never "
+        "reads it (it reads content, enable_thinking, reasoning_content); fix the spelling or "
+        "remove it"
+    ]
+    write_config(tmp_path, target__path=str(target), data__chat_template_kwargs={})
+    assert run_snakemake(tmp_path, "-n").returncode == 0
+
+
 def test_a_missing_target_folder_is_one_line_at_parse_time(tmp_path):
     write_config(tmp_path, target__path=str(tmp_path / "no such model"))
     (tmp_path / "convs.jsonl").touch()
