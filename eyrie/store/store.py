@@ -201,9 +201,14 @@ class Store:
         return sorted(out, key=lambda e: e.used)
 
     def damage(self, entry: Entry) -> str | None:
-        """Why `entry` is not what was stored (the check a restore makes), or None."""
-        names = [p.name for p in entry.path.iterdir() if p.is_file() and p.name != ENTRY]
-        return _damage(entry.path, names)
+        """Why `entry` is not what was stored (the check a restore makes, on every file it
+        recorded and every file it holds), or None."""
+        names = {p.name for p in entry.path.iterdir() if p.is_file() and p.name != ENTRY}
+        try:
+            names |= set(json.loads((entry.path / ENTRY).read_text()).get("files") or {})
+        except (OSError, ValueError, AttributeError):
+            pass  # _damage names it
+        return _damage(entry.path, sorted(names))
 
     def remove(self, entry: Entry) -> None:
         _remove_entry(entry.path)
@@ -216,17 +221,22 @@ def _remove_entry(folder: Path) -> None:
 
 
 def _damage(entry: Path, names) -> str | None:
-    """Why an entry's files are not what was stored (their sizes against entry.json's), or
-    None; an entry.json that cannot be read is damage too."""
+    """Why an entry's files `names` are not what was stored (each must exist, with the size
+    and sampled digest entry.json records for it), or None; an entry.json that cannot be read,
+    or that lost a file's size or digest (nothing would then catch a cut file), is damage too."""
     try:
         meta = json.loads((entry / ENTRY).read_text())
         recorded, digests = meta.get("files") or {}, meta.get("sampled_sha256") or {}
     except (OSError, ValueError, AttributeError) as exc:
         return f"{ENTRY} unreadable: {exc}"
     for name in names:
-        size, want = os.stat(entry / name).st_size, recorded.get(name)
-        if want is not None and size != want:
+        if not (entry / name).is_file():
+            return f"{name} is gone"
+        if name not in recorded or name not in digests:
+            return f"{ENTRY} records no size or sampled digest for {name}"
+        size, want = os.stat(entry / name).st_size, recorded[name]
+        if size != want:
             return f"{name} holds {size:,} bytes, {want:,} when stored"
-        if name in digests and sampled_digest(entry / name) != digests[name]:
+        if sampled_digest(entry / name) != digests[name]:
             return f"{name}: its sampled content differs from when it was stored"
     return None

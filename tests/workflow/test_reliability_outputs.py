@@ -461,6 +461,30 @@ def test_the_same_target_under_another_path_reruns_nothing(user_run, tmp_path):
     assert "tokenize_conversations" in planned(work)
 
 
+def test_an_entry_without_its_digests_or_its_file_is_damaged(tmp_path, capsys, caplog):
+    """An entry.json that lost its digests let a restore return a cut shard, and `--verify`
+    kept an entry whose shard file was gone; both are damage now, to a restore and to
+    `eyrie store --verify`."""
+    store = Store(tmp_path / "store")
+    outs = [tmp_path / f"{n}.h5" for n in range(3)]
+    for i, out in enumerate(outs):
+        out.write_bytes(b"states of a shard")
+        store.put("hidden", f"{i}" * 64, {"shard.h5": out}, {"why": "test"})
+    meta = store.entry("hidden", "0" * 64) / "entry.json"
+    record = json.loads(meta.read_text())
+    del record["sampled_sha256"], record["files"]
+    meta.write_text(json.dumps(record))
+    os.truncate(outs[0], 6)  # the output links the entry: cut both
+    with caplog.at_level("WARNING"):
+        assert not store.restore("hidden", "0" * 64, {"shard.h5": tmp_path / "again.h5"})
+    assert "entry.json records no size or sampled digest for shard.h5" in caplog.text
+    (store.entry("hidden", "1" * 64) / "shard.h5").unlink()
+    assert cli_main(["store", "--path", str(store.root), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert f"{store.entry('hidden', '1' * 64)}: damaged (shard.h5 is gone)" in out
+    assert [e.key for e in store.entries()] == ["2" * 64]
+
+
 def test_store_verify_removes_the_damaged_entries_a_full_check_reads_shards_whole(tmp_path, capsys):
     """`eyrie store --verify` makes the check a restore makes on every entry; `--verify full`
     also reads each hidden-state shard whole, which catches a NaN written in place between the
