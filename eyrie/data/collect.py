@@ -130,6 +130,17 @@ class Tally:
         more = len(ranked) - limit
         return ", ".join(named) + (f", and {more} more reason(s)" if more > 0 else "")
 
+    def cut_fix(self, max_seq_len: int) -> str:
+        """", or raise data.max_seq_len ..." when records were dropped for having no assistant
+        token within it (the fix a user needs when max_seq_len is too small), else ""."""
+        cut = self.by_reason().get("no_assistant_tokens_after_truncation", 0)
+        if not cut:
+            return ""
+        return (
+            f", or raise data.max_seq_len (now {max_seq_len}): {cut} records have no assistant "
+            "token within it"
+        )
+
     def by_rule(self) -> dict[str, int]:
         """Records dropped by template rule (template_rule's detail starts with the rule)."""
         counts: dict[str, int] = {}
@@ -206,14 +217,15 @@ def collect_records(tpl: ChatTemplate, inputs: list[str | Path], cfg: DataSettin
             "sha256": _sha256(path),
         }
         log.info("%s: %d records, %d usable", path, read, used)
-        _require_some(path, read, used, tally)
+        _require_some(path, read, used, tally, cfg.max_seq_len)
     return tally
 
 
-def _require_some(path, read: int, used: int, tally: Tally) -> None:
+def _require_some(path, read: int, used: int, tally: Tally, max_seq_len: int) -> None:
     """A file none of whose records is usable (an unknown schema, say) stops the stage: its
     counts in report.json alone would train silently without it. Copies of conversations
-    already read (a file listed twice) are not a mistake."""
+    already read (a file listed twice) are not a mistake. Records cut to nothing by
+    data.max_seq_len are the setting's to fix, not the file's."""
     if not read or used:
         return
     own = Tally(dropped=[d for d in tally.dropped if d["file"] == str(path)])
@@ -222,7 +234,7 @@ def _require_some(path, read: int, used: int, tally: Tally) -> None:
     raise DataError(
         f"{path}: none of its {read} records is usable ({own.top_reasons(TOP_REASONS)}); fix "
         "the file (docs/data.md#input-files gives the formats read) or remove it from "
-        "data.conversations"
+        f"data.conversations{own.cut_fix(max_seq_len)}"
     )
 
 

@@ -164,13 +164,7 @@ def _require_enough(tally: Tally, cfg: DataSettings) -> None:
     need = cfg.num_eval + cfg.num_shards
     if len(tally.records) < need:
         fix = ", or fix the dropped records (data.strict: true names the first)"
-        fix = fix if tally.dropped else ""
-        cut = tally.by_reason().get("no_assistant_tokens_after_truncation", 0)
-        if cut:
-            fix = (
-                f", or raise data.max_seq_len (now {cfg.max_seq_len}): {cut} records have no "
-                f"assistant token within it{fix}"
-            )
+        fix = tally.cut_fix(cfg.max_seq_len) + (fix if tally.dropped else "")
         raise DataError(
             f"only {len(tally.records)} usable records of {tally.records_read} read (dropped: "
             f"{tally.top_reasons(TOP_REASONS)}); need at least data.num_eval + data.num_shards = "

@@ -593,3 +593,17 @@ def test_a_template_that_renders_nothing_stops_at_once(tmp_path):
     message = str(err.value)
     assert "cannot render a conversation" in message and "needs encoding_dsv32.py: user" in message
     assert "use data.mask_mode: auto" not in message and "\n" not in message
+
+
+def test_a_file_cut_to_nothing_by_max_seq_len_offers_raising_it(tmp_path):
+    """Every record of a file cut before its first assistant token by data.max_seq_len: the
+    line said only "fix the file or remove it"; the file is fine, the setting is not."""
+    target = make_target(tmp_path / "qwen3", "qwen3")
+    inputs = [write_jsonl(tmp_path / "c.jsonl", many(3))]
+    with pytest.raises(DataError) as err:
+        tokenize(target, inputs, tmp_path / "out", {"data": {"max_seq_len": 8}})
+    assert str(err.value).startswith(f"{inputs[0]}: none of its 3 records is usable (")
+    assert str(err.value).endswith(
+        "or remove it from data.conversations, or raise data.max_seq_len (now 8): 3 records "
+        "have no assistant token within it"
+    )
