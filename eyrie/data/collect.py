@@ -131,7 +131,7 @@ class Tally:
         return ", ".join(named) + (f", and {more} more reason(s)" if more > 0 else "")
 
     def cut_fix(self, max_seq_len: int) -> str:
-        """", or raise data.max_seq_len ..." when records were dropped for having no assistant
+        """ ", or raise data.max_seq_len ..." when records were dropped for having no assistant
         token within it (the fix a user needs when max_seq_len is too small), else ""."""
         cut = self.by_reason().get("no_assistant_tokens_after_truncation", 0)
         if not cut:
