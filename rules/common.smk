@@ -86,6 +86,16 @@ for _key, _path in _given:
             f"eyrie config: error: {_key}: {_path} not found (from {os.getcwd()}); fix the "
             "path, or give it relative to the working directory (snakemake -d)"
         )
+# The store's and the caches' folders: a file there (a typo, a path reused) made every job
+# log a warning and keep nothing; one line now
+for _key in ("store.path", "cache.path"):
+    _section, _name = _key.split(".")
+    _folder = config[_section][_name]
+    if _folder and os.path.exists(_folder) and not os.path.isdir(_folder):
+        sys.exit(
+            f"eyrie config: error: {_key}: {_folder} is a file, not a folder; name a folder "
+            "(made when missing), or null to keep nothing"
+        )
 # The draft draft.json names, deleted by hand: Snakemake sees draft.json and plans nothing.
 _manifest = f"{RESULTS}/draft.json"
 if os.path.isfile(_manifest):

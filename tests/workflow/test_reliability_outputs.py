@@ -291,6 +291,22 @@ def test_a_template_switch_the_target_never_reads_is_one_line_at_parse_time(tmp_
     assert run_snakemake(tmp_path, "-n").returncode == 0
 
 
+@pytest.mark.parametrize("key", ["store", "cache"])
+def test_a_store_or_cache_path_naming_a_file_is_one_line_at_parse_time(tmp_path, key):
+    """store.path (or cache.path) naming a file was a warning in each job's log, and nothing
+    kept; now the dry run stops on one line."""
+    (tmp_path / "convs.jsonl").touch()
+    (tmp_path / "a file").write_text("x")
+    write_config(tmp_path, **{f"{key}__path": str(tmp_path / "a file")})
+    proc = run_snakemake(tmp_path, "-n")
+    eyrie = [ln for ln in proc.stderr.splitlines() if ln.startswith("eyrie")]
+    assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
+    assert eyrie == [
+        f"eyrie config: error: {key}.path: {tmp_path / 'a file'} is a file, not a folder; name "
+        "a folder (made when missing), or null to keep nothing"
+    ]
+
+
 def test_a_missing_target_folder_is_one_line_at_parse_time(tmp_path):
     write_config(tmp_path, target__path=str(tmp_path / "no such model"))
     (tmp_path / "convs.jsonl").touch()
