@@ -16,7 +16,7 @@ import socket
 import sys
 import traceback
 
-from eyrie.core.errors import EyrieError
+from eyrie.core.errors import EyrieError, os_error_of
 from eyrie.core.runtime import UNUSED_FRAMEWORKS, describe, set_torch_threads, settings_arg
 
 # stage name -> (module providing add_arguments(parser) and run(args), what it does, the help of
@@ -120,7 +120,7 @@ def os_error_line(exc: BaseException, args: argparse.Namespace) -> str | None:
     """One line for an OSError in OS_FIXES: the path (the output, not its temporary; the
     stage's output when the error names none, as a write that fills the disk), what happened
     and the fix; None for any other exception."""
-    number, filename, what = _os_error(exc)
+    number, filename, what = os_error_of(exc)
     if number not in OS_FIXES:
         return None
     if isinstance(filename, (str, bytes, os.PathLike)):
@@ -129,20 +129,6 @@ def os_error_line(exc: BaseException, args: argparse.Namespace) -> str | None:
         out = getattr(args, "out", None) or getattr(args, "out_dir", None)
         path = f"writing {out}" if out else "writing an output"
     return f"{path}: {what or os.strerror(number)}; {OS_FIXES[number]}"
-
-
-# safetensors raises its own type for a failed write, the errno only in its message
-OS_ERROR_IN_MESSAGE = re.compile(r"\(os error (\d+)\)")
-
-
-def _os_error(exc: BaseException) -> tuple[int | None, object, str | None]:
-    """(errno, filename, strerror) of an OSError, or of safetensors' SafetensorError."""
-    if isinstance(exc, OSError):
-        return exc.errno, exc.filename, exc.strerror
-    found = OS_ERROR_IN_MESSAGE.search(str(exc))
-    if type(exc).__name__ == "SafetensorError" and found:
-        return int(found[1]), None, None
-    return None, None, None
 
 
 def build_parser(stage: str | None = None) -> argparse.ArgumentParser:

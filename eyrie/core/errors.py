@@ -56,3 +56,16 @@ class EvaluateError(EyrieError):
 
 class ConversationsError(EyrieError):
     """The demo conversations file is missing or malformed (eyrie.demo)."""
+
+
+def os_error_of(exc: BaseException) -> tuple[int | None, object, str | None]:
+    """(errno, filename, strerror) of an OSError, or of safetensors' SafetensorError, which
+    carries the errno in its message only ("... (os error 28)"); (None, None, None) otherwise."""
+    import re
+
+    if isinstance(exc, OSError):
+        return exc.errno, exc.filename, exc.strerror
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    if type(exc).__name__ == "SafetensorError" and found:
+        return int(found[1]), None, None
+    return None, None, None

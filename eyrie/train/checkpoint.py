@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import random
 import shutil
 import zipfile
@@ -26,6 +27,7 @@ import torch
 
 from eyrie.arch.target import fingerprint, read_config
 from eyrie.config.sections import NOT_IN_RUN_ID, TrainSettings, implied_before
+from eyrie.core.errors import os_error_of
 from eyrie.core.io import atomic_path
 from eyrie.formats.report import identity, read_report
 from eyrie.store.fingerprint import file_digest
@@ -335,9 +337,20 @@ class Checkpoints:
         """Write step_<N>/ atomically (fsynced), then prune (`_prune`). At the plan's last step
         the optimizer, scheduler and RNG states are not written: no step is left to use them
         (AdamW's two moments are twice the trainable weights: ~9 GB for a Kimi-width draft)."""
+        final = self.run_dir / f"step_{position['step']:08d}"
+        try:
+            self._write(final, model, optimizer, scheduler, position)
+        except Exception as exc:  # a full disk names the checkpoint, not the stage's --out-dir
+            number, filename, _ = os_error_of(exc)
+            if number is None or filename is not None:
+                raise
+            raise OSError(number, os.strerror(number), str(final)) from exc
+        self._prune(final)
+        return final
+
+    def _write(self, final: Path, model, optimizer, scheduler, position: dict) -> None:
         from safetensors.torch import save_file
 
-        final = self.run_dir / f"step_{position['step']:08d}"
         with atomic_path(final) as tmp:
             tmp.mkdir()
             save_file(
@@ -354,8 +367,6 @@ class Checkpoints:
                     tmp / "state.pt",
                 )
             (tmp / "position.json").write_text(json.dumps(position, indent=2, sort_keys=True))
-        self._prune(final)
-        return final
 
     def _prune(self, newest: Path) -> None:
         """With `newest` just written: the folders that failed verification go (a line each),

@@ -352,6 +352,36 @@ def test_a_full_disk_under_safetensors_is_one_line():
     assert cli.os_error_line(SafetensorError("header too large"), Namespace()) is None
 
 
+def test_a_full_disk_at_a_checkpoint_names_the_checkpoint(tmp_path, monkeypatch):
+    """The same full disk during a checkpoint named `writing <--out-dir>`, a folder the
+    checkpoint is not in; the line now names the step's folder under the state folder (the
+    disk to free). safetensors' own error is raised by a stand-in save_file here."""
+    import safetensors.torch
+    import torch
+    from safetensors import SafetensorError
+
+    from eyrie.train.checkpoint import Checkpoints
+
+    def full(*args, **kwargs):
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    state = tmp_path / "train_state" / "run"
+    state.mkdir(parents=True)
+    with pytest.raises(OSError) as err:
+        Checkpoints(state, "run", [4]).save(model, optimizer, scheduler, {"step": 2, "epoch": 0})
+    assert cli.os_error_line(err.value, Namespace(out_dir="results/k/train")) == (
+        f"{state / 'step_00000002'}: No space left on device; free space on that disk, or run "
+        "the workflow where there is room (snakemake -d)"
+    )
+    assert list(state.iterdir()) == []  # no temporary left
+
+
 # ----------------------------------------------------------------------------- the tokenizer
 
 
