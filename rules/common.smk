@@ -8,7 +8,7 @@ import sys
 
 from eyrie.core.errors import TargetError
 from eyrie.core.rehearsal import run_name
-from eyrie.chat.template import folder_templates, keyword_problems
+from eyrie.chat.keywords import folder_templates, keyword_problems
 from eyrie.config.drafts import draft_methods
 from eyrie.config.schema import config_file, settings_json, workflow_config
 from eyrie.store.fingerprint import demo_weights_changed, track_target

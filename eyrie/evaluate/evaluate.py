@@ -10,6 +10,7 @@ token against plain greedy decoding of the target.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field, replace
 
@@ -88,15 +89,22 @@ class Decoder:
         seed = SAMPLE_SEED + len(self.per_prompt.get("trained draft", []))
         outputs = {}
         for name, propose, decoding, stats in self.runs():
-            before = stats.num_drafts, stats.accepted_tokens
-            generator = torch.Generator().manual_seed(seed)
-            outputs[name] = speculative_sample(
-                self.model, prompt_ids, propose, decoding, self.temperature, generator, stats
-            )
-            self.per_prompt.setdefault(name, []).append(
-                (stats.num_drafts - before[0], stats.accepted_tokens - before[1])
-            )
+            with self._counted(name, stats):
+                generator = torch.Generator().manual_seed(seed)
+                outputs[name] = speculative_sample(
+                    self.model, prompt_ids, propose, decoding, self.temperature, generator, stats
+                )
         return outputs["trained draft"]
+
+    @contextlib.contextmanager
+    def _counted(self, name: str, stats: SpecStats):
+        """One prompt of run `name`: its (drafts, accepted tokens), from what `stats` counted
+        meanwhile, appended to per_prompt[name]."""
+        before = stats.num_drafts, stats.accepted_tokens
+        yield
+        self.per_prompt.setdefault(name, []).append(
+            (stats.num_drafts - before[0], stats.accepted_tokens - before[1])
+        )
 
     def decode(self, sample_id: str, prompt_ids: list[int], where) -> list[int]:
         """The target's greedy output; each speculative output must equal it in float32 (else
@@ -107,11 +115,8 @@ class Decoder:
         d = self.decoding
         reference = greedy_generate(self.model, prompt_ids, d.max_new_tokens, d.eos_id)
         for name, propose, decoding, stats in self.runs():
-            before = stats.num_drafts, stats.accepted_tokens
-            got = speculative_generate(self.model, prompt_ids, propose, decoding, stats=stats)
-            self.per_prompt.setdefault(name, []).append(
-                (stats.num_drafts - before[0], stats.accepted_tokens - before[1])
-            )
+            with self._counted(name, stats):
+                got = speculative_generate(self.model, prompt_ids, propose, decoding, stats=stats)
             if got != reference:
                 at = next(
                     (i for i, (a, b) in enumerate(zip(got, reference)) if a != b),

@@ -522,7 +522,8 @@ def test_a_template_switch_the_template_never_reads_is_one_line(tmp_path):
     """A misspelt switch (enable_thinkin) rendered every record without enable_thinking, 200 of
     200 records used, in silence; now tokenization (and the parse, for a user's target) stops
     on one line naming the key and the switches the template reads (Qwen3's published template)."""
-    from eyrie.chat.template import ChatTemplate, folder_templates, keyword_problems
+    from eyrie.chat.keywords import folder_templates, keyword_problems
+    from eyrie.chat.template import ChatTemplate
 
     target = make_target(tmp_path / "qwen3", "qwen3")
     inputs = [write_jsonl(tmp_path / "c.jsonl", many(2))]

@@ -265,6 +265,13 @@ def test_a_damaged_entry_is_never_restored(tmp_path, caplog):
     assert store.entries() == []
 
 
+def parse_error_lines(workdir) -> list[str]:
+    """`snakemake -n` on `workdir`, which must stop without a traceback: its `eyrie` lines."""
+    proc = run_snakemake(workdir, "-n")
+    assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith("eyrie")]
+
+
 def test_a_template_switch_the_target_never_reads_is_one_line_at_parse_time(tmp_path):
     """A user's target whose template reads enable_thinking, and the config says
     enable_thinkin: the dry run stops on one line before any job (it trained on renderings
@@ -279,10 +286,7 @@ def test_a_template_switch_the_target_never_reads_is_one_line_at_parse_time(tmp_
     (tmp_path / "convs.jsonl").touch()
     kwargs = {"enable_thinkin": False}
     write_config(tmp_path, target__path=str(target), data__chat_template_kwargs=kwargs)
-    proc = run_snakemake(tmp_path, "-n")
-    eyrie = [ln for ln in proc.stderr.splitlines() if ln.startswith("eyrie")]
-    assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
-    assert eyrie == [
+    assert parse_error_lines(tmp_path) == [
         "eyrie config: error: data.chat_template_kwargs.enable_thinkin: the chat template never "
         "reads it (it reads content, enable_thinking, reasoning_content); fix the spelling or "
         "remove it"
@@ -298,10 +302,7 @@ def test_a_store_or_cache_path_naming_a_file_is_one_line_at_parse_time(tmp_path,
     (tmp_path / "convs.jsonl").touch()
     (tmp_path / "a file").write_text("x")
     write_config(tmp_path, **{f"{key}__path": str(tmp_path / "a file")})
-    proc = run_snakemake(tmp_path, "-n")
-    eyrie = [ln for ln in proc.stderr.splitlines() if ln.startswith("eyrie")]
-    assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
-    assert eyrie == [
+    assert parse_error_lines(tmp_path) == [
         f"eyrie config: error: {key}.path: {tmp_path / 'a file'} is a file, not a folder; name "
         "a folder (made when missing), or null to keep nothing"
     ]
@@ -310,10 +311,7 @@ def test_a_store_or_cache_path_naming_a_file_is_one_line_at_parse_time(tmp_path,
 def test_a_missing_target_folder_is_one_line_at_parse_time(tmp_path):
     write_config(tmp_path, target__path=str(tmp_path / "no such model"))
     (tmp_path / "convs.jsonl").touch()
-    proc = run_snakemake(tmp_path, "-n")
-    eyrie = [ln for ln in proc.stderr.splitlines() if ln.startswith("eyrie")]
-    assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
-    assert eyrie == [
+    assert parse_error_lines(tmp_path) == [
         f"eyrie config: error: target.path {tmp_path / 'no such model'}: not a folder; set it "
         "to a Hugging Face model folder (config.json, safetensors weights, tokenizer)"
     ]
