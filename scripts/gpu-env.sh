@@ -8,13 +8,21 @@
 ENV=${EYRIE_GPU_ENV:-${TMPDIR:-/tmp}/eyrie-gpu-env}
 if [ ! -x "$ENV/bin/eyrie" ]; then
   python3 -m venv --system-site-packages --without-pip "$ENV"
+fi
+site=$("$ENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ ! -x "$ENV/bin/eyrie" ]; then
   # the image's own package folders, wherever its python3 finds them (PYTHONPATH, user site)
-  site=$("$ENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   python3 -c 'import sys; print("\n".join(p for p in sys.path if p.endswith("-packages")))' \
     > "$site/image.pth"
   pip=(python3 -m pip --python "$ENV/bin/python" install -q --no-index --no-deps --no-compile)
   "${pip[@]}" .whl/*.whl
   "${pip[@]}" --no-build-isolation -e .
+fi
+# bytecode, as a pip install writes it (the pack and the wheels above are installed without):
+# otherwise the first import of vLLM, speculators and Snakemake in each fresh folder compiles it
+if [ ! -f "$ENV/.compiled" ]; then
+  "$ENV/bin/python" -m compileall -q -j 0 "$VLLM_SITE" "$site" >/dev/null 2>&1 || true
+  touch "$ENV/.compiled"
 fi
 cat > "$ENV/bin/vllm-python" <<WRAPPER
 #!/usr/bin/env bash
