@@ -7,6 +7,11 @@ eyrie.config.schema when a config is read). docs/training.md#block-drafters.
 
 from __future__ import annotations
 
+# The kinds eyrie's vLLM evaluation (and so a rehearsal, whose last stage it is) serves as the
+# run's draft: those whose evaluation through vLLM passed on a GPU
+# (tests/evaluate/test_evaluate_vllm.py, docs/training.md#block-drafters).
+VLLM_EVALUATED = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
+
 
 def draft_methods(method: str | list[str]) -> list[str]:
     """The kinds of draft a run trains, its own first: train.method names one or lists several
@@ -27,7 +32,7 @@ def draft_problems(train: dict, layers: dict, evaluation: dict, vllm: dict) -> l
     """The sections' draft rules: train.aux_ids among the layers extracted; and for a block
     drafter (train.method dflash or dspark) what it cannot do yet or at all: the vLLM
     evaluation (and so a rehearsal, whose last stage it is) serves the run's draft (the first
-    listed) only if it is EAGLE-3, vLLM never serves a DFlash draft that samples from its
+    listed) only if it is of VLLM_EVALUATED, vLLM never serves a DFlash draft that samples from its
     anchor, and K past a block's tokens."""
     problems = []
     stored, read = layers.get("aux_ids"), train.get("aux_ids")
@@ -39,7 +44,7 @@ def draft_problems(train: dict, layers: dict, evaluation: dict, vllm: dict) -> l
     methods = draft_methods(train.get("method") or "eagle3")
     if not all(isinstance(m, str) for m in methods):
         return problems  # the schema names the key
-    if methods[0] != "eagle3":  # the run's draft, which the vLLM evaluation serves
+    if methods[0] not in VLLM_EVALUATED:  # the run's draft, which the vLLM evaluation serves
         for key, asked in (
             ("eval.vllm", evaluation.get("vllm")),
             ("vllm.rehearsal", vllm.get("rehearsal")),
@@ -47,9 +52,11 @@ def draft_problems(train: dict, layers: dict, evaluation: dict, vllm: dict) -> l
             if asked is True:
                 problems.append(
                     f"{key}: true with train.method: {methods[0]}: eyrie's vLLM evaluation "
-                    f"serves EAGLE-3 drafts only so far; set {key}: false (the Hugging Face "
-                    "evaluation decodes block drafters: eval/eval.json) or list eagle3 first "
-                    "in train.method (the block drafters after it train beside it)"
+                    f"serves {' and '.join(VLLM_EVALUATED.values())} drafts so far ({methods[0]} "
+                    f"through vLLM is not yet checked on a GPU); set {key}: false (the Hugging "
+                    "Face evaluation decodes block drafters: eval/eval.json) or list "
+                    f"{' or '.join(VLLM_EVALUATED)} first in train.method (the others after it "
+                    "train beside it)"
                 )
     if "dflash" in methods and train.get("sample_from_anchor") is True:
         problems.append(

@@ -97,6 +97,9 @@ def test_config_yaml_gives_the_schemas_defaults():
             {"eval": {"vllm": True}},
             ["eval.vllm: true with train.method: dspark: eyrie's vLLM evaluation serves EAGLE-3"],
         ),
+        # DFlash through vLLM passed on a GPU: the run's draft may be one
+        ({"method": ["dflash", "eagle3"]}, {"eval": {"vllm": True}}, []),
+        ({"method": "dflash"}, {"eval": {"vllm": True}, "vllm": {"rehearsal": True}}, []),
         (
             {"method": ["eagle3", "dflash"], "block_size": 3},
             {},
@@ -110,7 +113,7 @@ def test_config_yaml_gives_the_schemas_defaults():
 def test_a_block_drafter_is_checked_when_the_config_is_read(train, others, wants):
     """What a block drafter cannot do yet, or cannot do at all, is one line per problem when
     the workflow reads the config (before any job): the vLLM evaluation and rehearsal (EAGLE-3
-    only so far), K past the block's tokens, a DFlash draft that samples from its anchor."""
+    and DFlash so far), K past the block's tokens, a DFlash draft that samples from its anchor."""
     cfg = {"target": {"name": "t"}, "train": train, **others}
     if "vllm" in others:
         cfg["extract"] = {"backend": "vllm"}
