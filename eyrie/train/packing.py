@@ -1,7 +1,9 @@
-"""The data path of draft training: EAGLE-3 alignment of a sample, packing, the plan, loading.
+"""The data path of draft training: the alignment of a sample, packing, the plan, loading.
 
-Contract: `shift_sample` aligns a sample of T tokens to T-1 training positions (the loss counts at
-j iff x_{j+2} is an assistant token); `pack` fills batches of at most `max_tokens` positions, each
+Contract: `shift_sample` aligns a sample of T tokens to T-1 EAGLE-3 training positions (the loss
+counts at j iff x_{j+2} is an assistant token); `block_sample` keeps a block drafter's T
+positions as they are (token t with its own states; the loss counts at t iff x_t is an assistant
+token); `pack` fills batches of at most `max_tokens` positions, each
 sample followed by ttt_steps - 1 padding positions (document id -1, loss mask 0) so no TTT step
 reaches into the next sample; `Plan` (every epoch's packs, shuffled per epoch by the seed) is a
 function of the settings and the shards alone; `Prefetcher` builds the coming steps' batches in a
@@ -60,6 +62,37 @@ def shift_sample(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
+def block_sample(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Align one sample of length T for a block drafter (DFlash, DSpark); outputs of length T.
+
+    speculators trains its block drafters on unshifted positions: position t holds x_t, its
+    aux states g_t and final state y_t (which predicts x_{t+1}), at position id t. A block
+    anchored at t attends to the states of positions before t, feeds x_t in its first slot and
+    takes slot j's target from y_{t+j-1}, the distribution of x_{t+j}: what serving does (the
+    target has states up to the token before its latest one) and what
+    eyrie.evaluate.specdec.BlockProposer decodes. So the loss at t counts iff x_t is an
+    assistant token: loss_mask[t]. (EAGLE-3's shift would hand the block x_{t+1} after context
+    that ends at x_{t-1}: a token missing between them.)
+    Out: the keys of shift_sample, each of length T; position_ids 0..T-1.
+    """
+    T = sample["input_ids"].shape[0]
+    return {
+        "input_ids": sample["input_ids"],
+        "hidden_states": sample["aux_hidden"],
+        "verifier_last_hidden_states": sample["final_hidden"],
+        "loss_mask": sample["loss_mask"].to(torch.bool),
+        "position_ids": torch.arange(T, dtype=torch.long),
+        **(
+            {
+                "hidden_states_scale": sample["aux_scale"],
+                "verifier_last_hidden_states_scale": sample["final_scale"],
+            }
+            if "aux_scale" in sample
+            else {}
+        ),
+    }
+
+
 CODE_SCALES = {
     "hidden_states": "hidden_states_scale",
     "verifier_last_hidden_states": "verifier_last_hidden_states_scale",
@@ -106,6 +139,8 @@ class PackedShards:
     `values_checked=True` says every stored value was scanned before (train's verify_shards pass,
     or eyrie.formats.hidden.validate_shard): reads then skip the per-sample finite check.
     Otherwise each sample is checked as it is read (no inf/NaN is handed out unnoticed).
+    `shifted`: EAGLE-3's alignment (shift_sample, T - 1 positions), else a block drafter's
+    (block_sample, T positions).
     """
 
     def __init__(
@@ -116,28 +151,37 @@ class PackedShards:
         gap: int,
         values_checked: bool = False,
         layers: list[int] | None = None,
+        shifted: bool = True,
     ):
         self.max_tokens, self.gap = max_tokens, gap
+        self.align = shift_sample if shifted else block_sample
+        # the aligned sample: its first position's token index (the shift drops x_0 and its mask
+        # starts at x_2) and its length (T - 1 shifted, T as stored)
+        first, cut = (2, 1) if shifted else (1, 0)
         # Opening every reader first: a mismatching shard fails before any training.
         self.readers = [
             ShardReader(p, expect=expect, check_values=not values_checked) for p in paths
         ]
         self.refs: list[tuple[int, int]] = []  # (reader, sample) of each usable sample
-        self.lengths: list[int] = []  # shifted length (T - 1)
-        self.loss_tokens: list[int] = []  # loss-masked positions once shifted and truncated
+        self.lengths: list[int] = []  # aligned length (T - 1 shifted, T for a block drafter)
+        self.loss_tokens: list[int] = []  # loss-masked positions once aligned and truncated
         self.skipped = 0
         for r_i, reader in enumerate(self.readers):
             mask = reader.f["loss_mask"][:]
             csum = np.concatenate([[0], np.cumsum(mask != 0)])
             for s_i, (a, b) in enumerate(zip(reader.offsets[:-1], reader.offsets[1:])):
-                if b - a < 3 or not mask[a + 2 : b].any():
-                    self.skipped += 1  # no token to predict under the (shifted) loss mask
+                if b - a < first + 1 or not mask[a + first : b].any():
+                    self.skipped += 1  # no token to predict under the aligned loss mask
                     continue
                 self.refs.append((r_i, s_i))
-                self.lengths.append(int(b - a - 1))
-                # shifted mask = mask[2:] + [0]; its first n positions: mask[a+2 : a+2+min(n, T-2)]
-                n = min(int(b - a - 1), max_tokens - gap)
-                self.loss_tokens.append(int(csum[a + 2 + min(n, b - a - 2)] - csum[a + 2]))
+                self.lengths.append(int(b - a - cut))
+                # the aligned mask's first n positions: shifted, mask[2:] + [0], so
+                # mask[a+2 : a+2+min(n, T-2)]; a block drafter's, mask[a : a+n] (x_0 never
+                # counts: no block is anchored before it, and its mask is the prompt's)
+                n = min(int(b - a - cut), max_tokens - gap)
+                start = a + first if shifted else a
+                stop = a + first + min(n, b - a - first) if shifted else a + n
+                self.loss_tokens.append(int(csum[stop] - csum[start]))
         if not self.refs:
             raise EyrieError(
                 f"{paths[0]}...: no sample has a loss-masked token to predict; "
@@ -203,7 +247,7 @@ class PackedShards:
         for doc, (i, n) in enumerate(zip(indices, sizes)):
             r_i, s_i = self.refs[i]
             # as stored (views of the file's pages); float8 dequantized to float32, or as codes
-            s = shift_sample(self.readers[r_i].read(s_i, torch.uint8 if codes else None))
+            s = self.align(self.readers[r_i].read(s_i, torch.uint8 if codes else None))
             if self.columns is not None:
                 aux = s["hidden_states"]
                 rows = aux.view(aux.shape[0], -1, self.hidden_size)[:, self.columns]

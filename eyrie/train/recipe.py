@@ -133,6 +133,7 @@ class TrainRecipe:
             0 if self.cfg.block else self.cfg.ttt_steps - 1,  # EAGLE-3's TTT shifts need a gap
             values_checked=self.cfg.verify_shards,
             layers=self.layers,
+            shifted=not self.cfg.block,  # a block drafter's positions as stored (block_sample)
         )
         self._stack.callback(self.data.close)
         vocab = read_vocab(self.paths.vocab)  # d2t, t2d

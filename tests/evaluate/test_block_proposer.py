@@ -14,14 +14,21 @@ from eyrie.train.packing import PackedShards
 from tests.support.train_helpers import AUX_IDS, BLOCK, block_draft
 
 
-def one_sample(world) -> dict:
-    data = PackedShards(world["shards"], shard_expectation(world["preflight"]), 512, gap=0)
+def one_sample(world) -> tuple[dict, dict]:
+    """The first sample as training packs it for a block drafter, and as the shard stores it
+    (what decoding has: token t's states at position t)."""
+    data = PackedShards(
+        world["shards"], shard_expectation(world["preflight"]), 512, gap=0, shifted=False
+    )
     try:
         batch = data.batch([0])
+        r_i, s_i = data.refs[0]
+        stored = data.readers[r_i].read(s_i)
+        stored = {k: torch.as_tensor(v) for k, v in stored.items()}
     finally:
         data.close()
     n = int((batch["document_ids"][0] >= 0).sum())
-    return {k: v[:, :n] for k, v in batch.items()}
+    return {k: v[:, :n] for k, v in batch.items()}, stored
 
 
 def training_blocks(draft, batch: dict) -> tuple[list[int], torch.Tensor]:
@@ -50,19 +57,22 @@ def training_blocks(draft, batch: dict) -> tuple[list[int], torch.Tensor]:
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_the_proposers_block_is_the_training_forwards_block(world, method):
-    """At each anchor, the proposer given the tokens up to it and the target states before it
-    gives the training forward's block logits (each slot's Markov bias from the same previous
-    tokens: the block's true ones)."""
+    """At each anchor, the proposer given what decoding has there — the stored tokens up to the
+    latest one and the target states of the tokens before it, at their positions — gives the
+    training forward's block logits on the training pack (each slot's Markov bias from the same
+    previous tokens: the block's true ones). So training packs a block drafter's sample as
+    decoding meets it: EAGLE-3's shifted alignment would feed the block the token after the
+    latest one (and fails here)."""
     torch.manual_seed(0)
     draft = block_draft(world, method).eval()
-    batch = one_sample(world)
+    batch, stored = one_sample(world)
     n = batch["input_ids"].shape[1]
-    batch["loss_mask"] = torch.ones_like(batch["loss_mask"])
-    batch["position_ids"] = torch.arange(n)[None]
+    assert torch.equal(batch["position_ids"][0], torch.arange(n))
+    batch["loss_mask"] = torch.ones_like(batch["loss_mask"])  # every position an anchor
     starts, logits = training_blocks(draft, batch)
     proposer = BlockProposer(draft)
     assert proposer.K == BLOCK - proposer.first == BLOCK - (method == "dflash")
-    ids, aux = batch["input_ids"][0], batch["hidden_states"][0]
+    ids, aux = stored["input_ids"], stored["aux_hidden"].float()
     with torch.no_grad():
         for a in starts[:: max(1, len(starts) // 12)]:
             hidden, base = proposer.backbone(ids[: a + 1], aux[:a])
@@ -80,7 +90,7 @@ def test_the_proposer_decodes_a_prompt_as_the_target_does(world, method):
 
     proposer = BlockProposer(block_draft(world, method))
     target = world["model"]
-    prompt = one_sample(world)["input_ids"][0, :20].tolist()
+    prompt = one_sample(world)[1]["input_ids"][:20].tolist()
     K = proposer.K
     decoding = Decoding(K=K, max_new_tokens=24, eos_id=None, aux_ids=list(AUX_IDS))
     stats = SpecStats(K=K)

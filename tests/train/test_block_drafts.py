@@ -28,7 +28,9 @@ def test_a_block_drafter_trains_on_eyries_packs(world, method):
     train_kwargs, _ = type(model).get_trainer_kwargs(
         loss_fn="kl_div", loss_implementation="eager", max_anchors=16
     )
-    data = PackedShards(world["shards"], shard_expectation(world["preflight"]), 128, gap=0)
+    data = PackedShards(
+        world["shards"], shard_expectation(world["preflight"]), 128, gap=0, shifted=False
+    )
     try:
         _, loss, metrics = model(**data.batch([0, 1]), **train_kwargs)
     finally:
@@ -103,7 +105,9 @@ def test_the_training_step_trains_a_block_drafter(world, method):
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     draft = Trainable(model, params, optimizer, schedule, kind)
     stepper = Stepper(cfg, draft, model, torch.device("cpu"), Dist(), 1, False, None)
-    data = PackedShards(world["shards"], shard_expectation(world["preflight"]), 128, gap=0)
+    data = PackedShards(
+        world["shards"], shard_expectation(world["preflight"]), 128, gap=0, shifted=False
+    )
     try:
         batches = [data.batch([0, 1, 2])]
         losses, pending = [], []
@@ -180,7 +184,9 @@ def test_the_dspark_papers_loss_is_a_train_loss_setting(world):
 
     model = block_draft(world, "dspark")
     kind = block_kind(model, loss_spec({"ce": 0.1, "tv": 0.9}))
-    data = PackedShards(world["shards"], shard_expectation(world["preflight"]), 128, gap=0)
+    data = PackedShards(
+        world["shards"], shard_expectation(world["preflight"]), 128, gap=0, shifted=False
+    )
     try:
         _, loss, metrics = model(**data.batch([0, 1]), **kind.call)
     finally:

@@ -8,7 +8,7 @@ import torch
 
 from eyrie.core.errors import EyrieError, ShardError
 from eyrie.formats.hidden import ShardMeta
-from eyrie.train.packing import PackedShards, epoch_order, pack, shift_sample
+from eyrie.train.packing import PackedShards, block_sample, epoch_order, pack, shift_sample
 from tests.support.train_helpers import AUX_IDS, HIDDEN
 
 
@@ -31,6 +31,32 @@ def test_shift_sample_aligns_mask_with_the_predicted_token():
     predicted = x[2:].tolist() + [None]
     masked = [predicted[j] for j in range(T - 1) if s["loss_mask"][j]]
     assert masked == [x[t].item() for t in range(T) if sample["loss_mask"][t]]
+
+
+def test_block_sample_keeps_each_token_with_its_own_states():
+    """A block drafter's alignment (speculators trains DFlash and DSpark unshifted): position t
+    holds x_t, its aux states g_t, its final state y_t (which predicts x_{t+1}) at position id t,
+    and x_t's own mask. A block anchored at t then sees g_0..g_{t-1} as context, x_t in its
+    first slot, and slot j's target y_{t+j-1}: the distribution of x_{t+j}, what decoding
+    drafts there."""
+    T, H = 7, 2
+    x = torch.arange(100, 100 + T)
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 0], dtype=torch.bool)
+    sample = {
+        "input_ids": x,
+        "loss_mask": mask,
+        "aux_hidden": torch.arange(T).float()[:, None].repeat(1, 3 * H),  # g_t = t
+        "final_hidden": 10 + torch.arange(T).float()[:, None].repeat(1, H),  # y_t = 10 + t
+    }
+    s = block_sample(sample)
+    assert s["input_ids"].tolist() == x.tolist()
+    assert s["hidden_states"][:, 0].tolist() == list(range(T))
+    assert s["verifier_last_hidden_states"][:, 0].tolist() == [10.0 + t for t in range(T)]
+    assert s["position_ids"].tolist() == list(range(T))
+    assert s["loss_mask"].tolist() == mask.tolist()
+    anchor, j = 3, 2  # slot j's target y_{anchor+j-1} predicts x_{anchor+j}; its mask is x's
+    assert s["verifier_last_hidden_states"][anchor + j - 1, 0] == 10 + (anchor + j - 1)
+    assert s["loss_mask"][anchor + j] == mask[anchor + j]
 
 
 def test_pack_respects_the_budget_and_truncates_long_samples():
@@ -103,10 +129,13 @@ def _expect(world):
     return shard_expectation(world["preflight"])
 
 
-def test_prefetcher_gives_the_synchronous_batches_and_token_counts(world):
+@pytest.mark.parametrize("shifted", [True, False])
+def test_prefetcher_gives_the_synchronous_batches_and_token_counts(world, shifted):
+    """For both alignments (EAGLE-3's shift, a block drafter's stored positions): the loader's
+    batches are the synchronous ones, and the plan's token counts are the batch's."""
     from eyrie.train.packing import Prefetcher
 
-    data = PackedShards(world["shards"], _expect(world), max_tokens=64, gap=2)
+    data = PackedShards(world["shards"], _expect(world), max_tokens=64, gap=2, shifted=shifted)
     packs = pack(data.lengths, epoch_order(len(data), 0, 0), 64, 2)
     steps = [packs[i : i + 2] for i in range(0, len(packs) - 1, 2)]
     assert len(steps) >= 3 and data.transfer_dtype == torch.bfloat16  # the world's shards: bf16
@@ -130,7 +159,7 @@ def test_prefetcher_gives_the_synchronous_batches_and_token_counts(world):
         with pytest.raises(StopIteration):
             loader.get()
     data.close()
-    short = PackedShards(world["shards"], _expect(world), max_tokens=24, gap=2)  # truncates
+    short = PackedShards(world["shards"], _expect(world), 24, gap=2, shifted=shifted)  # truncates
     assert short.truncated > 0
     for i in range(len(short)):
         b = short.batch([i])
