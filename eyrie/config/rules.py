@@ -178,6 +178,7 @@ TABLE = (
         )
     ),
     Row("train.report_to", ("train_draft",)),
+    Row("train.fsdp", ("train_draft",)),
     *(
         Row(f"train.{name}", TRAIN)
         for name in (

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 # Settings that do not change the trained weights (left out of the run id).
-NOT_IN_RUN_ID = ("log_every", "checkpoint_every", "verify_shards", "report_to")
+NOT_IN_RUN_ID = ("log_every", "checkpoint_every", "verify_shards", "report_to", "fsdp")
 # train.learning_rate: auto: AdamW's peak rate for a draft of the target's width, lr = REF_LR x
 # (REF_HIDDEN / hidden) ** LR_WIDTH_EXPONENT (REF_LR up to REF_HIDDEN), to one digit. Through the
 # two measured optima: 3e-3 at hidden 128 (the demo) and 1e-3 at hidden 512 (the larger target,
@@ -82,6 +82,7 @@ class TrainSettings:
     sample_from_anchor: bool | None  # block drafters; None: the method's own
     mask_token_id: int | None  # block drafters; None: eyrie.arch.draft.mask_token's choice
     aux_ids: tuple[int, ...] | None  # the stored layers the draft reads; None: all of them
+    fsdp: bool  # several processes shard the draft and its optimizer state (eyrie.train.sharding)
 
     @property
     def block(self) -> bool:

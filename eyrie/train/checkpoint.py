@@ -279,12 +279,19 @@ def _read_state(path: Path, optimizer) -> dict:
 def restore(ckpt: Checkpoint, model, optimizer, scheduler) -> dict:
     """Apply a verified checkpoint: weights (the frozen ones stay the build's), optimizer,
     scheduler and RNG states (a final one: the weights alone); its position."""
+    from eyrie.train.sharding import is_sharded, load_full
+
     # the frozen parameters are the target's own, loaded at the build (_read_weights checked
     # that the checkpoint holds every other tensor)
-    model.load_state_dict(ckpt.weights, strict=False)
+    moments = None if ckpt.state is None else ckpt.state["optimizer"]
+    if is_sharded(model):  # whole tensors to each rank's shards (train.fsdp)
+        load_full(model, optimizer, ckpt.weights, moments)
+    else:
+        model.load_state_dict(ckpt.weights, strict=False)
+        if moments is not None:
+            optimizer.load_state_dict(moments)
     if ckpt.state is None:
         return ckpt.position
-    optimizer.load_state_dict(ckpt.state["optimizer"])
     scheduler.load_state_dict(ckpt.state["scheduler"])
     _set_rng_state(ckpt.state["rng"])
     return ckpt.position
@@ -333,13 +340,16 @@ class Checkpoints:
             )
         return found
 
-    def save(self, model, optimizer, scheduler, position: dict) -> Path:
+    def save(self, model, optimizer, scheduler, position: dict, whole=None) -> Path:
         """Write step_<N>/ atomically (fsynced), then prune (`_prune`). At the plan's last step
         the optimizer, scheduler and RNG states are not written: no step is left to use them
-        (AdamW's two moments are twice the trainable weights: ~9 GB for a Kimi-width draft)."""
+        (AdamW's two moments are twice the trainable weights: ~9 GB for a Kimi-width draft).
+        `whole`: a sharded draft's (weights, optimizer state) gathered whole
+        (eyrie.train.sharding.full_states), written as one process's are."""
         final = self.run_dir / f"step_{position['step']:08d}"
+        weights, moments = whole or (stored_state(model), None)
         try:
-            self._write(final, model, optimizer, scheduler, position)
+            self._write(final, weights, moments or optimizer.state_dict, scheduler, position)
         except Exception as exc:  # a full disk names the checkpoint, not the stage's --out-dir
             number, filename, _ = os_error_of(exc)
             if number is None or filename is not None:
@@ -348,19 +358,21 @@ class Checkpoints:
         self._prune(final)
         return final
 
-    def _write(self, final: Path, model, optimizer, scheduler, position: dict) -> None:
+    def _write(self, final: Path, weights: dict, moments, scheduler, position: dict) -> None:
+        """`moments`: the optimizer's state_dict, or the call that makes it (read only where
+        it is written)."""
         from safetensors.torch import save_file
 
         with atomic_path(final) as tmp:
             tmp.mkdir()
             save_file(
-                {k: v.detach().cpu().contiguous() for k, v in stored_state(model).items()},
+                {k: v.detach().cpu().contiguous() for k, v in weights.items()},
                 str(tmp / "model.safetensors"),
             )
             if not is_last(position["step"], self.steps_per_epoch):
                 torch.save(
                     {
-                        "optimizer": optimizer.state_dict(),
+                        "optimizer": moments() if callable(moments) else moments,
                         "scheduler": scheduler.state_dict(),
                         "rng": _rng_state(),
                     },

@@ -56,13 +56,22 @@ def _step_record(sums: list[float], packs: int, positions: int) -> dict:
 
 
 def write_outputs(
-    out_dir: Path, model, records: list[dict], summary: dict, cfg: TrainSettings
+    out_dir: Path,
+    model,
+    records: list[dict],
+    summary: dict,
+    cfg: TrainSettings,
+    weights: dict | None = None,
 ) -> None:
     """out_dir/{draft/, metrics.jsonl, curves.png, tensorboard/ (with train.report_to's
-    tensorboard), train.json}, replaced as a whole."""
+    tensorboard), train.json}, replaced as a whole. `weights`: a sharded draft's state_dict
+    gathered whole (eyrie.train.sharding.full_states), written for it."""
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
-        model.to("cpu").save_pretrained(tmp / "draft")
+        if weights is None:
+            model.to("cpu").save_pretrained(tmp / "draft")
+        else:
+            model.save_pretrained(tmp / "draft", state_dict=weights)
         (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         plot_curves(records, cfg.positions, tmp / "curves.png")
         if "tensorboard" in cfg.report_to:

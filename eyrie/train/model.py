@@ -1,5 +1,5 @@
 """The draft as training holds it: on this process's device, with its AdamW optimizer, its learning
-rate schedule and its loss, and under several processes wrapped in DDP.
+rate schedule and its loss, and under several processes wrapped in DDP or sharded (FSDP2).
 
 Contract: built from the typed `train` section and the preflight report's expectations alone, so
 every rank builds the same draft (the seed is `train.seed`); the schedule is linear warmup, then
@@ -40,9 +40,11 @@ def build_trainable(
     total_steps: int,
     device: torch.device,
     rehearsal: bool,
+    world: int = 1,
 ) -> Trainable:
     """The draft on `device` reading the target `layers` (`vocab`: d2t, t2d), its AdamW
-    optimizer, LR schedule and loss."""
+    optimizer, LR schedule and loss; with train.fsdp and `world` > 1 processes, sharded
+    (eyrie.train.sharding) before the optimizer is made on its shards."""
     from speculators.losses import resolve_loss_config
 
     from eyrie.arch.draft import DraftSpec, build_draft
@@ -65,6 +67,10 @@ def build_trainable(
     )
     model = build_draft(target, spec, *vocab, seed=cfg.seed, device=device).to(device)
     model.train()
+    if cfg.fsdp and world > 1:  # every rank built the same draft: each keeps its shards
+        from eyrie.train.sharding import shard
+
+        shard(model, device, world, layers_apart=cfg.block)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -104,8 +110,11 @@ def block_mask_token(target: Path, cfg: TrainSettings, vocab_size: int) -> int |
 
 def wrap_ddp(model: torch.nn.Module, dist: Dist, device: torch.device) -> torch.nn.Module:
     """The module the steps call: the draft, or under several processes its DDP wrapper
-    (made after loading: DDP starts from rank 0's, identical, weights)."""
-    if dist.world <= 1:
+    (made after loading: DDP starts from rank 0's, identical, weights); a sharded draft
+    (train.fsdp) is called as it is."""
+    from eyrie.train.sharding import is_sharded
+
+    if dist.world <= 1 or is_sharded(model):
         return model
     from torch.nn.parallel import DistributedDataParallel
 

@@ -32,6 +32,7 @@ from eyrie.train.checkpoint import (
     Checkpoint,
     CheckpointProblem,
     Checkpoints,
+    frozen_keys,
     restore,
     run_id,
     truncate_metrics,
@@ -48,6 +49,7 @@ from eyrie.train.metrics import fmt, mean, write_outputs
 from eyrie.train.model import build_trainable, resolve_device, wrap_ddp
 from eyrie.train.packing import BatchSpec, PackedShards, Plan, Prefetcher
 from eyrie.train.report import LoopState, Reporter, read_metrics
+from eyrie.train.sharding import full_states, is_sharded
 from eyrie.train.step import Stepper
 
 log = logging.getLogger(__name__)
@@ -147,8 +149,15 @@ class TrainRecipe:
             self.plan.total_steps,
             self.device,
             self.rehearsal,
+            self.dist.world,
         )
-        log.info("draft built on %s in %.1f s", self.device, time.monotonic() - built)
+        self.sharded = is_sharded(self.draft.model)
+        log.info(
+            "draft built on %s in %.1f s%s",
+            self.device,
+            time.monotonic() - built,
+            f"; sharded over {self.dist.world} processes (train.fsdp)" if self.sharded else "",
+        )
         self.checkpoints = Checkpoints(self.run_dir, self.rid, self.plan.steps_per_epoch)
         position = self._restore()
         self.resumed_from = position["step"]
@@ -314,7 +323,13 @@ class TrainRecipe:
         )
 
     def checkpoint(self) -> None:
-        """Rank 0 writes step_<N>/ (weights, optimizer, scheduler, RNG, position); all wait."""
+        """Rank 0 writes step_<N>/ (weights, optimizer, scheduler, RNG, position); all wait
+        (a sharded draft's tensors are gathered whole first, by every rank)."""
+        d = self.draft
+        whole = None
+        if self.sharded:
+            frozen = frozenset(frozen_keys(d.model))
+            whole = full_states(d.model, d.optimizer, self.dist.main, skip=frozen)
         if self.dist.main:
             self.checkpoints.save(
                 self.draft.model,
@@ -325,6 +340,7 @@ class TrainRecipe:
                     "packs_per_step": self.cfg.packs_per_step,
                     "world_size": self.dist.world,
                 },
+                whole,
             )
         self.dist.barrier()
 
@@ -349,11 +365,13 @@ class TrainRecipe:
             else None,
         }
         summary = None
+        # a sharded draft's whole weights, gathered by every rank, kept by rank 0
+        weights = full_states(self.draft.model, None, self.dist.main)[0] if self.sharded else None
         if self.dist.main:
             records = read_metrics(self.metrics_path)
             summary = self._summary(records, timing)
             writing = time.monotonic()
-            write_outputs(self.paths.out_dir, self.draft.model, records, summary, cfg)
+            write_outputs(self.paths.out_dir, self.draft.model, records, summary, cfg, weights)
             log.info(
                 "wrote %s in %.1f s: final loss %s, accuracy per TTT step %s",
                 self.paths.out_dir,

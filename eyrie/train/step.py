@@ -59,6 +59,8 @@ class Stepper:
             sums += self._pack_step(j, batch)
         self.dist.all_sum(sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(draft.params, self.cfg.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # a sharded draft's (DTensor): the same on each rank
+            grad_norm = grad_norm.full_tensor()
         draft.optimizer.step()
         draft.scheduler.step()
         return sums, grad_norm
@@ -75,8 +77,12 @@ class Stepper:
                 cfg.hidden_noise,
                 batch["verifier_last_hidden_states"].shape[-1],
             )
-        # DDP averages gradients over ranks at the backward of a rank's last pack only
-        sync = net is self.draft.model or j == self.k - 1
+        # DDP averages gradients over ranks at the backward of a rank's last pack only; a
+        # sharded draft (FSDP2) reduce-scatters them then
+        last = j == self.k - 1
+        if hasattr(net, "set_requires_gradient_sync"):
+            net.set_requires_gradient_sync(last)
+        sync = net is self.draft.model or last
         with (
             contextlib.nullcontext() if sync else net.no_sync(),
             torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16),

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -319,3 +322,31 @@ def block_draft(world, method: str, seed: int = 0, attn: str = "sdpa"):
     pad = world["tokenizer"].pad_token_id
     spec = DraftSpec(AUX_IDS, method=method, block_size=BLOCK, mask_token_id=pad, attn_impl=attn)
     return build_draft(world["target"], spec, d2t, t2d, seed=seed)
+
+
+def start_and_kill(cmd: list[str], root: Path, at_step: int) -> str:
+    """Start `cmd`, SIGKILL it and every process under it (torchrun's workers run in their own
+    sessions) as soon as the checkpoint of `at_step` exists; the log."""
+    root.mkdir(parents=True, exist_ok=True)
+    log_path = root / "killed.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+    deadline, killed = time.monotonic() + 240, False
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if list((root / "state").glob(f"*/step_{at_step:08d}")):
+                for p in [proc, *psutil.Process(proc.pid).children(recursive=True)]:
+                    p.kill()  # SIGKILL: no handler runs, as when a node dies
+                killed = True
+                break
+            time.sleep(0.005)
+    finally:
+        proc.kill()
+        proc.wait()
+    log = log_path.read_text()
+    assert killed and proc.returncode == -signal.SIGKILL, log
+    return log
+
+
+def metrics(root: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (root / "train" / "metrics.jsonl").read_text().splitlines()]

@@ -11,12 +11,7 @@ import argparse
 import json
 import re
 import shutil
-import signal
-import subprocess
-import time
-from pathlib import Path
 
-import psutil
 import pytest
 
 from eyrie.cli import build_parser
@@ -30,39 +25,13 @@ from tests.support.train_helpers import (
     RTOL,
     assert_weights,
     eyrie_train,
+    metrics,
     run_eyrie,
+    start_and_kill,
     train_paths,
     train_settings,
     weights,
 )
-
-
-def start_and_kill(cmd: list[str], root: Path, at_step: int) -> str:
-    """Start `cmd`, SIGKILL it and every process under it (torchrun's workers run in their own
-    sessions) as soon as the checkpoint of `at_step` exists; the log."""
-    root.mkdir(parents=True, exist_ok=True)
-    log_path = root / "killed.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT)
-    deadline, killed = time.monotonic() + 240, False
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            if list((root / "state").glob(f"*/step_{at_step:08d}")):
-                for p in [proc, *psutil.Process(proc.pid).children(recursive=True)]:
-                    p.kill()  # SIGKILL: no handler runs, as when a node dies
-                killed = True
-                break
-            time.sleep(0.005)
-    finally:
-        proc.kill()
-        proc.wait()
-    log = log_path.read_text()
-    assert killed and proc.returncode == -signal.SIGKILL, log
-    return log
-
-
-def metrics(root: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (root / "train" / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
