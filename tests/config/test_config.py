@@ -284,6 +284,7 @@ NEW_TRAIN_KEYS = (
     "sample_from_anchor",
     "mask_token_id",
     "aux_ids",
+    "fsdp",
 )
 
 
