@@ -20,6 +20,8 @@ REASONS = {
     "bad_encoding": "re-encode the file as UTF-8",
     "bad_json": "fix the JSON syntax of that record",
     "record_too_large": "split the record (a .jsonl line may hold at most 64 MiB)",
+    "too_deep": "flatten the record: eyrie reads records nested at most 64 arrays or objects deep",
+    "too_many_turns": "split the conversation: eyrie reads at most 4096 turns a record",
     "unknown_format": (
         'use OpenAI form {"messages": [{"role": ..., "content": ...}]} or ShareGPT '
         'form {"conversations": [{"from": ..., "value": ...}]}'
@@ -52,6 +54,26 @@ REASONS = {
     "regenerate_cut": "raise regenerate.max_new_tokens (the response hit the length limit)",
     "regenerate_failed": "see the regenerate job's log for why generation failed",
 }
+
+
+# Limits a record meets before any of its turns is read, so one hostile record costs itself only:
+# nesting (the forms need under 10 levels; tool schemas more) and turns (each turn is rendered
+# with the turns before it, so a record's cost grows with the square of its turns).
+MAX_DEPTH = 64
+MAX_TURNS = 4096
+
+
+def nested_deeper(value: object, limit: int = MAX_DEPTH) -> bool:
+    """Whether `value` nests lists and dicts more than `limit` deep (itself the first level);
+    walked without recursion, so any depth is measured."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 OPENAI_ROLES = ("system", "user", "assistant", "tool")
@@ -261,6 +283,8 @@ def to_conversation(obj: object, non_text: str = "drop") -> Conversation:
     """
     if not isinstance(obj, dict):
         raise RecordError("unknown_format", f"record is a JSON {type(obj).__name__}, not an object")
+    if nested_deeper(obj):
+        raise RecordError("too_deep", f"arrays and objects nest more than {MAX_DEPTH} levels deep")
     fm = next((f for f in FORMS if f.name in obj), None)
     if fm is None:
         raise RecordError(
@@ -270,6 +294,10 @@ def to_conversation(obj: object, non_text: str = "drop") -> Conversation:
     turns = obj[form]
     if not isinstance(turns, list) or not turns:
         raise RecordError("unknown_format", f"'{form}' must be a non-empty list")
+    if len(turns) > MAX_TURNS:
+        raise RecordError(
+            "too_many_turns", f"'{form}' holds {len(turns)} turns (at most {MAX_TURNS})"
+        )
     messages, dropped = [], 0
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or keys[0] not in turn:
@@ -295,6 +323,10 @@ def to_conversation(obj: object, non_text: str = "drop") -> Conversation:
             tools = json.loads(tools) if tools.strip() else None
         except ValueError as exc:
             raise RecordError("bad_tool_calls", f"'tools' is text but not JSON ({exc})") from exc
+        except RecursionError:
+            raise RecordError("too_deep", "'tools' (JSON text) nests too deep to read") from None
+        if nested_deeper(tools):
+            raise RecordError("too_deep", f"'tools' nests more than {MAX_DEPTH} levels deep")
     if tools is not None and (
         not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
     ):

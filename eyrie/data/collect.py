@@ -39,6 +39,8 @@ LOG_EVERY = 5000
 LISTED_WHEN_SEEN = (
     "bad_encoding",
     "record_too_large",
+    "too_deep",
+    "too_many_turns",
     "bad_tool_calls",
     "duplicate",
     "shares_eval_prompt",

@@ -69,6 +69,11 @@ def _json_records(path: Path) -> Iterator[RawRecord]:
             f"{name}: not valid JSON ({exc}); a .json input must be one list of "
             "records (use .jsonl for one record per line)"
         ) from exc
+    except RecursionError:
+        raise DataError(
+            f"{name}: arrays and objects nest too deep for a JSON reader; "
+            f"{REASONS['too_deep']} (or use .jsonl, where such a record costs itself only)"
+        ) from None
     if not isinstance(data, list):
         raise DataError(
             f"{name}: top level is {type(data).__name__}, expected a list of records; "
@@ -230,6 +235,9 @@ def _jsonl_record(name: str, lineno: int, data: bytes | None) -> Iterator[RawRec
         yield RawRecord(name, lineno, json.loads(text))
     except json.JSONDecodeError as exc:
         yield RawRecord(name, lineno, error=RecordError("bad_json", str(exc)))
+    except RecursionError:  # nesting past Python's recursion limit: never a usable record
+        error = RecordError("too_deep", "arrays and objects nest too deep for a JSON reader")
+        yield RawRecord(name, lineno, error=error)
 
 
 def _bad_byte(exc: UnicodeDecodeError) -> str:

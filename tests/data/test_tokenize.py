@@ -209,6 +209,12 @@ def good(n: int) -> str:
 BAD = {
     "bad_encoding": GOOD.replace("list", "caf\udce9"),
     "bad_json": '{"messages": [',
+    # past Python's recursion limit (a RecursionError in the JSON reader), and past MAX_DEPTH
+    "too_deep": '{"messages": [{"role": "user", "content": '
+    + "[" * 100_000
+    + "]" * 100_000
+    + "}]}",
+    "too_many_turns": json.dumps(openai(*[("user", Q1), ("assistant", A1)] * 2049)),
     "unknown_format": json.dumps({"text": "hello"}),
     "unknown_role": json.dumps(openai(("function", "x"), ("assistant", A1))),
     "no_assistant_turn": json.dumps(openai(("system", SYSTEM), ("user", Q1))),
@@ -271,6 +277,23 @@ def test_strict_one_line_error(tok, tmp_path, reason):
     message = str(err.value)
     assert message.startswith(f"{path}:2: {reason}: ") and "\n" not in message
     assert REASONS[reason] in message
+
+
+def test_a_hostile_record_costs_itself_only(tok, tmp_path):
+    """The survey's hostile lines (issue 41): 100,000 turns (8 MB; it grew to 6.5 GB in
+    tokenization) and content nesting 100,000 arrays (a RecursionError and a traceback, even
+    with strict: false) are each dropped with their file, line and reason before any turn is
+    rendered; the records around them are used."""
+    path = tmp_path / "hostile.jsonl"
+    turns = json.dumps(openai(*[("user", Q1), ("assistant", A1)] * 50_000))
+    write_lines(path, [GOOD, turns, BAD["too_deep"], good(1)])
+    examples, tally = collect_examples(tok, [path], MAX_LEN, strict=False)
+    assert [(d["line"], d["reason"]) for d in tally.dropped] == [
+        (2, "too_many_turns"),
+        (3, "too_deep"),
+    ]
+    assert "100000 turns" in tally.dropped[0]["detail"]
+    assert [e.sample_id for e in examples] == [f"{path}:1", f"{path}:4"]
 
 
 def test_bad_encoding_names_the_byte(tok, tmp_path):
