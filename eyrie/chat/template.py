@@ -74,6 +74,13 @@ def load_chat_tokenizer(target: str | Path, trust_remote_code: bool = False):
             else " (set trust_remote_code: true if it ships tokenizer code you trust)"
         )
         raise DataError(f"{target}: cannot load the tokenizer: {_one_line(exc)}{hint}") from exc
+    except Exception as exc:  # trusted code of the folder's own that raises (a missing package)
+        if not trust_remote_code:
+            raise
+        raise DataError(
+            f"{target}: its tokenizer code raised {type(exc).__name__}: {_one_line(exc)}; fix "
+            "the tokenizer code in that folder, or install what it imports"
+        ) from exc
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"{target}: the tokenizer has no chat template; add chat_template.jinja (or "

@@ -411,6 +411,22 @@ def test_tokenizer_files_found_by_pattern_or_left_to_trusted_code(tmp_path):
     assert tokenizer_files_problem(folder) is None
 
 
+def test_tokenizer_code_that_raises_on_import_is_one_line_naming_the_folder(tmp_path):
+    """Trusted tokenizer code (Kimi-K2.5's, vendored) that raises when imported, as code does
+    when a package it imports is missing: one line naming the folder and the error, not the
+    loader's traceback."""
+
+    folder = tmp_path / "kimi"
+    shutil.copytree(Path(__file__).parents[1] / "remote_code" / "kimi_k25", folder)
+    code = folder / "tokenization_kimi.py"
+    code.write_text("raise ImportError(\"No module named 'blobfile'\")\n" + code.read_text())
+    with pytest.raises(DataError) as err:
+        load_chat_tokenizer(folder, trust_remote_code=True)
+    message = str(err.value)
+    assert message.startswith(f"{folder}: its tokenizer code raised ImportError: ")
+    assert "blobfile" in message and "\n" not in message
+
+
 def test_a_config_json_that_is_not_json_is_named_not_the_tokenizer(tmp_path):
     from tests.support.train_helpers import save_chat_target
 
