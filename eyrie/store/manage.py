@@ -68,8 +68,8 @@ def prune_plan(store: Store, older_than_days: float | None, max_gib: float | Non
     return drop
 
 
-def _damaged(store: Store, entry, full: bool) -> bool:
-    """Check one entry; a damaged one is removed with one line saying why."""
+def _problem(store: Store, entry, full: bool) -> str | None:
+    """Why one entry is damaged, or None."""
     problem = store.damage(entry)
     if problem is None and full and entry.kind == "hidden":
         from eyrie.formats.hidden import validate_shard
@@ -78,11 +78,32 @@ def _damaged(store: Store, entry, full: bool) -> bool:
             validate_shard(entry.path / "shard.h5", check_values=True)
         except (EyrieError, OSError) as exc:
             problem = str(exc)
-    if problem is None:
-        return False
-    print(f"{entry.path}: damaged ({problem}); removed: a rerun that needs it computes it again")
-    store.remove(entry)
-    return True
+    return problem
+
+
+def verify(store: Store, entries: list, full: bool) -> tuple[list, int]:
+    """(the entries that pass the check, the damaged ones left in place): each damaged one is
+    removed with one line saying why, or, where the store cannot be written (a read-only
+    mount), named with why it stays; a restore refuses it either way."""
+    good, left = [], 0
+    for entry in entries:
+        problem = _problem(store, entry, full)
+        if problem is None:
+            good.append(entry)
+            continue
+        try:
+            store.remove(entry)
+        except OSError as exc:
+            left += 1
+            print(
+                f"{entry.path}: damaged ({problem}); not removed ({exc.strerror or exc}): a "
+                f"restore refuses it; remove it where the store can be written (rm -r {entry.path})"
+            )
+            continue
+        print(
+            f"{entry.path}: damaged ({problem}); removed: a rerun that needs it computes it again"
+        )
+    return good, left
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,9 +112,9 @@ def run(args: argparse.Namespace) -> int:
         raise EyrieError(f"--path {store.root}: no store there; give store.path of the config")
     if args.prune and args.older_than_days is None and args.max_gib is None:
         raise EyrieError("--prune needs --older-than-days D and/or --max-gib G")
-    entries = store.entries()
+    entries, left = store.entries(), 0
     if args.verify:
-        entries = [e for e in entries if not _damaged(store, e, args.verify == "full")]
+        entries, left = verify(store, entries, args.verify == "full")
     for kind in sorted({e.kind for e in entries}):
         mine = [e for e in entries if e.kind == kind]
         print(
@@ -110,4 +131,4 @@ def run(args: argparse.Namespace) -> int:
         freed = _size(sum(e.held_bytes for e in drop))
         verb = "would remove" if args.dry_run else "removed"
         print(f"{verb} {len(drop)} entries ({freed} held only by the store)")
-    return 0
+    return 1 if left else 0  # damaged entries still in the store

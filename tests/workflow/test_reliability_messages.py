@@ -292,6 +292,37 @@ def test_full_disk_is_one_line_and_keeps_the_previous_output():
     assert proc.stdout.splitlines() == ["rc=2", "previous", "c.jsonl"]  # no temporary left
 
 
+def test_store_verify_on_a_read_only_store_says_what_stays(tmp_path):
+    """`eyrie store --verify` on a store mounted read-only: a damaged entry is named with why
+    it stays and how to remove it (not "removed", then a workflow's fix), the good one is
+    listed, and the exit status says damage is left."""
+    from eyrie.store.store import Store
+
+    store = Store(tmp_path / "store")
+    for i in range(2):
+        out = tmp_path / f"{i}.h5"
+        out.write_bytes(b"states of a shard")
+        store.put("hidden", f"{i}" * 64, {"shard.h5": out}, {"why": "test"})
+    (store.entry("hidden", "1" * 64) / "shard.h5").unlink()
+    script = (
+        f"cp -a {store.root} $DIR/store && mount -o remount,ro $DIR || exit 98\n"
+        "$PY -m eyrie.cli store --path $DIR/store --verify; echo rc=$?\n"
+        "ls -d $DIR/store/hidden/*/* | xargs -n1 basename"
+    )
+    proc = in_mount_namespace("size=1m", script)
+    assert proc.returncode == 0, proc.stderr
+    relative = store.entry("hidden", "1" * 64).relative_to(store.root)
+    damaged = f"/tmp/eyrie-mnt-{os.getpid()}/store/{relative}"
+    lines = proc.stdout.splitlines()
+    assert lines[0] == (
+        f"{damaged}: damaged (shard.h5 is gone); not removed (Read-only file system): a "
+        f"restore refuses it; remove it where the store can be written (rm -r {damaged})"
+    )
+    assert lines[1].startswith("hidden: 1 entries, ") and "rc=1" in lines
+    assert sorted(lines[-2:]) == ["0" * 64, "1" * 64]  # nothing removed
+    assert proc.stderr == ""
+
+
 def test_permission_denied_is_one_line(tmp_path):
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         pytest.skip("needs root and setpriv (root without CAP_DAC_OVERRIDE obeys the mode)")
