@@ -7,7 +7,6 @@ line with its fix (exit 2), anything else with its type and traceback (exit 1)."
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
 import logging
 import os
@@ -16,7 +15,7 @@ import socket
 import sys
 import traceback
 
-from eyrie.core.errors import EyrieError, os_error_of
+from eyrie.core.errors import EyrieError, os_error_of, os_error_text
 from eyrie.core.runtime import UNUSED_FRAMEWORKS, describe, set_torch_threads, settings_arg
 
 # stage name -> (module providing add_arguments(parser) and run(args), what it does, the help of
@@ -103,15 +102,6 @@ SETTINGS_OPTIONAL = ("preflight",)
 # Logged at the start of a stage when set: the SLURM job and the GPUs the job saw.
 PLACEMENT_VARS = ("SLURM_JOB_ID", "SLURM_NODELIST", "CUDA_VISIBLE_DEVICES")
 
-# OSErrors of the file system the user fixes (not bugs): errno -> the fix.
-PERMISSIONS = "fix its permissions or owner (chmod/chown), or use a path you may read and write"
-OS_FIXES = {
-    errno.ENOSPC: "free space on that disk, or run the workflow where there is room (snakemake -d)",
-    errno.EDQUOT: "free space within your disk quota, or run the workflow on another file system",
-    errno.EROFS: "run the workflow in a writable folder (snakemake -d DIR)",
-    errno.EACCES: PERMISSIONS,
-    errno.EPERM: PERMISSIONS,
-}
 # eyrie.core.io.atomic_path writes `.<name>.tmp-<pid>` beside an output: named as the output itself
 TEMPORARY = re.compile(r"(^|/)\.([^/]+)\.tmp-\d+(?=/|$)")
 
@@ -120,15 +110,14 @@ def os_error_line(exc: BaseException, args: argparse.Namespace) -> str | None:
     """One line for an OSError in OS_FIXES: the path (the output, not its temporary; the
     stage's output when the error names none, as a write that fills the disk), what happened
     and the fix; None for any other exception."""
-    number, filename, what = os_error_of(exc)
-    if number not in OS_FIXES:
-        return None
+    _, filename, _ = os_error_of(exc)
     if isinstance(filename, (str, bytes, os.PathLike)):
-        path = TEMPORARY.sub(r"\1\2", os.fsdecode(filename))
+        where = os.fsdecode(filename)
+        path = TEMPORARY.sub(r"\1\2", where)
     else:
-        out = getattr(args, "out", None) or getattr(args, "out_dir", None)
-        path = f"writing {out}" if out else "writing an output"
-    return f"{path}: {what or os.strerror(number)}; {OS_FIXES[number]}"
+        where = getattr(args, "out", None) or getattr(args, "out_dir", None)
+        path = f"writing {where}" if where else "writing an output"
+    return os_error_text(exc, path, where)
 
 
 def build_parser(stage: str | None = None) -> argparse.ArgumentParser:

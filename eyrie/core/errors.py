@@ -5,6 +5,9 @@ per problem when there are several); `eyrie <stage>` prints it without a traceba
 Any other exception is a bug or an environment failure: logged with its traceback (exit 1).
 """
 
+import errno
+import os
+
 
 class EyrieError(Exception):
     """A user-facing error: its message names the file/key at fault and the fix."""
@@ -69,3 +72,46 @@ def os_error_of(exc: BaseException) -> tuple[int | None, object, str | None]:
     if type(exc).__name__ == "SafetensorError" and found:
         return int(found[1]), None, None
     return None, None, None
+
+
+# OSErrors of the file system the user fixes (not bugs): errno -> the fix.
+PERMISSIONS = "fix its permissions or owner (chmod/chown), or use a path you may read and write"
+OS_FIXES = {
+    errno.ENOSPC: "free space on that disk, or run the workflow where there is room (snakemake -d)",
+    errno.EDQUOT: "free space within your disk quota, or run the workflow on another file system",
+    errno.EROFS: "run the workflow in a writable folder (snakemake -d DIR)",
+    errno.EACCES: PERMISSIONS,
+    errno.EPERM: PERMISSIONS,
+}
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def free_space(path: str | os.PathLike) -> str | None:
+    """ "<size> free there" for the disk holding `path` (its folder when it is no folder
+    itself); None where that folder does not exist."""
+    import shutil
+
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if free >= size:
+            return f"{free / size:.1f} {unit} free there"
+    return f"{free} bytes free there"
+
+
+def os_error_text(
+    exc: BaseException, path: str, where: str | os.PathLike | None = None
+) -> str | None:
+    """One line for an OSError the user fixes (OS_FIXES): `path` as the line names it, what
+    happened, for a full disk the free space of the one holding `where` (a path; none given,
+    none said), and the fix; None for any other exception."""
+    number, _, what = os_error_of(exc)
+    if number not in OS_FIXES:
+        return None
+    free = free_space(where) if number in DISK_FULL and where is not None else None
+    return (
+        f"{path}: {what or os.strerror(number)}{f' ({free})' if free else ''}; {OS_FIXES[number]}"
+    )

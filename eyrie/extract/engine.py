@@ -18,6 +18,7 @@ Only the standard library is imported at the top: the socket is bound before tor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import traceback
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from eyrie.core.errors import EngineError
+from eyrie.core.errors import EngineError, ExtractError, os_error_text
 from eyrie.extract.protocol import error_reply
 from eyrie.extract.serving import (
     DEFAULT_IDLE_EXIT_S,
@@ -37,6 +38,20 @@ from eyrie.extract.serving import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _named_disk_errors(out: str):
+    """A full, read-only or forbidden disk while a shard is written, as a line naming the
+    shard, the free space and the fix (the writer's own error names a temporary file, or
+    nothing: HDF5's)."""
+    try:
+        yield
+    except Exception as exc:
+        text = os_error_text(exc, out, out)
+        if text is None:
+            raise
+        raise ExtractError(text) from exc
 
 
 def _extract_handler(extractor, settings: dict) -> Callable[[dict], Reply]:
@@ -56,10 +71,12 @@ def _extract_handler(extractor, settings: dict) -> Callable[[dict], Reply]:
             )
         t0 = time.monotonic()
         log.info("engine: request %s -> %s", request["shard"], request["out"])
-        pending = extractor.start(request["shard"], request["out"])
+        with _named_disk_errors(request["out"]):
+            pending = extractor.start(request["shard"], request["out"])
 
         def finish() -> dict:
-            out = pending.finish()
+            with _named_disk_errors(request["out"]):
+                out = pending.finish()
             return {"ok": True, "out": str(out), "seconds": round(time.monotonic() - t0, 3)}
 
         return Later(finish, pending.abandon)
