@@ -125,6 +125,7 @@ class Store:
             log.warning("store: %s is damaged (%s): removed; computing the output", entry, damage)
             _remove_entry(entry)
             return False
+        tmp = None
         try:
             for name, dest in outputs.items():
                 dest = Path(dest)
@@ -141,7 +142,10 @@ class Store:
                 os.utime(tmp)  # new to Snakemake: older than its inputs, it would rerun again
                 os.replace(tmp, dest)
             os.utime(entry / ENTRY)  # last used: what `eyrie store --prune` keeps
-        except OSError as exc:
+        except OSError as exc:  # a full disk: the partial copy goes, the stage computes it
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
             log.warning("store: could not restore %s from %s (%s): computing it", kind, entry, exc)
             return False
         log.info("store: restored %s from %s", ", ".join(map(str, outputs.values())), entry)

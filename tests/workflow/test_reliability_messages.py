@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -140,7 +142,7 @@ def test_config_problems_are_one_line_each_without_traceback(tmp_path):
         "'.', '_' and '-', starting with a letter or digit (it names the folders "
         "results/<name>/ and logs/<name>/)",
         f"eyrie config: error: {where}: train.bogus: unknown key (allowed here: "
-        "aux_ids, block_size, checkpoint_every, device, draft_arch, epochs, hidden_noise, "
+        "aux_ids, block_size, checkpoint_every, device, draft_arch, epochs, fsdp, hidden_noise, "
         "learning_rate, log_every, loss, lr_schedule, mask_token_id, max_grad_norm, "
         "max_tokens_per_batch, method, norm_before_fc, norm_before_residual, num_layers, "
         "pack_shape, packs_per_step, precision, report_to, sample_from_anchor, seed, "
@@ -285,11 +287,61 @@ def test_full_disk_is_one_line_and_keeps_the_previous_output():
         f"echo previous > $DIR/c.jsonl\n{DEMO}\necho rc=$?\ncat $DIR/c.jsonl\nls -A $DIR",
     )
     folder = f"/tmp/eyrie-mnt-{os.getpid()}"
-    assert proc.stderr.splitlines() == [
-        f"eyrie demo-conversations: error: writing {folder}/c.jsonl: No space left on device; "
-        "free space on that disk, or run the workflow where there is room (snakemake -d)"
-    ]
+    (line,) = proc.stderr.splitlines()  # the free space of that tmpfs: what "previous" left
+    assert re.fullmatch(
+        rf"eyrie demo-conversations: error: writing {folder}/c\.jsonl: No space left on device "
+        r"\([\d.]+ \w+ free there\); free space on that disk, or run the workflow "
+        r"where there is room \(snakemake -d\)",
+        line,
+    ), line
     assert proc.stdout.splitlines() == ["rc=2", "previous", "c.jsonl"]  # no temporary left
+
+
+def test_a_full_disk_during_extraction_names_the_shard_and_the_free_space(tmp_path):
+    """The extraction engine and its client as the rules run them, the shard's folder a 32 KiB
+    tmpfs: the client's line names the shard (not the writer's temporary, not nothing), the free
+    space there and the fix, and no temporary is left on the full disk."""
+    from tests.support.extract_helpers import build_case, extract_args
+    from tests.support.extract_helpers import settings as extract_settings
+    from tests.support.stages import eyrie_cmd
+
+    target, shard, preflight, _, _ = build_case(tmp_path, "llama")
+    cfg, sock = extract_settings(96), tmp_path / "engine.sock"
+    out = Path("/tmp") / f"eyrie-mnt-{os.getpid()}" / "shard_000.h5"
+    engine = eyrie_cmd(
+        "extract-engine", socket=sock, target=target, preflight=preflight, settings=cfg
+    )
+    client = eyrie_cmd("extract", engine=sock, engine_wait_s=60, engine_log=tmp_path / "e.log")
+    client += extract_args(target, shard, preflight, out, cfg)
+    script = (
+        f"{shlex.join(engine)} > {tmp_path / 'e.log'} 2>&1 &\nENGINE=$!\n"
+        f"{shlex.join(client)}; echo rc=$?\nkill $ENGINE; wait; ls -A $DIR"
+    )
+    proc = in_mount_namespace("size=32k", script)
+    assert proc.stdout.splitlines() == ["rc=2"], proc.stdout  # nothing left in the folder
+    (line,) = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+    assert line.startswith(f"eyrie extract: error: the engine at {sock} failed on {shard}: ")
+    assert f": ExtractError: {out}: No space left on device (" in line, line
+    assert re.search(r"\(([\d.]+ \w+|\d+ bytes) free there\); free space on that disk", line), line
+
+
+def test_a_restore_onto_a_full_disk_leaves_no_temporary(tmp_path):
+    """A store entry restored onto a full disk (another file system: copied, not linked): the
+    restore is a miss that leaves nothing behind (its partial copy, 94 MB in the survey, stayed
+    on the full disk), and the stage computes the output."""
+    from eyrie.store.store import Store
+
+    store, shard = Store(tmp_path / "store"), tmp_path / "shard.h5"
+    shard.write_bytes(os.urandom(256 << 10))
+    store.put("hidden", "0" * 64, {"shard.h5": shard}, {"why": "test"})
+    code = (
+        "import sys; from pathlib import Path; from eyrie.store.store import Store\n"
+        f"got = Store(Path({str(store.root)!r})).restore('hidden', '0' * 64, "
+        "{'shard.h5': Path(sys.argv[1]) / 'hidden' / 'shard_000.h5'})\nprint(got)"
+    )
+    proc = in_mount_namespace("size=64k", f"$PY -c {shlex.quote(code)} $DIR; ls -A $DIR/hidden")
+    assert proc.stdout.splitlines() == ["False"], proc.stdout + proc.stderr
+    assert "No space left on device" in proc.stderr  # the store's warning, logged
 
 
 def test_store_verify_on_a_read_only_store_says_what_stays(tmp_path):
@@ -406,10 +458,13 @@ def test_a_full_disk_at_a_checkpoint_names_the_checkpoint(tmp_path, monkeypatch)
     state.mkdir(parents=True)
     with pytest.raises(OSError) as err:
         Checkpoints(state, "run", [4]).save(model, optimizer, scheduler, {"step": 2, "epoch": 0})
-    assert cli.os_error_line(err.value, Namespace(out_dir="results/k/train")) == (
-        f"{state / 'step_00000002'}: No space left on device; free space on that disk, or run "
-        "the workflow where there is room (snakemake -d)"
-    )
+    line = cli.os_error_line(err.value, Namespace(out_dir="results/k/train"))
+    assert re.fullmatch(
+        rf"{re.escape(str(state / 'step_00000002'))}: No space left on device \([\d.]+ \w+ free "
+        r"there\); free space on that disk, or run the workflow where there is room "
+        r"\(snakemake -d\)",
+        line,
+    ), line
     assert list(state.iterdir()) == []  # no temporary left
 
 
