@@ -140,9 +140,9 @@ def request(
         except OSError as exc:  # e.g. ECONNRESET: the engine closed while we were queued
             raise EngineError(
                 f"the engine at {path} dropped the connection for {shard} "
-                f"({type(exc).__name__}: {exc}): it died; see {see_log}"
+                f"({type(exc).__name__}: {exc}): it died{last_word(engine.log)}; see {see_log}"
             ) from exc
-    reply = _reply(line, f"the engine at {path}", shard, see_log)
+    reply = _reply(line, f"the engine at {path}", shard, see_log, engine.log)
     log.info(
         "engine wrote %s in %.1f s (%.1f s since this client started)",
         reply.get("out"),
@@ -152,12 +152,36 @@ def request(
     return reply
 
 
-def _reply(line: bytes, engine: str, shard: str | Path, see_log: str) -> dict:
+LAST_WORDS = (" ERROR ", "received", "forcing the exit")  # the engine's failure and stop lines
+
+
+def last_word(engine_log: str | None) -> str:
+    """ " (its last word: <line>)" with the engine log's last error or stop line, for a client
+    whose connection closed without a reply: a failure of the engine's own (a full disk), or a
+    stop (Snakemake stops a group's jobs when one fails); "" without one."""
+    if not engine_log:
+        return ""
+    try:
+        with open(engine_log, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - (64 << 10)))
+            tail = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(tail):
+        if any(w in line for w in LAST_WORDS):
+            said = line.split(" ERROR ", 1)[-1].split(" INFO ", 1)[-1].split(" WARNING ", 1)[-1]
+            return f" (its last word: {said.strip()[:300]})"
+    return ""
+
+
+def _reply(
+    line: bytes, engine: str, shard: str | Path, see_log: str, log_path: str | None = None
+) -> dict:
     """The engine's reply line as a successful reply; EngineError for anything else."""
     if not line:
         raise EngineError(
             f"{engine} closed the connection without a reply for "
-            f"{shard}: it died or was stopped; see {see_log}"
+            f"{shard}: it died or was stopped{last_word(log_path)}; see {see_log}"
         )
     try:
         reply = json.loads(line)

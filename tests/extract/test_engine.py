@@ -379,6 +379,9 @@ def test_sigterm_during_load_exits_promptly_and_the_client_hears_it(tmp_path):
     assert placeholder_left(sock)
     assert errors and ("without a reply" in errors[0] or "dropped the connection" in errors[0])
     assert str(log) in errors[0]
+    # its own cause, from the engine's log: the stop (Snakemake stops a group's other jobs so)
+    assert "(its last word: engine: " in errors[0]
+    assert "SIGTERM received" in errors[0] or "forcing the exit" in errors[0], errors[0]
 
 
 def test_long_socket_path_binds_and_connects(tmp_path):
