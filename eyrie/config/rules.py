@@ -199,7 +199,7 @@ TABLE = (
     Row("eval.num_prompts", ("evaluate_draft", "evaluate_vllm")),
     Row("eval.device", ("evaluate_draft",), other="evaluate_draft's gpu resource"),
     Row("eval.dtype", ("evaluate_draft",)),
-    Row("eval.temperature", ("evaluate_draft",)),
+    Row("eval.temperature", ("evaluate_draft", "evaluate_vllm")),
     Row(
         "eval.prompts",
         other="an input of tokenize_eval_prompts, whose output is the eval set of evaluate_draft "

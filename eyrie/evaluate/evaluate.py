@@ -29,6 +29,7 @@ from eyrie.evaluate.inputs import (
 from eyrie.evaluate.interval import al_interval, ratio_interval
 from eyrie.evaluate.plot import plot
 from eyrie.evaluate.specdec import (
+    SAMPLE_SEED,
     Decoding,
     SpecStats,
     greedy_generate,
@@ -37,10 +38,6 @@ from eyrie.evaluate.specdec import (
 )
 
 log = logging.getLogger(__name__)
-
-# eval.temperature > 0: prompt n is decoded by every run from a generator seeded SAMPLE_SEED + n
-# (the drafts compared draw from the same stream: a paired comparison)
-SAMPLE_SEED = 0
 
 
 @dataclass

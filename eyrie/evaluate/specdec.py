@@ -26,6 +26,11 @@ from eyrie.core.errors import EvaluateError
 # aux_states[t] are the target's aux hidden states (concatenated) of token_ids[t].
 Proposer = Callable[[torch.Tensor, torch.Tensor, int], list[int]]
 
+# eval.temperature > 0: prompt n is decoded by every run from a generator seeded SAMPLE_SEED + n
+# (the drafts compared draw from the same stream: a paired comparison); vLLM's sampled run
+# seeds prompt n's request so too (its own generator: the same seeds, not the same draws)
+SAMPLE_SEED = 0
+
 
 @dataclass
 class SpecStats:

@@ -38,6 +38,7 @@ class VllmEvalSettings:
     max_new_tokens: int
     num_prompts: int
     vllm: VllmSettings  # vllm.max_model_len None: longest prompt + max_new_tokens + K
+    temperature: float = 0.0  # > 0: the speculative engine also samples every prompt at it
 
     @property
     def rehearsal(self) -> bool:
@@ -52,7 +53,13 @@ class VllmEvalSettings:
         key); `gpu_memory_utilization` (the CLI flag) replaces vllm.gpu_memory_utilization."""
         loaded, vllm = load_with_vllm(settings, ["eval"], EvaluateError, gpu_memory_utilization)
         ev = loaded["eval"]
-        return cls(ev["num_speculative_tokens"], ev["max_new_tokens"], ev["num_prompts"], vllm)
+        return cls(
+            ev["num_speculative_tokens"],
+            ev["max_new_tokens"],
+            ev["num_prompts"],
+            vllm,
+            float(ev["temperature"]),
+        )
 
 
 def _posint(value) -> bool:
@@ -165,7 +172,7 @@ def read_hf_eval(path: str | Path, K: int, max_new_tokens: int) -> dict:
     """The Hugging Face evaluation (eyrie evaluate's eval.json), checked to have used the same K
     and max_new_tokens: {acceptance_length, per_position_acceptance, num_prompts, eos_token_id,
     draft, path, engine (its name and dtype; null in an eval.json from before they were
-    recorded)}."""
+    recorded), sampled (its sampled run at eval.temperature, or None)}."""
     path = Path(path)
     try:
         report = json.loads(path.read_text())
@@ -200,6 +207,7 @@ def read_hf_eval(path: str | Path, K: int, max_new_tokens: int) -> dict:
         "draft": report.get("draft"),
         "path": str(path),
         "engine": report.get("engine"),
+        "sampled": report.get("sampled"),  # eval.temperature > 0: its sampled run, else None
     }
 
 
@@ -249,6 +257,11 @@ class VllmPlan:
     hf: dict | None  # read_hf_eval's dict; None in a rehearsal without --hf-eval
     prompts: list  # (sample_id, prompt ids)
     max_model_len: int
+
+    @property
+    def hf_sampled(self) -> dict | None:
+        """The HF evaluation's sampled run (eval.json "sampled"), if it sampled."""
+        return self.hf.get("sampled") if self.hf else None
 
     @property
     def eos_token_id(self) -> int | None:

@@ -3,7 +3,9 @@
 It serves the target with the exported EAGLE-3 draft through vLLM and greedily decodes the
 held-out prompts twice, without and with speculation, each run in a fresh process; every
 speculative output must equal the baseline token for token. AL comes from vLLM's spec-decode
-counters (AL = 1 + accepted / num_drafts) and the Hugging Face evaluation's AL goes beside it.
+counters (AL = 1 + accepted / num_drafts) and the Hugging Face evaluation's AL goes beside it;
+at eval.temperature > 0 the speculative engine then samples every prompt again (eval_vllm.json
+"sampled").
 The steps, each a module: check (everything that needs no GPU, first: vllm_check), run (the two
 engine processes, started with the stage so that they import vLLM during the check: vllm_run),
 compare (vllm_compare) and report (vllm_report). Run with `-m`, this module is the engine process

@@ -36,6 +36,7 @@ def build_report(plan: VllmPlan, spec: dict, differ: int = 0) -> dict:
         if hf is None
         else {k: hf[k] for k in ("acceptance_length", "per_position_acceptance", "path", "engine")},
         "difference": None if hf is None else difference(m, hf),
+        "sampled": sampled(spec.get("sampled"), plan.hf_sampled, counter_keys),
         "eos_token_id": plan.eos_token_id,
         "engine": {
             "name": "vllm",
@@ -50,4 +51,21 @@ def build_report(plan: VllmPlan, spec: dict, differ: int = 0) -> dict:
         "target": str(plan.paths.target),
         "provenance": provenance(plan.settings),
         **mark(cfg.rehearsal),  # random weights: its acceptance and outputs mean nothing
+    }
+
+
+def sampled(run: dict | None, hf: dict | None, counter_keys: tuple[str, ...]) -> dict | None:
+    """The sampled run's figures (eval.temperature > 0; null otherwise), with the Hugging Face
+    evaluation's sampled AL beside them when it sampled at the same temperature."""
+    if run is None:
+        return None
+    m = run["counters"]
+    same = hf is not None and hf.get("temperature") == run["temperature"]
+    return {
+        "temperature": run["temperature"],
+        "seed": run["seed"],
+        "acceptance_length": m["acceptance_length"],
+        "per_position_acceptance": m["per_position_acceptance"],
+        "counters": {k: m[k] for k in counter_keys},
+        "hf_acceptance_length": hf["trained"]["acceptance_length"] if same else None,
     }

@@ -18,7 +18,7 @@ from pathlib import Path
 from eyrie.core.errors import EvaluateError
 from eyrie.core.io import write_json
 from eyrie.core.rehearsal import DRAFT_LOAD_CONFIG
-from eyrie.evaluate.specdec import SpecStats
+from eyrie.evaluate.specdec import SAMPLE_SEED, SpecStats
 from eyrie.evaluate.vllm_check import VllmPlan
 from eyrie.vllm.engine import bound_kwargs, bounds, engine_args
 
@@ -57,7 +57,13 @@ def engine_requests(plan: VllmPlan) -> tuple[dict, dict]:
         "max_new_tokens": cfg.max_new_tokens,
         "eos_token_id": plan.eos_token_id,
     }
-    return {**common, "speculative_config": None}, {**common, "speculative_config": speculative}
+    # eval.temperature > 0: the speculative engine samples every prompt again (seeded per
+    # prompt), after its greedy run: vLLM's AL under rejection sampling
+    sampled = {"temperature": cfg.temperature, "seed": SAMPLE_SEED} if cfg.temperature else None
+    return (
+        {**common, "speculative_config": None},
+        {**common, "speculative_config": speculative, "sampled": sampled},
+    )
 
 
 def engine_bounds(plan: VllmPlan) -> dict:
@@ -239,14 +245,45 @@ def generate(request: dict) -> dict:
         if list(res.prompt_token_ids) != ids:
             raise RuntimeError("vLLM returned outputs in another order than the prompts")
     spec = request["speculative_config"]
-    return {
+    K = spec["num_speculative_tokens"] if spec else 0
+    greedy = counter_totals(llm.get_metrics(), K) if spec else None
+    out = {
         "vllm_version": vllm.__version__,
         "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
         "outputs": [list(res.outputs[0].token_ids) for res in results],
-        "counters": spec_counters(llm.get_metrics(), spec["num_speculative_tokens"])
-        if spec
-        else None,
+        "counters": stats_of(K, greedy).metrics() if spec else None,
     }
+    if spec and request.get("sampled"):
+        out["sampled"] = sample_again(llm, request, params, greedy)
+    return out
+
+
+def sample_again(llm, request: dict, greedy_params, greedy: dict) -> dict:
+    """The speculative engine decodes every prompt again by sampling at the request's
+    temperature (prompt n seeded seed + n, the greedy run's stopping rule): the figures of the
+    counters' growth over the greedy run's `greedy` totals."""
+    from vllm import SamplingParams
+
+    sample, prompts = request["sampled"], request["prompts"]
+    K = request["speculative_config"]["num_speculative_tokens"]
+    each = [
+        SamplingParams(
+            temperature=sample["temperature"],
+            seed=sample["seed"] + n,
+            max_tokens=request["max_new_tokens"],
+            ignore_eos=True,
+            stop_token_ids=greedy_params.stop_token_ids,
+            detokenize=False,
+        )
+        for n in range(len(prompts))
+    ]
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": ids} for ids in prompts], each, use_tqdm=False)
+    log.info(
+        "sampled at temperature %s: %.2f s", sample["temperature"], time.perf_counter() - start
+    )
+    grown = counter_growth(counter_totals(llm.get_metrics(), K), greedy)
+    return {**sample, "counters": stats_of(K, grown).metrics()}
 
 
 def spec_counters(metrics: list, K: int) -> dict:
@@ -256,6 +293,32 @@ def spec_counters(metrics: list, K: int) -> dict:
     acceptance_length = 1 + accepted_tokens / num_drafts (None without drafts),
     per_position_acceptance[k] = accepted_at_position[k] / num_drafts, and the raw counts.
     """
+    return stats_of(K, counter_totals(metrics, K)).metrics()
+
+
+def counter_growth(after: dict, before: dict) -> dict:
+    """counter_totals' dict of what the counters grew by from `before` to `after`."""
+    grown = {k: after[k] - before[k] for k in (NUM_DRAFTS, NUM_DRAFT_TOKENS, NUM_ACCEPTED)}
+    grown[ACCEPTED_PER_POS] = [
+        a - b for a, b in zip(after[ACCEPTED_PER_POS], before[ACCEPTED_PER_POS])
+    ]
+    return grown
+
+
+def stats_of(K: int, totals: dict) -> SpecStats:
+    """SpecStats of counter_totals' dict (or of the growth between two)."""
+    return SpecStats(
+        K,
+        num_drafts=totals[NUM_DRAFTS],
+        num_draft_tokens=totals[NUM_DRAFT_TOKENS],
+        accepted_tokens=totals[NUM_ACCEPTED],
+        accepted_at_position=list(totals[ACCEPTED_PER_POS]),
+    )
+
+
+def counter_totals(metrics: list, K: int) -> dict:
+    """vLLM's four spec-decode counters summed over label sets, {name: count} (the per-position
+    one a list of K); EvaluateError when one is missing or they disagree."""
     from vllm.v1.metrics.reader import Counter, Vector
 
     totals = {NUM_DRAFTS: 0, NUM_DRAFT_TOKENS: 0, NUM_ACCEPTED: 0}
@@ -284,10 +347,4 @@ def spec_counters(metrics: list, K: int) -> dict:
             f"vLLM's counters disagree: {ACCEPTED_PER_POS} sums to {sum(per_pos)} "
             f"but {NUM_ACCEPTED} is {totals[NUM_ACCEPTED]}"
         )
-    return SpecStats(
-        K,
-        num_drafts=totals[NUM_DRAFTS],
-        num_draft_tokens=totals[NUM_DRAFT_TOKENS],
-        accepted_tokens=totals[NUM_ACCEPTED],
-        accepted_at_position=per_pos,
-    ).metrics()
+    return {**totals, ACCEPTED_PER_POS: per_pos}

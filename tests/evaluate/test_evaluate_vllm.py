@@ -27,7 +27,7 @@ from eyrie.core.io import LAST_GOOD
 from eyrie.demo.tokenizer import build_chat_tokenizer
 from eyrie.evaluate import vllm_check, vllm_compare, vllm_run
 from eyrie.evaluate import vllm_eval as ev
-from eyrie.evaluate.specdec import SpecStats
+from eyrie.evaluate.specdec import SAMPLE_SEED, SpecStats
 from eyrie.export.export import export
 from tests.support import REPO
 from tests.support.models import random_model, random_vocab_map, save_target, tiny_llama
@@ -219,11 +219,17 @@ class FakeEngines:
             accepted_tokens=12,
             accepted_at_position=[6, 4, 2],
         )
+        sampled = request.get("sampled")
+        if sampled:  # the sampled run's counters: fewer accepted than greedy's
+            drew = SpecStats(K, num_drafts=8, num_draft_tokens=24, accepted_tokens=6)
+            drew.accepted_at_position = [4, 2, 0]
+            sampled = {**sampled, "counters": drew.metrics()}
         return {
             "vllm_version": "0.22.0",
             "dtype": "bfloat16",
             "outputs": self.speculative if spec else self.outputs,
             "counters": stats.metrics() if spec else None,
+            **({"sampled": sampled} if sampled else {}),
         }
 
 
@@ -363,6 +369,39 @@ def test_requests_and_report(world, tmp_path, monkeypatch):
     assert not stale.exists()  # a diagnostic from an earlier failed run is removed
     # no temporaries left (.last-good: the report kept for a failed rerun, eyrie.core.io)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != LAST_GOOD]
+
+
+def test_a_sampled_run_is_reported_beside_the_greedy_one(world, tmp_path, monkeypatch):
+    """eval.temperature > 0: the speculative engine is asked to sample every prompt again
+    (seeded per prompt) after its greedy run; eval_vllm.json reports that run's AL and
+    counters under "sampled", the greedy figures as before; the HF evaluation here did not
+    sample, so no HF figure stands beside it. Greedy only: no sampled run, "sampled" null."""
+    outputs = [[5, 6, 7, world["eos"]], [8] * MAX_NEW, [9, world["eos"]], [10] * MAX_NEW]
+    engines = FakeEngines(outputs)
+    monkeypatch.setattr(vllm_run, "run_engine", engines)
+    out = tmp_path / "eval_vllm.json"
+    assert cli.main(stage_args(world, out, eval__temperature=1.0)) == 0
+    base, spec = engines.requests["baseline"], engines.requests["speculative"]
+    assert spec["sampled"] == {"temperature": 1.0, "seed": SAMPLE_SEED}
+    assert "sampled" not in base
+    report = json.loads(out.read_text())
+    assert report["acceptance_length"] == pytest.approx(2.2)  # the greedy run, as before
+    assert report["sampled"] == {
+        "temperature": 1.0,
+        "seed": SAMPLE_SEED,
+        "acceptance_length": pytest.approx(1 + 6 / 8),
+        "per_position_acceptance": pytest.approx([0.5, 0.25, 0.0]),
+        "counters": {
+            "num_drafts": 8,
+            "num_draft_tokens": 24,
+            "accepted_tokens": 6,
+            "accepted_at_position": [4, 2, 0],
+        },
+        "hf_acceptance_length": None,
+    }
+    assert cli.main(stage_args(world, tmp_path / "greedy.json")) == 0
+    assert engines.requests["speculative"]["sampled"] is None
+    assert json.loads((tmp_path / "greedy.json").read_text())["sampled"] is None
 
 
 def test_differing_output_fails_with_diagnostic(world, tmp_path, monkeypatch, capsys):
@@ -542,7 +581,7 @@ def test_module_imports_in_vllm_environment():
 COUNTERS_SCRIPT = r"""
 import json
 from vllm.v1.metrics.reader import Counter, Gauge, Vector
-from eyrie.evaluate.vllm_run import spec_counters
+from eyrie.evaluate.vllm_run import counter_growth, counter_totals, spec_counters, stats_of
 from eyrie.config.schema import validate_config
 from eyrie.config.sections import VllmSettings
 from eyrie.core.errors import ConfigError, EvaluateError
@@ -560,6 +599,10 @@ out["one"] = spec_counters(noise + engine(0, 10, 30, 12, [6, 4, 2]), 3)
 two = engine(0, 10, 30, 12, [6, 4, 2]) + engine(1, 6, 18, 3, [2, 1, 0])
 out["two_engines"] = spec_counters(two, 3)
 out["no_drafts"] = spec_counters(engine(0, 0, 0, 0, [0, 0, 0]), 3)
+# a sampled run after the greedy one: the counters' growth (eyrie.evaluate.vllm_run.sample_again)
+before = counter_totals(engine(0, 10, 30, 12, [6, 4, 2]), 3)
+after = counter_totals(engine(0, 18, 54, 18, [10, 6, 2]), 3)
+out["grown"] = stats_of(3, counter_growth(after, before)).metrics()
 class Lookalike:  # not vLLM's class: must not be read
     def __init__(self, name, value): self.name, self.value = name, value
 cases = {
@@ -590,6 +633,9 @@ def test_counters_to_acceptance_on_vllm_metric_classes():
     assert two["acceptance_length"] == pytest.approx(1 + 15 / 16)
     assert two["per_position_acceptance"] == pytest.approx([8 / 16, 5 / 16, 2 / 16])
     assert two["accepted_at_position"] == [8, 5, 2]
+    grown = out["grown"]  # 8 drafts, 6 accepted (4, 2, 0) since the greedy run's totals
+    assert grown["acceptance_length"] == pytest.approx(1 + 6 / 8)
+    assert grown["accepted_at_position"] == [4, 2, 0] and grown["num_draft_tokens"] == 24
     assert out["no_drafts"]["acceptance_length"] is None
     assert out["no_drafts"]["per_position_acceptance"] is None
     assert (
@@ -615,11 +661,13 @@ def vllm_cuda():
 @needs_vllm_env
 def test_whole_stage_through_vllm(vllm_cuda, world, tmp_path):
     """The stage on a GPU: vLLM serves the tiny target with the exported draft; speculative and
-    baseline outputs agree token for token and the counters give the report's AL."""
+    baseline outputs agree token for token and the counters give the report's AL; at
+    eval.temperature 1 the same engine then samples every prompt, its counters' growth the
+    sampled AL."""
     out = tmp_path / "eval_vllm.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
-        [str(VLLM_PYTHON), "-m", "eyrie.cli", *stage_args(world, out)],
+        [str(VLLM_PYTHON), "-m", "eyrie.cli", *stage_args(world, out, eval__temperature=1.0)],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -639,6 +687,12 @@ def test_whole_stage_through_vllm(vllm_cuda, world, tmp_path):
         [a / c["num_drafts"] for a in c["accepted_at_position"]]
     )
     assert 0 < report["output_tokens"] <= NUM_PROMPTS * MAX_NEW
+    drew = report["sampled"]["counters"]
+    assert report["sampled"]["temperature"] == 1.0 and drew["num_drafts"] > 0
+    assert sum(drew["accepted_at_position"]) == drew["accepted_tokens"]
+    assert report["sampled"]["acceptance_length"] == pytest.approx(
+        1 + drew["accepted_tokens"] / drew["num_drafts"]
+    )
     hf = json.loads(world["hf_eval"].read_text())
     assert report["hf"]["acceptance_length"] == hf["trained"]["acceptance_length"]
     assert report["difference"]["acceptance_length"] == pytest.approx(
