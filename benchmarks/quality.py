@@ -264,7 +264,11 @@ def planned_steps(run: Run) -> int:
 
     t = run.cfg["train"]
     expect = shard_expectation(run.res / "preflight.json")
-    data = PackedShards(run.shards(), expect, t["max_tokens_per_batch"], t["ttt_steps"] - 1, True)
+    block = t.get("method", "eagle3") != "eagle3"  # a block drafter packs unshifted, no gaps
+    gap = 0 if block else t["ttt_steps"] - 1
+    data = PackedShards(
+        run.shards(), expect, t["max_tokens_per_batch"], gap, True, shifted=not block
+    )
     return Plan.build(data, t["seed"], t["epochs"], t["packs_per_step"]).total_steps
 
 
