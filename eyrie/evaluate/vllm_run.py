@@ -25,7 +25,7 @@ from eyrie.vllm.engine import bound_kwargs, bounds, engine_args
 log = logging.getLogger(__name__)
 
 
-# vLLM's spec-decode metrics (LLM.get_metrics()), which spec_counters reads
+# vLLM's spec-decode metrics (LLM.get_metrics()), which counter_totals reads
 NUM_DRAFTS = "vllm:spec_decode_num_drafts"
 NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 NUM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
@@ -221,21 +221,12 @@ def wait_for_request(path: Path, parent: int, poll_s: float = 0.05) -> dict | No
 def generate(request: dict) -> dict:
     """Worker side: build the engine, decode every prompt greedily, read the counters."""
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     start = time.perf_counter()
     llm = LLM(**request["engine"], speculative_config=request["speculative_config"])
     log.info("engine built in %.1f s", time.perf_counter() - start)
-    eos = request["eos_token_id"]
-    # The HF loop's stopping rule (eyrie.evaluate.specdec): the tokenizer's eos or max_new_tokens;
-    # ignore_eos keeps vLLM from adding generation_config's other eos ids as stop tokens.
-    params = SamplingParams(
-        temperature=0.0,
-        max_tokens=request["max_new_tokens"],
-        ignore_eos=True,
-        stop_token_ids=[eos] if eos is not None else None,
-        detokenize=False,
-    )
+    params = sampling_params(request, temperature=0.0)
     prompts = request["prompts"]
     start = time.perf_counter()
     results = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
@@ -254,27 +245,35 @@ def generate(request: dict) -> dict:
         "counters": stats_of(K, greedy).metrics() if spec else None,
     }
     if spec and request.get("sampled"):
-        out["sampled"] = sample_again(llm, request, params, greedy)
+        out["sampled"] = sample_again(llm, request, greedy)
     return out
 
 
-def sample_again(llm, request: dict, greedy_params, greedy: dict) -> dict:
+def sampling_params(request: dict, **how):
+    """vLLM's SamplingParams of a run of `request`, sampling as `how` says (temperature, seed):
+    the HF loop's stopping rule (eyrie.evaluate.specdec), the tokenizer's eos or
+    max_new_tokens; ignore_eos keeps vLLM from adding generation_config's other eos ids as stop
+    tokens."""
+    from vllm import SamplingParams
+
+    eos = request["eos_token_id"]
+    return SamplingParams(
+        **how,
+        max_tokens=request["max_new_tokens"],
+        ignore_eos=True,
+        stop_token_ids=[eos] if eos is not None else None,
+        detokenize=False,
+    )
+
+
+def sample_again(llm, request: dict, greedy: dict) -> dict:
     """The speculative engine decodes every prompt again by sampling at the request's
     temperature (prompt n seeded seed + n, the greedy run's stopping rule): the figures of the
     counters' growth over the greedy run's `greedy` totals."""
-    from vllm import SamplingParams
-
     sample, prompts = request["sampled"], request["prompts"]
     K = request["speculative_config"]["num_speculative_tokens"]
     each = [
-        SamplingParams(
-            temperature=sample["temperature"],
-            seed=sample["seed"] + n,
-            max_tokens=request["max_new_tokens"],
-            ignore_eos=True,
-            stop_token_ids=greedy_params.stop_token_ids,
-            detokenize=False,
-        )
+        sampling_params(request, temperature=sample["temperature"], seed=sample["seed"] + n)
         for n in range(len(prompts))
     ]
     start = time.perf_counter()
@@ -284,16 +283,6 @@ def sample_again(llm, request: dict, greedy_params, greedy: dict) -> dict:
     )
     grown = counter_growth(counter_totals(llm.get_metrics(), K), greedy)
     return {**sample, "counters": stats_of(K, grown).metrics()}
-
-
-def spec_counters(metrics: list, K: int) -> dict:
-    """AL and per-position acceptance from `LLM.get_metrics()` (vllm.v1.metrics.reader objects).
-
-    Counters are summed over label sets (one per engine). Returns SpecStats.metrics()'s dict:
-    acceptance_length = 1 + accepted_tokens / num_drafts (None without drafts),
-    per_position_acceptance[k] = accepted_at_position[k] / num_drafts, and the raw counts.
-    """
-    return stats_of(K, counter_totals(metrics, K)).metrics()
 
 
 def counter_growth(after: dict, before: dict) -> dict:
@@ -306,7 +295,9 @@ def counter_growth(after: dict, before: dict) -> dict:
 
 
 def stats_of(K: int, totals: dict) -> SpecStats:
-    """SpecStats of counter_totals' dict (or of the growth between two)."""
+    """SpecStats of counter_totals' dict (or of the growth between two): its metrics() are
+    acceptance_length = 1 + accepted_tokens / num_drafts (None without drafts),
+    per_position_acceptance[k] = accepted_at_position[k] / num_drafts, and the raw counts."""
     return SpecStats(
         K,
         num_drafts=totals[NUM_DRAFTS],
@@ -317,8 +308,9 @@ def stats_of(K: int, totals: dict) -> SpecStats:
 
 
 def counter_totals(metrics: list, K: int) -> dict:
-    """vLLM's four spec-decode counters summed over label sets, {name: count} (the per-position
-    one a list of K); EvaluateError when one is missing or they disagree."""
+    """vLLM's four spec-decode counters from `LLM.get_metrics()` (vllm.v1.metrics.reader
+    objects) summed over label sets, one per engine: {name: count} (the per-position one a list
+    of K); EvaluateError when one is missing or they disagree."""
     from vllm.v1.metrics.reader import Counter, Vector
 
     totals = {NUM_DRAFTS: 0, NUM_DRAFT_TOKENS: 0, NUM_ACCEPTED: 0}

@@ -33,6 +33,7 @@ from eyrie.train.checkpoint import (
     CheckpointProblem,
     Checkpoints,
     frozen_keys,
+    is_last,
     restore,
     run_id,
     truncate_metrics,
@@ -327,9 +328,11 @@ class TrainRecipe:
         (a sharded draft's tensors are gathered whole first, by every rank)."""
         d = self.draft
         whole = None
-        if self.sharded:
+        if self.sharded:  # the optimizer state only where it is written (not at the last step)
             frozen = frozenset(frozen_keys(d.model))
-            whole = full_states(d.model, d.optimizer, self.dist.main, skip=frozen)
+            last = is_last(self.state.position["step"], self.plan.steps_per_epoch)
+            optimizer = None if last else d.optimizer
+            whole = full_states(d.model, optimizer, self.dist.main, skip=frozen)
         if self.dist.main:
             self.checkpoints.save(
                 self.draft.model,

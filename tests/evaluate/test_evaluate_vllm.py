@@ -581,7 +581,10 @@ def test_module_imports_in_vllm_environment():
 COUNTERS_SCRIPT = r"""
 import json
 from vllm.v1.metrics.reader import Counter, Gauge, Vector
-from eyrie.evaluate.vllm_run import counter_growth, counter_totals, spec_counters, stats_of
+from eyrie.evaluate.vllm_run import counter_growth, counter_totals, stats_of
+
+def spec_counters(metrics, K):  # what generate() reports of a run's counters
+    return stats_of(K, counter_totals(metrics, K)).metrics()
 from eyrie.config.schema import validate_config
 from eyrie.config.sections import VllmSettings
 from eyrie.core.errors import ConfigError, EvaluateError
