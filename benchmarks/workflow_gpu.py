@@ -40,6 +40,8 @@ sys.path.insert(0, str(REPO / "tests" / "support"))
 import failure  # noqa: E402  (benchmarks/failure.py: each failed job's rule and cause)
 from quality import PRESETS  # noqa: E402
 
+from eyrie.core.runtime import CACHES  # noqa: E402
+
 LARGE = PRESETS["large"]["demo"]  # the larger demo target of quality.py --preset large
 
 
@@ -67,6 +69,31 @@ class MemoryPeak:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
+
+
+# where caches land when cache.path does not hold them (a variable preset in the environment,
+# or a library that reads none of CACHES): the home folder and torch's default under /tmp
+ELSEWHERE = ("~/.cache", "~/.nv", "~/.triton", "~/.humming", "~/.deep_gemm", "/tmp/torchinductor_*")
+
+
+def mib(path: Path) -> float:
+    """The size of the files under `path`, in MiB."""
+    files = [path] if path.is_file() else path.rglob("*")
+    return round(sum(f.stat().st_size for f in files if f.is_file()) / 2**20, 1)
+
+
+def caches(cache: Path) -> dict:
+    """What each cache folder holds after a run: cache.path's subfolders, the caches outside it,
+    and the CACHES variables the environment had already set (those win over cache.path)."""
+    import glob
+
+    preset = {var: os.environ[var] for var in CACHES if var in os.environ}
+    outside = [Path(p) for pat in ELSEWHERE for p in glob.glob(os.path.expanduser(pat))]
+    return {
+        "preset_in_environment": preset,
+        "under_cache_path_mib": {p.name: mib(p) for p in sorted(cache.glob("*"))},
+        "elsewhere_mib": {str(p): mib(p) for p in outside},
+    }
 
 
 STAMP = re.compile(r"^\s*\[(\w{3} \w{3} +\d+ [\d:]+ \d{4})\]\s*$")
@@ -278,10 +305,12 @@ def main() -> int:
                 workdir, args.vllm_python, args.until, args.cache
             )
         )
-    finally:  # every job's log comes back, a failed run's too
+    finally:  # every job's log comes back (one file: a device call returns few), a failed run's too
         if os.environ.get("OUT") and (workdir / "logs").is_dir():
-            logs = Path(os.environ["OUT"]) / f"logs-{workdir.name}"
-            shutil.copytree(workdir / "logs", logs, dirs_exist_ok=True)
+            logs = sorted(p for p in (workdir / "logs").rglob("*") if p.is_file())
+            text = "".join(f"=== {p}\n{p.read_text(errors='replace')}" for p in logs)
+            (Path(os.environ["OUT"]) / f"joblogs-{workdir.name}.txt").write_text(text)
+    result["caches"] = caches(args.cache or workdir / "results" / "cache")
     print(json.dumps(result, indent=1), flush=True)
     name = re.sub(r"\W+", "-", gpu.lower()).strip("-")
     out = REPO / "benchmarks" / "results" / f"workflow-{args.part}-{name}.json"

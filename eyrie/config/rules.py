@@ -17,6 +17,7 @@ import argparse
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -336,9 +337,9 @@ def prepare(
     under SLURM, scripts/slurm-shims (the SLURM plugin mistakes sacct's "CANCELLED by <uid>" for a
     running job) on the PATH; the output store's folder in EYRIE_STORE (store.path; every job
     parses the workflow again, so SLURM jobs get it too); the compilation caches' folders under
-    cache.path (eyrie.core.runtime.CACHES; a variable already set wins); an empty placeholder
-    for each missing engine socket (a service output counts as missing, so the shard jobs take
-    it as ancient() input: docs/extraction.md)."""
+    cache.path (eyrie.core.runtime.CACHES; a variable already set wins, named in one line); an
+    empty placeholder for each missing engine socket (a service output counts as missing, so the
+    shard jobs take it as ancient() input: docs/extraction.md)."""
     path = os.path.dirname(python) + os.pathsep + os.environ.get("PATH", "")
     if shutil.which("sacct"):
         path = os.path.join(basedir, "scripts", "slurm-shims") + os.pathsep + path
@@ -347,8 +348,16 @@ def prepare(
         os.environ[STORE_ENV] = os.path.abspath(store)
     else:
         os.environ.pop(STORE_ENV, None)
+    kept = []
     for var, folder in (cache_environment(cache) if cache else {}).items():
-        os.environ.setdefault(var, folder)
+        if os.environ.setdefault(var, folder) != folder:
+            kept.append(f"{var}={os.environ[var]}")
+    if kept:  # the job then writes that cache where the real run on another node may not look
+        print(
+            f"cache.path {cache}: kept from the environment, outside it: {', '.join(kept)} "
+            "(unset them to keep every cache there; docs/rehearsal.md)",
+            file=sys.stderr,
+        )
     for socket in sockets:
         if not os.path.lexists(socket):
             os.makedirs(os.path.dirname(socket), exist_ok=True)

@@ -18,7 +18,8 @@ import os
 # the config's cache.path, so that the next job and the next run (a rehearsal's cache, then the
 # real run's) load them instead of building them again: torch.compile's graphs (training's draft,
 # vLLM's), Triton's kernels (vLLM's MoE and attention kernels), vLLM's own compile cache, the
-# driver's PTX JIT cache, DeepGEMM's and FlashInfer's JIT kernels (fp8 and MLA targets), and
+# driver's PTX JIT cache, DeepGEMM's, FlashInfer's and humming's JIT kernels (fp8, MLA and int4
+# targets; vLLM 0.22 imports humming, which builds its launcher, in every engine), and
 # matplotlib's font list (training's plot builds it on a first run); and the installed vLLM's facts
 # (eyrie.vllm.facts_cache), which preflight, extraction and evaluation read.
 VLLM_FACTS_CACHE = "EYRIE_VLLM_FACTS_CACHE"
@@ -29,6 +30,7 @@ CACHES = {
     "CUDA_CACHE_PATH": "cuda",
     "DG_JIT_CACHE_DIR": "deep_gemm",
     "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+    "HUMMING_CACHE_DIR": "humming",
     "MPLCONFIGDIR": "matplotlib",
     VLLM_FACTS_CACHE: "vllm-facts",
 }

@@ -441,15 +441,19 @@ def test_prepare_puts_eyrie_on_the_path_and_makes_the_socket_placeholders(tmp_pa
     assert all((tmp_path / s).read_text() == "" for s in sockets[1:])
 
 
-def test_prepare_puts_the_caches_under_cache_path_and_keeps_a_users_own(tmp_path, monkeypatch):
+def test_prepare_puts_the_caches_under_cache_path_and_keeps_a_users_own(
+    tmp_path, monkeypatch, capsys
+):
     """cache.path: each compilation cache of CACHES in its folder there, for every job; a
-    variable the user set wins; no cache.path sets none."""
+    variable the user set wins, named in one line; no cache.path sets none."""
     monkeypatch.chdir(tmp_path)
     for var in CACHES:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("TRITON_CACHE_DIR", "/mine/triton")
     prepare(str(REPO), "/venv/bin/python", [], None, "results/cache")
     assert os.environ["TRITON_CACHE_DIR"] == "/mine/triton"
+    assert "outside it: TRITON_CACHE_DIR=/mine/triton (" in capsys.readouterr().err
+    assert os.environ["HUMMING_CACHE_DIR"] == str(tmp_path / "results/cache/humming")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "results/cache/inductor")
     assert os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / "results/cache/vllm")
     monkeypatch.delenv("VLLM_CACHE_ROOT")
