@@ -235,6 +235,7 @@ def test_relative_python_is_relative_to_the_checkout(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- whole preflight runs
 
 
+@pytest.mark.slow
 @need_vllm
 def test_preflight_report_names_the_path(target, tmp_path, facts, caplog):
     out = tmp_path / "preflight.json"

@@ -667,6 +667,7 @@ def test_quantization_without_method(facts, tmp_path):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", sorted(VLLM_ENVS))
 def test_quantization_config_unparsable(version, tmp_path):
     # vLLM's CompressedTensorsConfig.from_config reads every config_groups entry's targets: the
