@@ -1,6 +1,8 @@
-"""Fixtures every test folder shares: one torch thread, and the tiny world (a 4-layer Llama
-target, its preflight report, vocabulary map and real hidden-state shards) built once per module
-that asks for it. Builders (tiny models, stage argvs, Snakemake runs) are in tests/support."""
+"""Fixtures every test folder shares: one torch thread, no wait on a stopped SLURM controller,
+the tiny world (a 4-layer Llama target, its preflight report, vocabulary map and real
+hidden-state shards) built once per module that asks for it, and the tiny config's finished
+workflow run built once per session. Builders (tiny models, stage argvs, Snakemake runs) are in
+tests/support."""
 
 import os
 import re
@@ -59,3 +61,13 @@ def world(tmp_path_factory):
     from tests.support.train_helpers import build_world
 
     return build_world(tmp_path_factory.mktemp("world"))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """The tiny config (.test/config.yaml) run to completion through Snakemake once per session
+    (the slow tier's whole-DAG tests share it): dry runs against it put back what they change, and
+    a test that runs jobs works on tests/support/workflow.py's copy_run of it."""
+    from tests.support.workflow import build_tiny_run
+
+    return build_tiny_run(tmp_path_factory.mktemp("tiny_run"))

@@ -25,9 +25,15 @@ from eyrie.store.fingerprint import file_digest, track_target
 from eyrie.store.store import Store
 from eyrie.train.recipe import train
 from tests.support import REPO
-from tests.support.stages import demo_conversations
 from tests.support.train_helpers import build_world, train_paths, train_settings, write_shard
-from tests.support.workflow import job_table, planned, run_snakemake, snakemake, write_config
+from tests.support.workflow import (
+    copy_run,
+    job_table,
+    planned,
+    run_snakemake,
+    snakemake,
+    write_config,
+)
 
 TARGET_RULES = {  # what replaced weights rerun: everything that reads them, not tokenization
     "preflight": 1,
@@ -48,16 +54,12 @@ def _same_mtime_copy(src_bytes: bytes, dest: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def user_run(tmp_path_factory):
-    """The tiny workflow, run to completion against a user target (the demo target copied into
-    "my target/", a path with a space)."""
+def user_run(tiny_run, tmp_path_factory):
+    """The tiny workflow, run to completion against a user target: the demo target of the
+    session's tiny run (tests/conftest.py) copied into "my target/", a path with a space."""
     work = tmp_path_factory.mktemp("user")
-    convs = demo_conversations(work / "convs.jsonl")
-    assert convs.returncode == 0, convs.stderr
-    write_config(work)
-    snakemake(work, "results/tiny/target/model.safetensors")
-    shutil.copytree(work / "results/tiny/target", work / "my target")
-    shutil.rmtree(work / "results")
+    shutil.copy2(tiny_run / "convs.jsonl", work / "convs.jsonl")
+    shutil.copytree(tiny_run / "results/tiny/target", work / "my target")
     write_config(work, target__path="my target")  # relative: the copies below keep their params
     snakemake(work)
     return work
@@ -74,7 +76,7 @@ def test_weights_replaced_in_place_rerun_what_reads_them(user_run, tmp_path):
     """Before: only config.json and tokenizer_config.json were tracked, so other weights of the
     same shape, copied with their old mtime, left "Nothing to be done"."""
     work = tmp_path / "wf"
-    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    copy_run(user_run, work)
     weights = work / "my target/model.safetensors"
     tensors = load_file(str(weights))
     tensors = {k: v + 0.01 for k, v in tensors.items()}  # a fine-tune: same names and shapes
@@ -89,7 +91,7 @@ def test_weights_replaced_in_place_rerun_what_reads_them(user_run, tmp_path):
 @pytest.mark.slow
 def test_a_changed_tokenizer_reruns_tokenization(user_run, tmp_path):
     work = tmp_path / "wf"
-    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    copy_run(user_run, work)
     tok = work / "my target/tokenizer.json"
     spec = json.loads(tok.read_text())
     spec.setdefault("added_tokens", [])
@@ -103,7 +105,7 @@ def test_reverted_setting_restores_shards_without_loading_the_target(user_run, t
     """Before: a bad layers.aux_ids run, reverted, reran every extraction job. Now the shards
     come back from the store, the engine loads nothing, training resumes its finished run."""
     work = tmp_path / "wf"
-    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    copy_run(user_run, work)
     store = Store(work / "results/store")
     kept = len(store.entries())
     assert kept == 4  # the four shards of the first run
@@ -129,7 +131,7 @@ def test_a_failed_export_keeps_the_draft_vllm_serves(user_run, tmp_path):
     """Before: Snakemake deleted draft/config.json and model.safetensors before the export ran,
     so a failed export took away the draft `vllm serve` used."""
     work = tmp_path / "wf"
-    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    copy_run(user_run, work)
     draft = work / "results/tiny/draft"
     good = draft.resolve()
     summary = work / "results/tiny/train/train.json"
@@ -428,7 +430,7 @@ def test_a_deleted_draft_version_is_named_at_parse_time(user_run, tmp_path):
     """Before: deleting the version draft.json names left "Nothing to be done" and a draft.json
     (and a `draft` link) naming a draft that no longer exists."""
     work = tmp_path / "wf"
-    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    copy_run(user_run, work)
     version = json.loads((work / "results/tiny/draft.json").read_text())["version"]
     shutil.rmtree(work / version)
     proc = run_snakemake(work, "-n")
@@ -444,7 +446,7 @@ def test_a_failed_rerun_names_where_the_last_good_report_is(user_run, tmp_path):
     """Snakemake deletes a job's outputs before it runs: a preflight that now fails took
     preflight.json away. Its last good copy is kept beside it and the failure line names it."""
     work = tmp_path / "wf"
-    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    copy_run(user_run, work)
     good = (work / "results/tiny/preflight.json").read_text()
     write_config(work, target__path="my target", layers__aux_ids=[1, 2, 40])
     proc = run_snakemake(work, "--cores", "2")
@@ -463,7 +465,7 @@ def test_the_same_target_under_another_path_reruns_nothing(user_run, tmp_path):
     jobs whose params hold the path. Now the params compare the path the content was first
     given as; the shell gets the folder as it is now. Changed content still reruns."""
     work = tmp_path / "wf"
-    shutil.copytree(user_run, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    copy_run(user_run, work)
     (work / "link").symlink_to(work / "my target")
     shutil.copytree(work / "my target", work / "copy")
     for path in ("link", "copy", str(work / "copy")):
