@@ -1,4 +1,5 @@
-"""Preflight: target introspection, layer ids, tokenizer/chat template, storage, safety."""
+"""Preflight: the report's layer ids and storage, tokenizer/chat template, weights, safety (how
+the target and its layer ids are read: tests/arch/test_target.py)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,12 @@ from collections import namedtuple
 
 import pytest
 
-from eyrie.arch.target import inspect_target, resolve_layer_ids
 from eyrie.cli import main
 from eyrie.core import errors as pf_errors
-from eyrie.core.errors import TargetError
 from eyrie.preflight import checks as pf_checks
 from eyrie.preflight import preflight as pf
 from tests.support.stages import stage_args
 from tests.support.train_helpers import save_chat_target
-from tests.support.vllm_helpers import KIMI_K25
 
 TEXTS = ["What does json.dumps do? It serializes an object to a JSON string."] * 20
 
@@ -73,43 +71,6 @@ def test_cli_failure_writes_nothing_and_one_line_per_problem(target, tmp_path, c
     assert rc == 2 and not out.exists()
     err = capsys.readouterr().err
     assert "layers.aux_ids=[3, 3]: duplicate ids" in err
-
-
-@pytest.mark.parametrize(
-    "ids, message",
-    [
-        ([2, 2, 5], "duplicate ids"),
-        ([2, 4, 8], "id 8 is out of range for a 8-layer target"),
-        ([0, 4, 5], "id 0 is out of range"),
-        ([5, 4, 6], "not increasing"),
-    ],
-)
-def test_bad_aux_ids(ids, message):
-    with pytest.raises(TargetError, match=message):
-        resolve_layer_ids(ids, 8)
-
-
-def test_default_ids_invalid_for_tiny_targets_names_the_formula():
-    with pytest.raises(TargetError, match=r"default \[2, N//2, N-3\] = \[2, 2, 1\] for N=4"):
-        resolve_layer_ids(None, 4)
-    assert resolve_layer_ids(None, 61) == ([2, 30, 58], 61)
-
-
-def test_unknown_architecture_lists_supported(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 8}))
-    with pytest.raises(
-        TargetError, match=r"'mamba' is not supported; supported: deepseek_v2, .*llama"
-    ):
-        inspect_target(tmp_path)
-
-
-def test_multimodal_wrapper_reads_text_config(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(KIMI_K25))
-    info = inspect_target(tmp_path)
-    assert (info.model_type, info.wrapper_model_type) == ("kimi_k2", "kimi_k25")
-    assert (info.num_hidden_layers, info.hidden_size) == (61, 7168)
-    assert info.needs_remote_code
-    assert resolve_layer_ids(None, info.num_hidden_layers) == ([2, 30, 58], 61)
 
 
 def test_remote_code_needs_opt_in(target, tmp_path):
