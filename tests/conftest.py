@@ -71,3 +71,76 @@ def tiny_run(tmp_path_factory):
     from tests.support.workflow import build_tiny_run
 
     return build_tiny_run(tmp_path_factory.mktemp("tiny_run"))
+
+
+# ----------------------------------------------------------------------------- targets
+# One fixture per shape of target folder, built once per module that asks for it. Those made from
+# a tokenizer take the module's own `tok` fixture: its chat tokenizer, trained on its own texts.
+
+CHAT_TARGET_TEXTS = ["What does json.dumps do? It serializes an object to a JSON string."] * 20
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    """A complete tiny Llama target (save_chat_target: 8 layers, 2 attention heads and 1
+    key/value head, random weights) with a chat tokenizer of 320 tokens trained on one question
+    and answer about json.dumps."""
+    from tests.support.train_helpers import save_chat_target
+
+    return save_chat_target(tmp_path_factory.mktemp("target"), CHAT_TARGET_TEXTS)
+
+
+@pytest.fixture(scope="module")
+def chat_target_4_heads(tmp_path_factory):
+    """chat_target with 4 attention heads and 2 key/value heads."""
+    from tests.support.train_helpers import save_chat_target
+
+    return save_chat_target(
+        tmp_path_factory.mktemp("target"),
+        CHAT_TARGET_TEXTS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer_only_target(tok, tmp_path_factory):
+    """A target folder holding only the module's tokenizer `tok` and its chat template (all that
+    eval-prompts reads of a target)."""
+    folder = tmp_path_factory.mktemp("tokenizer") / "target"
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def config_only_target(tok, tmp_path_factory):
+    """The module's tokenizer `tok` beside the config.json of a 2-layer Llama of its vocabulary
+    size and no weights (config_only_llama): what the data stages read of a target."""
+    from tests.support.models import config_only_llama
+
+    path = tmp_path_factory.mktemp("target")
+    tok.save_pretrained(path)
+    return config_only_llama(path, len(tok))
+
+
+@pytest.fixture(scope="module")
+def padded_config_only_target(tok, tmp_path_factory):
+    """config_only_target with a vocab_size 6 above the tokenizer's (a model whose embedding
+    has rows no token uses)."""
+    from tests.support.models import config_only_llama
+
+    path = tmp_path_factory.mktemp("target")
+    tok.save_pretrained(path)
+    return config_only_llama(path, len(tok) + 6)
+
+
+@pytest.fixture(scope="module")
+def random_llama_target(tok, tmp_path_factory):
+    """A 2-layer Llama target with random weights (2 attention heads, 1 key/value head) and the
+    module's tokenizer `tok`: a model that generates."""
+    from tests.support.models import random_model, save_target, tiny_llama
+
+    config = tiny_llama(
+        len(tok), tok, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    )
+    return save_target(tmp_path_factory.mktemp("target"), random_model(config), tok)
