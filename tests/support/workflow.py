@@ -91,8 +91,11 @@ def build_tiny_run(workdir: Path) -> Path:
 def copy_run(run: Path, dest: Path) -> Path:
     """A finished run's working directory copied to `dest` as a run of its own: .snakemake/
     (Snakemake's records) included, every file's mtime kept (copy2) and links kept as links
-    (`draft` names its version relatively), so that the copy plans nothing either (nothing in a
-    run records its absolute path). An engine's socket is left out: between runs only its
+    (`draft` names its version relatively), so that the copy plans nothing either. Nothing that
+    Snakemake compares holds the run's absolute path (params, store.path and cache.path are
+    relative to the working directory); reports that name the target's absolute path
+    (preflight.json, train.json, the draft's verifier) say where it was, and the copy's jobs get
+    their target from their own arguments. An engine's socket is left out: between runs only its
     placeholder is there, and a live socket cannot be copied."""
     shutil.copytree(run, dest, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
     return dest
