@@ -1,8 +1,8 @@
-"""Fixtures every test folder shares: one torch thread, no wait on a stopped SLURM controller,
-the tiny world (a 4-layer Llama target, its preflight report, vocabulary map and real
-hidden-state shards) built once per module that asks for it, and the tiny config's finished
-workflow run built once per session. Builders (tiny models, stage argvs, Snakemake runs) are in
-tests/support."""
+"""Fixtures every test folder shares: one torch thread (again around each test), no wait on a
+stopped SLURM controller, the tiny world (a 4-layer Llama target, its preflight report,
+vocabulary map and real hidden-state shards) built once per module that asks for it, the target
+folders of each shape, and the tiny config's finished workflow run built once per session.
+Builders (tiny models, stage argvs, Snakemake runs) are in tests/support."""
 
 import os
 import re
@@ -22,6 +22,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def back_to_one_thread():
+    """A stage run in this process may set torch's threads (the demo target trains on every
+    core the process may use): each test ends with one thread again, so that the next test and
+    the next module's fixtures do not run with the threads of the one before; and starts with
+    one, after the module fixtures it asks for."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -271,7 +271,11 @@ def test_preflight_cli_wall_time(chat_target_4_heads, tmp_path):
 
 
 def test_ci_runs_the_readme_test_command_with_the_vllm_environment():
+    """.ci/run's last line is the README's test command: the vLLM environments built, then the
+    fast tier (the default `pytest`), then, once it passed, the slow tier."""
     command = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert "bash scripts/setup-vllm.sh" in command and command.endswith("-p no:cacheprovider")
+    fast = ".venv/bin/python -m pytest -q -p no:cacheprovider"
+    assert "bash scripts/setup-vllm.sh" in command
+    assert command.endswith(f' && {fast} && {fast} -m "(slow or slurm) and not gpu"')
     assert f"   {command}\n" in (REPO / "README.md").read_text()
     assert "|| true" not in command and "$?" not in command  # pytest's status (5 included) is CI's
