@@ -416,6 +416,7 @@ def test_preflight_checks_a_rehearsal_as_a_real_run_and_marks_it(tmp_path, monke
     assert got[True] == got[False]
 
 
+@pytest.mark.slow
 @need_vllm
 def test_a_rehearsal_needs_no_weights(world, tmp_path, monkeypatch):
     """From a folder with config.json and the tokenizer only (the weights still downloading):

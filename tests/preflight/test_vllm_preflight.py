@@ -149,6 +149,7 @@ def test_tensor_parallel_rules_follow_vllm(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_quantization_reported_and_refused_only_when_unloadable(facts):
     assert vllm_config.quantization_check(LLAMA, facts["llama"]) == (None, [], [])
     ct = {
@@ -243,6 +244,7 @@ def test_preflight_report_names_the_path(chat_target_4_heads, tmp_path, facts, c
     assert "extraction through the native path" in caplog.text
 
 
+@pytest.mark.slow
 @need_vllm
 def test_capture_requested_is_used(chat_target_4_heads, tmp_path, facts):
     report = pf.preflight(

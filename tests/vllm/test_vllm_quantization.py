@@ -137,6 +137,7 @@ def test_kimi_int4_fp8_and_unquantized_on_the_default_vllm():
     assert got["unquantized"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", sorted(VLLM_ENVS))
 def test_humming_per_vllm_version(version):
     got = required(vllm_env(version))["kimi_int4"]
