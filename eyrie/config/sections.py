@@ -1,5 +1,6 @@
-"""Typed config sections: `train` (the training settings) and `vllm` (every vLLM engine's), each
-a frozen object.
+"""Typed config sections: `train` (the training settings), `vllm` (every vLLM engine's) and
+`regenerate` (the regeneration stage's) and `extract` (the extraction stage's, with `layers`),
+each a frozen object.
 
 config/schema.yaml checks types, ranges and defaults (eyrie.config.schema.load_settings); this
 module adds only the cross-field rules a schema cannot express. Fields in order make the run id
@@ -13,7 +14,8 @@ import json
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from eyrie.config.drafts import block_positions
 from eyrie.config.schema import (
@@ -23,7 +25,12 @@ from eyrie.config.schema import (
     report_problems,
     schema_default,
 )
-from eyrie.core.errors import ConfigError, EyrieError
+from eyrie.core.errors import ConfigError, DataError, ExtractError, EyrieError
+from eyrie.core.rehearsal import is_rehearsal
+from eyrie.core.runtime import auto_device, auto_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +84,7 @@ class TrainSettings:
     log_every: int
     verify_shards: bool
     report_to: tuple[str, ...]  # where the curves go besides metrics.jsonl (eyrie.train.curves)
-    method: str  # eagle3 | dflash | dspark (eyrie.formats.draft.DRAFT_METHODS)
+    method: str  # eagle3 | dflash | dspark (eyrie.arch.methods.DRAFT_METHODS)
     block_size: int  # block drafters: positions per draft forward, the anchor's included
     sample_from_anchor: bool | None  # block drafters; None: the method's own
     mask_token_id: int | None  # block drafters; None: eyrie.arch.draft.mask_token's choice
@@ -232,3 +239,92 @@ def load_with_vllm(
     if gpu_memory_utilization is not None:
         vllm = dataclasses.replace(vllm, gpu_memory_utilization=float(gpu_memory_utilization))
     return loaded, vllm
+
+
+@dataclass(frozen=True)
+class RegenSettings:
+    """The `regenerate` section (and data.non_text, data.chat_template_kwargs,
+    trust_remote_code), schema-checked."""
+
+    num_shards: int
+    backend: str
+    device: str
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    turns: str
+    thinking: str  # auto only: replaced by chat_template_kwargs, kept for finished runs' params
+    batch_size: int
+    non_text: str = "drop"
+    trust_remote_code: bool = False
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> "RegenSettings":
+        """The stage's --settings checked by the schema (every problem at once). `data` may be
+        absent: the workflow passes data.non_text and data.chat_template_kwargs only when they
+        differ from their defaults."""
+        loaded = load_settings(settings, ["regenerate"], DataError)
+        data = loaded.get("data") or {}
+        return cls(
+            **loaded["regenerate"],
+            non_text=data.get("non_text", schema_default("data.non_text")),
+            trust_remote_code=loaded["trust_remote_code"],
+            chat_template_kwargs=data.get(
+                "chat_template_kwargs", schema_default("data.chat_template_kwargs")
+            ),
+        )
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+
+@dataclass(frozen=True)
+class ExtractSettings:
+    """The `extract` section with layers.aux_ids and trust_remote_code (and the vllm section
+    for the vllm backend), schema-checked, the autos resolved."""
+
+    backend: str
+    device: str  # resolved: cpu | cuda
+    dtype: torch.dtype  # compute dtype (resolved)
+    storage_dtype: str  # bfloat16 | float16 | float32 | float8_e4m3
+    max_tokens_per_batch: int
+    aux_ids: list[int] | None
+    trust_remote_code: bool
+    # the config's vllm section (the vllm backend's; None: --settings has none)
+    vllm: VllmSettings | None = None
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> ExtractSettings:
+        """The stage's settings, checked by the schema (every problem at once, each naming its key),
+        with the autos resolved."""
+        import torch
+
+        # the vllm backend reads the config's vllm section: with it, --settings must carry one
+        ext, problems = settings.get("extract"), []
+        if isinstance(ext, dict) and ext.get("backend") == "vllm" and not settings.get("vllm"):
+            problems.append(
+                "extract.backend=vllm but --settings has no vllm section; pass the config's "
+                "vllm section"
+            )
+        if is_rehearsal(settings) and isinstance(ext, dict) and ext.get("backend") != "vllm":
+            problems.append(
+                f"vllm.rehearsal: true but extract.backend is {ext.get('backend')!r}: only the "
+                "vllm backend builds the target with random weights; set extract.backend: vllm"
+            )
+        loaded = load_settings(settings, ["extract", "layers"], ExtractError, problems)
+        ext, vllm = loaded["extract"], loaded.get("vllm")
+        device = auto_device("extract.device", ext["device"], ExtractError)
+        dtype = auto_dtype(ext["dtype"], device)
+        return cls(
+            backend=ext["backend"],
+            device=device,
+            dtype=getattr(torch, dtype),
+            storage_dtype=ext["storage_dtype"],
+            max_tokens_per_batch=ext["max_tokens_per_batch"],
+            aux_ids=loaded["layers"]["aux_ids"],
+            trust_remote_code=loaded["trust_remote_code"],
+            vllm=VllmSettings.of(vllm) if vllm else None,
+        )

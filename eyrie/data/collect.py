@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from eyrie.chat.inputs import read_records
 from eyrie.chat.records import (
     REASONS,
     Conversation,
@@ -26,8 +27,7 @@ from eyrie.chat.samples import MaskSettings, masked_samples
 from eyrie.chat.template import ChatTemplate
 from eyrie.config.schema import load_settings
 from eyrie.core.errors import DataError
-from eyrie.data.inputs import read_records
-from eyrie.data.jsonlines import read_json_lines
+from eyrie.core.jsonlines import read_json_lines
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
+from eyrie.arch.methods import aux_key
 from eyrie.config.schema import load_settings
 from eyrie.core.errors import EvaluateError
 from eyrie.core.rehearsal import draft_is_rehearsal, refusal
 from eyrie.core.runtime import auto_device, auto_dtype
 from eyrie.evaluate.specdec import BlockProposer, Eagle3Proposer
 from eyrie.evaluate.vllm_check import block_width_problems, read_draft_config
-from eyrie.formats.draft import aux_key, is_block
+from eyrie.formats.draft import is_block
 from eyrie.formats.report import read_report
 from eyrie.formats.tokenized import read_prompts
 from eyrie.formats.vocab import read_vocab

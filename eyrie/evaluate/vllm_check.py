@@ -13,18 +13,13 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyrie.arch.methods import BLOCK_METHODS, DRAFT_METHODS, aux_key
 from eyrie.arch.target import inspect_target
 from eyrie.config.drafts import block_positions
 from eyrie.config.sections import VllmSettings, load_with_vllm
 from eyrie.core.errors import EvaluateError, TargetError
 from eyrie.core.rehearsal import draft_is_rehearsal, refuse_in_real_run
-from eyrie.formats.draft import (
-    BLOCK_METHODS,
-    DRAFT_ARCHS,
-    DRAFT_METHODS,
-    UNSERVABLE_FLAGS,
-    aux_key,
-)
+from eyrie.formats.draft import DRAFT_ARCHS, UNSERVABLE_FLAGS
 from eyrie.formats.tokenized import read_prompts
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from eyrie.core.errors import DataError
 from eyrie.core.io import atomic_path
-from eyrie.data.jsonlines import read_json_lines
+from eyrie.core.jsonlines import read_json_lines
 from eyrie.formats.tokenized import EVAL_SCHEMA
 
 FORMAT = 'one JSON object a line: {"question_id": ..., "turns": ["first user turn", ...]}'

@@ -2,7 +2,7 @@
 
 `{vllm.python} -m eyrie.cli regenerate-vllm --target DIR --inputs F [F ...] --shard S --out FILE
 --settings JSON [--gpu-memory-utilization F]` writes the same `shard_SSS.jsonl` as `eyrie
-regenerate` (eyrie.data.regeneration does all but the generation): one `vllm.LLM` with
+regenerate` (eyrie.regenerate.regeneration does all but the generation): one `vllm.LLM` with
 vllm.tensor_parallel_size GPUs, each round's prompts sent as token ids at once, sampled with the
 regenerate settings; a response that stops for its length is cut. Runs in the vLLM environment:
 never imports eyrie.train. docs/data.md#regeneration, docs/vllm.md.
@@ -16,13 +16,12 @@ import logging
 from pathlib import Path
 
 from eyrie.chat.template import end_token_ids, generation_eos, load_chat_tokenizer
-from eyrie.config.sections import VllmSettings, load_with_vllm
+from eyrie.config.sections import RegenSettings, VllmSettings, load_with_vllm
 from eyrie.core.errors import DataError
 from eyrie.core.io import provenance
-from eyrie.data.regen_jobs import Generated, split_at_end
-from eyrie.data.regeneration import (
+from eyrie.regenerate.jobs import Generated, split_at_end
+from eyrie.regenerate.regeneration import (
     CHUNK_RECORDS,
-    RegenSettings,
     add_shard_arguments,
     run_shard,
     target_context,
