@@ -22,11 +22,9 @@ from eyrie.config.schema import (
     added_later,
     flag_problems,
     load_settings,
-    report_problems,
     schema_default,
 )
 from eyrie.core.errors import ConfigError, DataError, ExtractError, EyrieError
-from eyrie.core.rehearsal import is_rehearsal
 from eyrie.core.runtime import auto_device, auto_dtype
 
 if TYPE_CHECKING:
@@ -121,7 +119,7 @@ class TrainSettings:
     @classmethod
     def from_settings(cls, settings: dict) -> "TrainSettings":
         """Typed `train` section of --settings; every problem reported at once, each by key."""
-        section = load_settings(settings, ["train"], EyrieError, report_problems(settings))["train"]
+        section = load_settings(settings, ["train"], EyrieError)["train"]
         convert = {
             "float": float,
             "float | str": lambda v: v if v == "auto" else float(v),  # learning_rate
@@ -134,18 +132,12 @@ class TrainSettings:
                 "of draft; the workflow trains each of a list (rules/train.smk)"
             )
         section = {**section, "loss": loss_spec(section["loss"])}
-        cfg = cls(
+        return cls(
             **{
                 f.name: convert.get(f.type, lambda v: v)(section[f.name])
                 for f in dataclasses.fields(cls)
             }
         )
-        if cfg.max_tokens_per_batch < 8 * cfg.ttt_steps:
-            raise EyrieError(
-                f"invalid --settings: train.max_tokens_per_batch: {cfg.max_tokens_per_batch} "
-                f"is too small for ttt_steps={cfg.ttt_steps} (use at least {8 * cfg.ttt_steps})"
-            )
-        return cfg
 
     def resolved_for(self, hidden_size: int) -> "TrainSettings":
         """These settings with learning_rate a number: `auto` resolved for a draft of width
@@ -308,11 +300,6 @@ class ExtractSettings:
             problems.append(
                 "extract.backend=vllm but --settings has no vllm section; pass the config's "
                 "vllm section"
-            )
-        if is_rehearsal(settings) and isinstance(ext, dict) and ext.get("backend") != "vllm":
-            problems.append(
-                f"vllm.rehearsal: true but extract.backend is {ext.get('backend')!r}: only the "
-                "vllm backend builds the target with random weights; set extract.backend: vllm"
             )
         loaded = load_settings(settings, ["extract", "layers"], ExtractError, problems)
         ext, vllm = loaded["extract"], loaded.get("vllm")
