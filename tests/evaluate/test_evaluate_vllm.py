@@ -21,7 +21,7 @@ from eyrie import cli as cli
 from eyrie.arch.draft import DraftSpec, build_draft
 from eyrie.arch.target import fingerprint, read_config
 from eyrie.config.schema import validate_config
-from eyrie.config.sections import VllmSettings
+from eyrie.config.sections import VllmSettings, vllm_runtime
 from eyrie.core.errors import ConfigError, EvaluateError
 from eyrie.core.io import LAST_GOOD
 from eyrie.demo.tokenizer import build_chat_tokenizer
@@ -263,9 +263,9 @@ def test_settings_every_problem_at_once():
     with pytest.raises(
         EvaluateError, match="--gpu-memory-utilization: 0 is less than or equal to the min"
     ):
-        vllm_check.VllmEvalSettings.from_settings(settings(), gpu_memory_utilization=0)
+        vllm_check.VllmEvalSettings.from_settings(settings(), vllm_runtime(0, EvaluateError))
     cfg = vllm_check.VllmEvalSettings.from_settings(
-        {"eval": settings()["eval"], "vllm": {}}, gpu_memory_utilization=0.6
+        {"eval": settings()["eval"], "vllm": {}}, vllm_runtime(0.6)
     )
     assert (cfg.K, cfg.max_new_tokens, cfg.num_prompts) == (K, MAX_NEW, NUM_PROMPTS)
     assert cfg.vllm == VllmSettings.from_section({"gpu_memory_utilization": 0.6})
