@@ -16,7 +16,6 @@ from pathlib import Path
 from eyrie.arch.methods import BLOCK_METHODS, DRAFT_METHODS, aux_key
 from eyrie.arch.target import inspect_target
 from eyrie.config.drafts import block_positions
-from eyrie.config.sections import vllm_runtime
 from eyrie.config.stages import VllmEvalSettings
 from eyrie.core.errors import EvaluateError, TargetError
 from eyrie.core.rehearsal import draft_is_rehearsal, refuse_in_real_run
@@ -280,13 +279,9 @@ def check_rehearsal(paths: VllmEvalPaths, rehearsal: bool) -> None:
     refuse_in_real_run(found, "a draft", "evaluate the draft", "draft", "evaluation", EvaluateError)
 
 
-def plan_evaluation(
-    paths: VllmEvalPaths, settings: dict, gpu_memory_utilization: float | None
-) -> VllmPlan:
+def plan_evaluation(paths: VllmEvalPaths, settings: dict, runtime: dict | None = None) -> VllmPlan:
     """Every check that needs no GPU, in the order a user fixes them."""
-    cfg = VllmEvalSettings.from_settings(
-        settings, vllm_runtime(gpu_memory_utilization, EvaluateError)
-    )
+    cfg = VllmEvalSettings.from_settings(settings, runtime)
     try:
         info = inspect_target(paths.target)
     except TargetError as exc:

@@ -326,7 +326,8 @@ def test_requests_and_report(world, tmp_path, monkeypatch):
     stale = vllm_compare.diagnostic_path(tmp_path / "eval_vllm.json")
     stale.write_text("{}")
     out = tmp_path / "eval_vllm.json"
-    assert cli.main(stage_args(world, out) + ["--gpu-memory-utilization", "0.4"]) == 0
+    runtime = json.dumps({"vllm": {"gpu_memory_utilization": 0.4}})
+    assert cli.main(stage_args(world, out) + ["--runtime", runtime]) == 0
 
     base, spec = engines.requests["baseline"], engines.requests["speculative"]
     assert base["speculative_config"] is None
@@ -473,7 +474,8 @@ def test_workflow_rule_only_when_asked(tmp_path):
     assert "evaluate_vllm" not in plans[False]
     cmd = next(line for line in plans[True].splitlines() if "evaluate-vllm" in line)
     assert f"{REPO / '.venv-vllm/bin/python'} -m eyrie.cli evaluate-vllm" in cmd
-    assert "--gpu-memory-utilization 0.5" in cmd and "--hf-eval results/tiny/eval/eval.json" in cmd
+    runtime = '--runtime \'{"vllm":{"gpu_memory_utilization":0.5}}\''
+    assert runtime in cmd and "--hf-eval results/tiny/eval/eval.json" in cmd
     # only what changes the result is compared by the params trigger
     passed = json.loads(cmd.split("--settings '", 1)[1].split("'", 1)[0])
     assert passed == {
