@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Iterator, Protocol
 import numpy as np
 
 from eyrie.arch.target import inspect_target, resolve_layer_ids, tokenizer_hash
+from eyrie.config.schema import merge_settings
 from eyrie.config.sections import ExtractSettings
 from eyrie.core.errors import ExtractError
 from eyrie.core.io import provenance
@@ -76,9 +77,12 @@ class Extractor:
     backend (the one model load); `extract(shard, out)` writes one HDF5 shard per call.
     """
 
-    def __init__(self, target: str | Path, preflight: str | Path, settings: dict):
-        self.target, self.settings = Path(target), settings
-        self.cfg = ExtractSettings.from_settings(settings)
+    def __init__(
+        self, target: str | Path, preflight: str | Path, settings: dict, runtime: dict | None = None
+    ):
+        # the producer records the settings with the runtime (the engine's GPU memory share)
+        self.target, self.settings = Path(target), merge_settings(settings, runtime or {})
+        self.cfg = ExtractSettings.from_settings(settings, runtime)
         self.info = inspect_target(target)
         from eyrie.formats.report import read_report
 

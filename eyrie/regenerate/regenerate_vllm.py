@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 
 from eyrie.chat.template import end_token_ids, generation_eos, load_chat_tokenizer
-from eyrie.config.sections import RegenSettings, VllmSettings, load_with_vllm
+from eyrie.config.sections import RegenSettings, VllmSettings, vllm_runtime
 from eyrie.core.errors import DataError
 from eyrie.core.io import provenance
 from eyrie.regenerate.jobs import Generated, split_at_end
@@ -37,8 +37,10 @@ def parse_settings(
     """The regenerate and vllm sections (schema-checked, every problem at once);
     `gpu_memory_utilization` (the CLI flag, not compared by the workflow) wins over the
     section's."""
-    _, vllm = load_with_vllm(settings, ["regenerate"], DataError, gpu_memory_utilization)
-    cfg = RegenSettings.from_settings(settings)
+    if not isinstance(settings.get("vllm"), dict):
+        raise DataError("invalid --settings: vllm: missing; pass the config's vllm section")
+    cfg = RegenSettings.from_settings(settings, vllm_runtime(gpu_memory_utilization, DataError))
+    vllm = cfg.vllm
     if cfg.backend != "vllm":
         raise DataError(
             "regenerate.backend is hf: run `eyrie regenerate` (the workflow does), or set "

@@ -19,8 +19,9 @@ from eyrie.chat import records as records_mod
 from eyrie.chat.inputs import read_records
 from eyrie.chat.records import RecordError, content_text, to_conversation
 from eyrie.chat.samples import MaskSettings, masked_samples, template_traits
+from eyrie.config.stages import DataSettings
 from eyrie.core.errors import DataError
-from eyrie.data.collect import DataSettings, collect_records
+from eyrie.data.collect import collect_records
 from eyrie.data.tokenize import tokenize
 from tests.support.models import config_only_llama
 from tests.support.template_cases import CASES, family_tokenizer, standin_target, trained_text
