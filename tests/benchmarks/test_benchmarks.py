@@ -24,6 +24,7 @@ def bench(script: str, args: str, **paths) -> list[str]:
     return [sys.executable, str(REPO / "benchmarks" / script), *args.split(), *options(**paths)]
 
 
+@pytest.mark.slow
 def test_read_path_smoke(tmp_path):
     out = tmp_path / "read_path.json"
     args = "--gb 0.004 --hidden 64 --min-tokens 16 --max-tokens 64 --shards 2 --repeats 1 --no-cold"
@@ -68,6 +69,7 @@ def test_page_cache_fill_smoke(tmp_path):
     assert list(tmp_path.iterdir()) == [out]  # the data file is removed
 
 
+@pytest.mark.slow
 def test_extraction_benchmark_tiny(tmp_path):
     """benchmarks/extraction_gpu.py --tiny on CPU: the bare forward, eyrie's Extractor into a
     real shard, the naive peer and the raw-write limit, both model shapes, JSON with every cell."""
@@ -91,6 +93,7 @@ def test_extraction_benchmark_tiny(tmp_path):
         assert len(r["bare_passes_tok_s"]) == len(r["eyrie_passes_tok_s"]) == 2
 
 
+@pytest.mark.slow
 def test_capture_writes_benchmark_tiny(tmp_path):
     """benchmarks/capture_writes.py on a few prompts: request files in /dev/shm into a real
     shard both ways, a table with the disk row, every scratch and shard file removed."""
@@ -111,6 +114,7 @@ def test_capture_writes_benchmark_tiny(tmp_path):
     assert list((tmp_path / "work").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_training_benchmark_tiny(tmp_path):
     """benchmarks/training_gpu.py --tiny on CPU: the data in both formats (speculators' own
     ArrowDataset reads the converted set back), a real `eyrie train` run, the steady-state table."""
@@ -160,6 +164,7 @@ def test_speculators_launcher_times_each_batch():
     assert all(r["got"] >= r["request"] for r in log)
 
 
+@pytest.mark.slow
 def test_train_step_benchmark_tiny(tmp_path):
     """benchmarks/train_step_gpu.py --tiny on CPU: a variant builds the draft, trains its timed
     steps on packed batches and prints its line; flex is refused on the CPU (no backward there)."""
@@ -274,6 +279,7 @@ def test_deepest_kimi_fits_the_gpu_it_is_made_for():
         bench.deepest_kimi(40 * 2**30)
 
 
+@pytest.mark.slow
 def test_shard_overlap_benchmark_tiny(tmp_path):
     """benchmarks/shard_overlap.py on a few prompts: shards back to back through the real
     Extractor and serving.Behind after a paced stand-in engine, every row in the table, the
@@ -305,6 +311,7 @@ def test_shard_overlap_benchmark_tiny(tmp_path):
     assert list((tmp_path / "work").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_long_record_benchmark_small():
     """benchmarks/long_record.py on a 0.05 MB record: both ways run and keep the same tokens."""
     cmd = bench("long_record.py", "--mb 0.05 --max-seq-len 32")

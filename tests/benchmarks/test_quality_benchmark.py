@@ -15,6 +15,8 @@ import yaml
 from tests.support import REPO
 from tests.support.stages import demo_conversations
 
+pytestmark = pytest.mark.slow  # two real workflow runs and speculators' loader: minutes
+
 
 def test_quality_benchmark_peer_and_recipe_on_the_tiny_config(tmp_path):
     work = tmp_path / "work"

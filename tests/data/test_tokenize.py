@@ -17,7 +17,6 @@ from eyrie.config.stages import DataSettings
 from eyrie.core.errors import DataError
 from eyrie.data.collect import LISTED_WHEN_SEEN, collect_records, tokenize_record
 from eyrie.demo.tokenizer import CHAT_TEMPLATE, build_chat_tokenizer
-from tests.support.models import config_only_llama
 
 TEXTS = [
     "What is a list? A list is a mutable sequence of items.",
@@ -57,13 +56,6 @@ def collect_examples(tok, paths, max_seq_len, strict, **data):
 @pytest.fixture(scope="module")
 def tok():
     return build_chat_tokenizer(TEXTS, vocab_size=400)
-
-
-@pytest.fixture(scope="module")
-def target(tok, tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    tok.save_pretrained(path)
-    return config_only_llama(path, len(tok))
 
 
 def encode_pieces(tok, pieces):
@@ -556,10 +548,10 @@ def source_records(inputs: list[Path]) -> dict[str, dict]:
     return records
 
 
-def test_cli_end_to_end(tok, target, tmp_path):
+def test_cli_end_to_end(tok, config_only_target, tmp_path):
     inputs = write_inputs(tmp_path / "in")
     out = tmp_path / "tok"
-    assert run_cli(target, inputs, out) == 0
+    assert run_cli(config_only_target, inputs, out) == 0
     names = sorted(p.name for p in out.iterdir())
     assert names == [
         ".last-good",  # report.json and eval.parquet, copied: a failed rerun keeps them
@@ -613,24 +605,24 @@ def test_cli_end_to_end(tok, target, tmp_path):
         assert entry["assistant_tokens"] == sum(sum(r["loss_mask"]) for r in rows) > 0
 
 
-def test_cli_counts_bad_encoding(target, tmp_path):
+def test_cli_counts_bad_encoding(config_only_target, tmp_path):
     inputs = write_inputs(tmp_path / "in")
     latin1 = tmp_path / "in" / "latin1.jsonl"
     write_lines(latin1, [good(1), BAD["bad_encoding"]])
-    assert run_cli(target, [*inputs, latin1], tmp_path / "tok") == 0
+    assert run_cli(config_only_target, [*inputs, latin1], tmp_path / "tok") == 0
     report = json.loads((tmp_path / "tok" / "report.json").read_text())
     assert report["dropped_by_reason"]["bad_encoding"] == 1 and report["records_dropped"] == 2
     assert report["dropped"][-1]["file"] == str(latin1) and report["dropped"][-1]["line"] == 2
     assert report["inputs"][str(latin1)]["records_used"] == 1
 
 
-def test_cli_deterministic(target, tmp_path):
+def test_cli_deterministic(config_only_target, tmp_path):
     inputs = write_inputs(tmp_path / "in")
     for name in ("one", "two"):
-        assert run_cli(target, inputs, tmp_path / name) == 0
+        assert run_cli(config_only_target, inputs, tmp_path / name) == 0
     for name in ("eval.parquet", "shard_000.parquet", "shard_001.parquet", "shard_002.parquet"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
-    assert run_cli(target, inputs, tmp_path / "other", seed=1) == 0
+    assert run_cli(config_only_target, inputs, tmp_path / "other", seed=1) == 0
 
     def order(d: str) -> list:
         return [
@@ -642,14 +634,14 @@ def test_cli_deterministic(target, tmp_path):
     assert order("one") != order("other") and sorted(order("one")) != sorted(order("other"))
 
 
-def test_cli_errors_are_one_line(target, tmp_path, capsys):
+def test_cli_errors_are_one_line(config_only_target, tmp_path, capsys):
     inputs = write_inputs(tmp_path / "in")
-    assert run_cli(target, inputs, tmp_path / "s", strict=True) == 2
+    assert run_cli(config_only_target, inputs, tmp_path / "s", strict=True) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"eyrie tokenize: error: {inputs[0]}:4: unknown_role: ")
     assert not (tmp_path / "s").exists()
 
-    assert run_cli(target, inputs, tmp_path / "few", num_eval=16) == 2
+    assert run_cli(config_only_target, inputs, tmp_path / "few", num_eval=16) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "only 17 usable records" in err and "data.num_eval" in err and "data.num_shards" in err
     assert f"(dropped: unknown_role 1 (e.g. {inputs[0]}:4: messages[" in err
@@ -658,7 +650,7 @@ def test_cli_errors_are_one_line(target, tmp_path, capsys):
     bad = ["bad_encoding"] * 3 + ["bad_json"] * 2 + ["unknown_role", "no_assistant_turn"]
     write_lines(broken, [BAD[r] for r in bad])
     # a file none of whose records is usable stops the stage, naming it and its reasons
-    assert run_cli(target, [broken, inputs[0]], tmp_path / "none", num_eval=16) == 2
+    assert run_cli(config_only_target, [broken, inputs[0]], tmp_path / "none", num_eval=16) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"eyrie tokenize: error: {broken}: none of its 7 records is usable (")
     assert f"(bad_encoding 3 (e.g. {broken}:1: " in err  # the first one's detail
@@ -668,7 +660,7 @@ def test_cli_errors_are_one_line(target, tmp_path, capsys):
     ) in err
 
     missing = tmp_path / "in" / "nope.jsonl"
-    assert run_cli(target, [inputs[0], missing], tmp_path / "m") == 2
+    assert run_cli(config_only_target, [inputs[0], missing], tmp_path / "m") == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"eyrie tokenize: error: {missing}: input file not found; fix data.conversations"
     )

@@ -18,7 +18,6 @@ from eyrie import cli as cli
 from eyrie.core.errors import VocabError
 from eyrie.data.vocab import count_assistant_tokens, select_draft_ids, vocab_mappings
 from eyrie.demo.tokenizer import build_chat_tokenizer
-from tests.support.models import config_only_llama
 
 TEXTS = [
     "What is a list? A list is a mutable sequence.",
@@ -114,11 +113,9 @@ def test_bad_shards(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    tok = build_chat_tokenizer(TEXTS, vocab_size=320)
-    tok.save_pretrained(path)
-    return config_only_llama(path, len(tok) + 6)
+def tok():
+    """The chat tokenizer of padded_config_only_target (tests/conftest.py)."""
+    return build_chat_tokenizer(TEXTS, vocab_size=320)
 
 
 @pytest.fixture(autouse=True)
@@ -169,16 +166,16 @@ def vocab_cli(target: Path, shards: list[Path], out: Path, draft_vocab_size: int
     )
 
 
-def test_cli_end_to_end(target, tmp_path, capsys):
+def test_cli_end_to_end(padded_config_only_target, tmp_path, capsys):
     conv = write_conversations(tmp_path / "c.jsonl")
-    assert tokenize_cli(target, conv, tmp_path / "tok") == 0
+    assert tokenize_cli(padded_config_only_target, conv, tmp_path / "tok") == 0
     shards = [tmp_path / "tok" / f"shard_{s:03d}.parquet" for s in range(2)]
     out = tmp_path / "vocab" / "vocab.safetensors"
-    assert vocab_cli(target, shards, out, 24) == 0
+    assert vocab_cli(padded_config_only_target, shards, out, 24) == 0
 
     tensors = load_file(out)
     d2t, t2d = tensors["d2t"], tensors["t2d"]
-    vocab_size = json.loads((target / "config.json").read_text())["vocab_size"]
+    vocab_size = json.loads((padded_config_only_target / "config.json").read_text())["vocab_size"]
     assert d2t.dtype == torch.int64 and d2t.shape == (24,)
     assert t2d.dtype == torch.bool and t2d.shape == (vocab_size,) and int(t2d.sum()) == 24
     draft_ids = torch.arange(24) + d2t
@@ -202,7 +199,12 @@ def test_cli_end_to_end(target, tmp_path, capsys):
     assert sorted(p.name for p in out.parent.iterdir()) == ["vocab.json", "vocab.safetensors"]
 
     capsys.readouterr()
-    assert vocab_cli(target, shards, tmp_path / "v2" / "vocab.safetensors", vocab_size + 1) == 2
+    assert (
+        vocab_cli(
+            padded_config_only_target, shards, tmp_path / "v2" / "vocab.safetensors", vocab_size + 1
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(
         f"eyrie vocab: error: vocab.draft_vocab_size={vocab_size + 1} is larger "

@@ -358,6 +358,7 @@ def test_bad_settings_listed_together():
 # ------------------------------------------------------------------ sampling (eval.temperature)
 
 
+@pytest.mark.slow
 def test_speculative_sampling_emits_the_targets_distribution():
     """verify_sampled keeps the target's distribution whatever the draft's: over many draws of a
     draft token from q, the first token emitted (the draft's if accepted, else the residual's
@@ -393,6 +394,7 @@ def test_sampling_at_a_tiny_temperature_is_greedy_decoding(case):
         assert sampled.metrics() == greedy.metrics()
 
 
+@pytest.mark.slow
 def test_cli_at_a_temperature_reports_sampled_decoding_too(case, tmp_path):
     """eval.temperature: 1 adds the figures of speculative sampling ("sampled"), the trained and
     the untrained draft's and at every K' <= K, from a seeded stream: a second run reports the

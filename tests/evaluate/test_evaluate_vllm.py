@@ -504,6 +504,7 @@ def vllm_python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @needs_vllm_env
 @pytest.mark.vllm_env
 @pytest.mark.parametrize("arch,ok", [("LlamaForCausalLM", True), ("GPT2LMHeadModel", False)])
@@ -527,6 +528,7 @@ def test_installed_vllm_check_in_the_vllm_environment(tmp_path, arch, ok):
         assert "has no vLLM adapter" in proc.stderr or "cannot be an EAGLE-3 target" in proc.stderr
 
 
+@pytest.mark.slow
 @needs_vllm_env
 @pytest.mark.vllm_env
 def test_installed_vllm_check_of_block_drafters_in_the_vllm_environment(tmp_path):
@@ -569,6 +571,7 @@ def test_installed_vllm_check_of_block_drafters_in_the_vllm_environment(tmp_path
             assert refused in got[name] and "runs/draft/config.json" in got[name], got[name]
 
 
+@pytest.mark.slow
 @needs_vllm_env
 def test_module_imports_in_vllm_environment():
     proc = vllm_python(
@@ -625,6 +628,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @needs_vllm_env
 def test_counters_to_acceptance_on_vllm_metric_classes():
     proc = vllm_python(COUNTERS_SCRIPT)

@@ -44,6 +44,7 @@ def alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_a_request_runs_and_the_unused_worker_is_stopped():
     with stand_in_workers() as workers:
         folder = workers.paths("baseline")[0].parent
@@ -54,12 +55,14 @@ def test_a_request_runs_and_the_unused_worker_is_stopped():
     assert spec.returncode is not None and not folder.exists()
 
 
+@pytest.mark.slow
 def test_a_failed_worker_is_one_line():
     with stand_in_workers() as workers:
         with pytest.raises(EvaluateError, match=r"^the vLLM speculative run failed \(exit 1\)"):
             workers.run("speculative", {"prompts": [[1]], "fail": True})
 
 
+@pytest.mark.slow
 def test_a_worker_returning_too_few_outputs_fails():
     with stand_in_workers() as workers:
         with pytest.raises(EvaluateError, match="returned 1 outputs for 2 prompts"):
@@ -84,6 +87,7 @@ def test_wait_for_request_gives_up_when_the_parent_is_gone(tmp_path):
     assert wait_for_request(tmp_path / "never.json", parent=-1, poll_s=0.01) is None
 
 
+@pytest.mark.slow
 def test_workers_stop_when_the_check_fails():
     """A plan that raises inside the block: both workers are stopped, nothing is left."""
     pids: list[int] = []
@@ -99,6 +103,7 @@ def test_workers_stop_when_the_check_fails():
     assert len(pids) == 2 and not any(alive(pid) for pid in pids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("user", [None, "1"])
 def test_the_engines_run_on_the_runner_vllm_or_the_user_picks(monkeypatch, user):
     """eyrie sets no model runner (docs/vllm.md): an engine process sees the user's

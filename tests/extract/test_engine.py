@@ -167,6 +167,7 @@ def test_engine_exits_when_idle_and_leaves_a_placeholder(served):
     assert stat.S_ISREG(mode) and os.path.getsize(served["sock"]) == 0
 
 
+@pytest.mark.slow
 def test_client_waits_through_placeholder_and_stale_socket(tmp_path):
     sock = tmp_path / "e.sock"
     sock.touch()  # placeholder
@@ -224,6 +225,7 @@ def test_idle_exit_answers_a_client_that_connects_at_the_last_moment(tmp_path, m
     assert engine.served == 1 and placeholder_left(sock)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("library", ["converts", "swallows"])
 def test_a_sigterm_a_library_catches_still_ends_the_engine(tmp_path, library):
     """A SIGTERM that lands in numpy's C init inside `import torch` becomes "ImportError: cannot
@@ -283,6 +285,7 @@ sys.exit(engine.serve({str(sock)!r}, engine.Load("t", "p.json", {{}}), idle_exit
     assert placeholder_left(sock)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state", ["placeholder", "stale socket", "nothing"])
 def test_client_gives_up_after_engine_wait_s(tmp_path, capsys, state):
     sock = tmp_path / "e.sock"

@@ -254,6 +254,7 @@ def test_exception_inside_writer_leaves_nothing(tmp_path):
     assert leftovers(path.parent) == []
 
 
+@pytest.mark.slow
 def test_closes_while_another_thread_starts_subprocesses(tmp_path):
     """A subprocess started by another thread (the engine's next shard, while this one closes
     behind it) holds a copy of the shard's descriptor for a moment: with HDF5's file locks on,

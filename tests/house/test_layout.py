@@ -13,6 +13,8 @@ functions included:
 - module-level imports between eyrie modules, those under TYPE_CHECKING, and the modules a table
   names for import by name (extract.backend's BACKENDS), form no cycle.
 
+and the layout of the tests: every folder of the package has its test folder, tests/<folder>/.
+
 A failure names the importing file and line of each offending import.
 """
 
@@ -245,6 +247,22 @@ def test_entry_modules_are_imported_by_no_eyrie_module():
         if edge.target in entries and edge.source not in DISPATCHERS and edge.target != edge.source
     ]
     fail_if(bad, "entry modules are leaves: move what these imports need into a library module:")
+
+
+def test_every_package_folder_has_its_test_folder():
+    """tests/ mirrors eyrie/: the tests of eyrie/<folder> live in tests/<folder>/ (a package, as
+    every test folder is, with at least one test module)."""
+    tests = REPO / "tests"
+    missing = [
+        f"eyrie/{p.name}: no tests/{p.name}/ with __init__.py and a test_*.py"
+        for p in sorted(PACKAGE.iterdir())
+        if p.is_dir()
+        and p.name != "__pycache__"
+        and not (
+            (tests / p.name / "__init__.py").is_file() and any((tests / p.name).glob("test_*.py"))
+        )
+    ]
+    fail_if(missing, "package folders without their test folder:")
 
 
 # the library folders, each importing only the ones before it (and itself)

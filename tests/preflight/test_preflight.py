@@ -1,4 +1,5 @@
-"""Preflight: target introspection, layer ids, tokenizer/chat template, storage, safety."""
+"""Preflight: the report's layer ids and storage, tokenizer/chat template, weights, safety (how
+the target and its layer ids are read: tests/arch/test_target.py)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,11 @@ from collections import namedtuple
 
 import pytest
 
-from eyrie.arch.target import inspect_target, resolve_layer_ids
 from eyrie.cli import main
 from eyrie.core import errors as pf_errors
-from eyrie.core.errors import TargetError
 from eyrie.preflight import checks as pf_checks
 from eyrie.preflight import preflight as pf
 from tests.support.stages import stage_args
-from tests.support.train_helpers import save_chat_target
-from tests.support.vllm_helpers import KIMI_K25
-
-TEXTS = ["What does json.dumps do? It serializes an object to a JSON string."] * 20
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return save_chat_target(tmp_path_factory.mktemp("target"), TEXTS)
 
 
 def copy_target(src, dst):
@@ -40,8 +30,8 @@ def write_report(path, tokens=1000, assistant=400):
     return path
 
 
-def test_ok_report_has_resolved_ids_and_storage(target, tmp_path):
-    report = pf.preflight(target, write_report(tmp_path / "r.json"), tmp_path, {})
+def test_ok_report_has_resolved_ids_and_storage(chat_target, tmp_path):
+    report = pf.preflight(chat_target, write_report(tmp_path / "r.json"), tmp_path, {})
     assert report["ok"] is True
     assert report["aux_layer_ids"] == [2, 4, 5] and report["final_layer_id"] == 8
     assert report["storage"]["bytes_per_token"] == 4 * 32 * 2
@@ -49,71 +39,34 @@ def test_ok_report_has_resolved_ids_and_storage(target, tmp_path):
     assert report["target"]["tokenizer_hash"]
 
 
-def test_no_assistant_tokens_refused(target, tmp_path):
+def test_no_assistant_tokens_refused(chat_target, tmp_path):
     with pytest.raises(pf_errors.PreflightError, match="no assistant tokens"):
-        pf.preflight(target, write_report(tmp_path / "r.json", assistant=0), tmp_path, {})
+        pf.preflight(chat_target, write_report(tmp_path / "r.json", assistant=0), tmp_path, {})
 
 
-def test_cli_writes_report(target, tmp_path):
+def test_cli_writes_report(chat_target, tmp_path):
     out = tmp_path / "preflight.json"
     report = write_report(tmp_path / "r.json")
     settings = {"layers": {"aux_ids": [1, 3, 6]}}
     argv = stage_args(
-        "preflight", target=target, tokenize_report=report, out=out, settings=settings
+        "preflight", target=chat_target, tokenize_report=report, out=out, settings=settings
     )
     rc = main(argv)
     assert rc == 0
     assert json.loads(out.read_text())["aux_layer_ids"] == [1, 3, 6]
 
 
-def test_cli_failure_writes_nothing_and_one_line_per_problem(target, tmp_path, capsys):
+def test_cli_failure_writes_nothing_and_one_line_per_problem(chat_target, tmp_path, capsys):
     out = tmp_path / "preflight.json"
     settings = {"layers": {"aux_ids": [3, 3]}}
-    rc = main(stage_args("preflight", target=target, out=out, settings=settings))
+    rc = main(stage_args("preflight", target=chat_target, out=out, settings=settings))
     assert rc == 2 and not out.exists()
     err = capsys.readouterr().err
     assert "layers.aux_ids=[3, 3]: duplicate ids" in err
 
 
-@pytest.mark.parametrize(
-    "ids, message",
-    [
-        ([2, 2, 5], "duplicate ids"),
-        ([2, 4, 8], "id 8 is out of range for a 8-layer target"),
-        ([0, 4, 5], "id 0 is out of range"),
-        ([5, 4, 6], "not increasing"),
-    ],
-)
-def test_bad_aux_ids(ids, message):
-    with pytest.raises(TargetError, match=message):
-        resolve_layer_ids(ids, 8)
-
-
-def test_default_ids_invalid_for_tiny_targets_names_the_formula():
-    with pytest.raises(TargetError, match=r"default \[2, N//2, N-3\] = \[2, 2, 1\] for N=4"):
-        resolve_layer_ids(None, 4)
-    assert resolve_layer_ids(None, 61) == ([2, 30, 58], 61)
-
-
-def test_unknown_architecture_lists_supported(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 8}))
-    with pytest.raises(
-        TargetError, match=r"'mamba' is not supported; supported: deepseek_v2, .*llama"
-    ):
-        inspect_target(tmp_path)
-
-
-def test_multimodal_wrapper_reads_text_config(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(KIMI_K25))
-    info = inspect_target(tmp_path)
-    assert (info.model_type, info.wrapper_model_type) == ("kimi_k2", "kimi_k25")
-    assert (info.num_hidden_layers, info.hidden_size) == (61, 7168)
-    assert info.needs_remote_code
-    assert resolve_layer_ids(None, info.num_hidden_layers) == ([2, 30, 58], 61)
-
-
-def test_remote_code_needs_opt_in(target, tmp_path):
-    path = copy_target(target, tmp_path / "t")
+def test_remote_code_needs_opt_in(chat_target, tmp_path):
+    path = copy_target(chat_target, tmp_path / "t")
     cfg = json.loads((path / "config.json").read_text())
     cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
     (path / "config.json").write_text(json.dumps(cfg))
@@ -121,20 +74,20 @@ def test_remote_code_needs_opt_in(target, tmp_path):
         pf.preflight(path, None, tmp_path, {})
 
 
-def test_pickle_only_weights_refused(target, tmp_path):
-    path = copy_target(target, tmp_path / "t")
+def test_pickle_only_weights_refused(chat_target, tmp_path):
+    path = copy_target(chat_target, tmp_path / "t")
     (path / "model.safetensors").rename(path / "pytorch_model.bin")
     with pytest.raises(pf_errors.PreflightError, match="only in pickle files"):
         pf.preflight(path, None, tmp_path, {})
 
 
-def test_weights_without_what_training_reads_refused(target, tmp_path):
+def test_weights_without_what_training_reads_refused(chat_target, tmp_path):
     """A checkpoint whose tensors lack the embeddings (or, untied, the lm_head) that training
     reads from the target: one line in preflight naming the file and the tensor, not a KeyError
     in training."""
     from safetensors.torch import load_file, save_file
 
-    path = copy_target(target, tmp_path / "t")
+    path = copy_target(chat_target, tmp_path / "t")
     tensors = load_file(path / "model.safetensors")
     save_file(
         {k: v for k, v in tensors.items() if "embed_tokens" not in k}, path / "model.safetensors"
@@ -149,16 +102,16 @@ def test_weights_without_what_training_reads_refused(target, tmp_path):
     )
     with pytest.raises(pf_errors.PreflightError, match="no tensor named \\*lm_head.weight"):
         pf.preflight(path, None, tmp_path, {})
-    report = pf.preflight(target, None, tmp_path, {})
+    report = pf.preflight(chat_target, None, tmp_path, {})
     assert report["weights"] == {"files": 1, "bytes": report["weights"]["bytes"], "checked": True}
 
 
-def test_identity_keeps_to_the_template_traits_of_finished_runs(target, tmp_path):
+def test_identity_keeps_to_the_template_traits_of_finished_runs(chat_target, tmp_path):
     """Traits preflight reports since (the tool-argument form, the stop tokens) leave the identity
     that keys the store and the training run id as it was."""
     from eyrie.formats.report import identity
 
-    report = pf.preflight(target, None, tmp_path, {})
+    report = pf.preflight(chat_target, None, tmp_path, {})
     before = {
         **report,
         "chat_template": {
@@ -172,8 +125,8 @@ def test_identity_keeps_to_the_template_traits_of_finished_runs(target, tmp_path
     assert identity(flipped) != identity(before)
 
 
-def test_all_zero_loss_mask_template_refused(target, tmp_path):
-    path = copy_target(target, tmp_path / "t")
+def test_all_zero_loss_mask_template_refused(chat_target, tmp_path):
+    path = copy_target(chat_target, tmp_path / "t")
     # A template that drops assistant turns entirely: nothing for the draft to learn.
     (path / "chat_template.jinja").write_text(
         "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}\n"
@@ -183,24 +136,24 @@ def test_all_zero_loss_mask_template_refused(target, tmp_path):
         pf.preflight(path, None, tmp_path, {})
 
 
-def test_missing_chat_template_refused(target, tmp_path):
-    path = copy_target(target, tmp_path / "t")
+def test_missing_chat_template_refused(chat_target, tmp_path):
+    path = copy_target(chat_target, tmp_path / "t")
     (path / "chat_template.jinja").unlink()
     with pytest.raises(pf_errors.PreflightError, match="no chat template"):
         pf.preflight(path, None, tmp_path, {})
 
 
-def test_too_little_disk(target, tmp_path, monkeypatch):
+def test_too_little_disk(chat_target, tmp_path, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(
         pf_checks.shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 10**6, 10**6)
     )
     with pytest.raises(pf_errors.PreflightError, match=r"need ~0\.26 GB .* only 0\.00 GB are free"):
-        pf.preflight(target, write_report(tmp_path / "r.json", tokens=1_000_000), tmp_path, {})
+        pf.preflight(chat_target, write_report(tmp_path / "r.json", tokens=1_000_000), tmp_path, {})
 
 
-def test_all_problems_reported_at_once(target, tmp_path):
-    path = copy_target(target, tmp_path / "t")
+def test_all_problems_reported_at_once(chat_target, tmp_path):
+    path = copy_target(chat_target, tmp_path / "t")
     (path / "model.safetensors").unlink()
     (path / "chat_template.jinja").unlink()
     with pytest.raises(pf_errors.PreflightError) as err:

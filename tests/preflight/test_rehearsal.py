@@ -95,6 +95,7 @@ def test_switch_reaches_the_extraction_engine(tmp_path, path):
     assert kwargs[False]["max_num_seqs"] == 256 and not kwargs[False]["enable_chunked_prefill"]
 
 
+@pytest.mark.slow
 @pytest.mark.vllm_env
 @pytest.mark.parametrize("version", sorted(VLLM_ENVS))
 def test_every_installed_vllm_reads_the_switch_as_random_weights(version):
@@ -392,6 +393,7 @@ def test_hugging_face_extraction_refuses_the_switch():
 # ----------------------------------------------------------------------------- preflight
 
 
+@pytest.mark.slow
 @need_vllm
 def test_preflight_checks_a_rehearsal_as_a_real_run_and_marks_it(tmp_path, monkeypatch):
     """The same checks and the same report, plus the mark (which keeps the report's identity,
@@ -416,6 +418,7 @@ def test_preflight_checks_a_rehearsal_as_a_real_run_and_marks_it(tmp_path, monke
     assert got[True] == got[False]
 
 
+@pytest.mark.slow
 @need_vllm
 def test_a_rehearsal_needs_no_weights(world, tmp_path, monkeypatch):
     """From a folder with config.json and the tokenizer only (the weights still downloading):

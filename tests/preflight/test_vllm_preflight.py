@@ -23,7 +23,6 @@ from eyrie.preflight import vllm_checks as vp
 from eyrie.preflight import vllm_config, vllm_env, vllm_sizing
 from tests.support import TESTS
 from tests.support.stages import eyrie_cmd, stage_args
-from tests.support.train_helpers import save_chat_target
 from tests.support.vllm_helpers import (
     DEEPSEEK,
     KIMI_K25,
@@ -37,8 +36,6 @@ from tests.support.vllm_helpers import (
     write_target,
 )
 
-TEXTS = ["What does json.dumps do? It serializes an object to a JSON string."] * 20
-
 
 @pytest.fixture(scope="module")
 def facts():
@@ -47,22 +44,14 @@ def facts():
     return real_facts()
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    """A complete tiny Llama target (weights, tokenizer, chat template)."""
-    return save_chat_target(
-        tmp_path_factory.mktemp("target"), TEXTS, num_attention_heads=4, num_key_value_heads=2
-    )
-
-
 # ----------------------------------------------------------------------------- settings
 
 
 # the compared and runtime settings of preflight: tests/config/test_config.py
 
 
-def test_no_vllm_no_vllm_object(target, tmp_path):
-    report = pf.preflight(target, None, tmp_path, {})
+def test_no_vllm_no_vllm_object(chat_target_4_heads, tmp_path):
+    report = pf.preflight(chat_target_4_heads, None, tmp_path, {})
     assert report["vllm"] is None
 
 
@@ -160,6 +149,7 @@ def test_tensor_parallel_rules_follow_vllm(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_quantization_reported_and_refused_only_when_unloadable(facts):
     assert vllm_config.quantization_check(LLAMA, facts["llama"]) == (None, [], [])
     ct = {
@@ -235,13 +225,14 @@ def test_relative_python_is_relative_to_the_checkout(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- whole preflight runs
 
 
+@pytest.mark.slow
 @need_vllm
-def test_preflight_report_names_the_path(target, tmp_path, facts, caplog):
+def test_preflight_report_names_the_path(chat_target_4_heads, tmp_path, facts, caplog):
     out = tmp_path / "preflight.json"
     settings = vllm_settings()
     settings["eval"]["vllm"] = True
     with caplog.at_level(logging.INFO, logger="eyrie.preflight"):
-        rc = main(stage_args("preflight", target=target, out=out, settings=settings))
+        rc = main(stage_args("preflight", target=chat_target_4_heads, out=out, settings=settings))
     assert rc == 0
     v = json.loads(out.read_text())["vllm"]
     assert v["version"] == facts["llama"].version and v["adapter"] == "llama"
@@ -253,20 +244,23 @@ def test_preflight_report_names_the_path(target, tmp_path, facts, caplog):
     assert "extraction through the native path" in caplog.text
 
 
+@pytest.mark.slow
 @need_vllm
-def test_capture_requested_is_used(target, tmp_path, facts):
-    report = pf.preflight(target, None, tmp_path, vllm_settings(extraction_path="capture"))
+def test_capture_requested_is_used(chat_target_4_heads, tmp_path, facts):
+    report = pf.preflight(
+        chat_target_4_heads, None, tmp_path, vllm_settings(extraction_path="capture")
+    )
     assert report["vllm"]["extraction_path"]["chosen"] == "capture"
 
 
 @need_vllm
 @pytest.mark.slow
-def test_preflight_cli_wall_time(target, tmp_path):
+def test_preflight_cli_wall_time(chat_target_4_heads, tmp_path):
     """The whole stage as the rule runs it (a fresh process, vLLM's facts included): <= 60 s."""
     out = tmp_path / "preflight.json"
     start = time.monotonic()
     proc = subprocess.run(
-        eyrie_cmd("preflight", target=target, out=out, settings=vllm_settings()),
+        eyrie_cmd("preflight", target=chat_target_4_heads, out=out, settings=vllm_settings()),
         capture_output=True,
         text=True,
         timeout=120,
@@ -279,7 +273,11 @@ def test_preflight_cli_wall_time(target, tmp_path):
 
 
 def test_ci_runs_the_readme_test_command_with_the_vllm_environment():
+    """.ci/run's last line is the README's test command: the vLLM environments built, then the
+    fast tier (the default `pytest`), then, once it passed, the slow tier."""
     command = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert "bash scripts/setup-vllm.sh" in command and command.endswith("-p no:cacheprovider")
+    fast = ".venv/bin/python -m pytest -q -p no:cacheprovider"
+    assert "bash scripts/setup-vllm.sh" in command
+    assert command.endswith(f' && {fast} && {fast} -m "(slow or slurm) and not gpu"')
     assert f"   {command}\n" in (REPO / "README.md").read_text()
     assert "|| true" not in command and "$?" not in command  # pytest's status (5 included) is CI's

@@ -1,11 +1,13 @@
 """Snakemake as the workflow tests run it: the repository's Snakefile on a working directory and
-its config files, the tiny config (.test/config.yaml) written with overrides, and the job table
-a run or dry run prints."""
+its config files, the tiny config (.test/config.yaml) written with overrides, the job table
+a run or dry run prints, and the finished tiny run (built once per session by tests/conftest.py's
+`tiny_run`) with the copy a test that changes it works on."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from tests.support import REPO
+from tests.support.stages import demo_conversations
 
 SNAKEFILE = REPO / "Snakefile"
 # The tiny config; its data.conversations, convs.jsonl, is written by each test's run.
@@ -74,3 +77,25 @@ def job_table(out: str) -> dict[str, int]:
 def planned(workdir: Path, *targets: str) -> dict[str, int]:
     """Rule -> job count that a dry run plans ({} when nothing is to be done)."""
     return job_table(snakemake(workdir, "-n", *targets))
+
+
+def build_tiny_run(workdir: Path) -> Path:
+    """The tiny config run to completion in `workdir`, on the demo conversations it names."""
+    write_config(workdir)
+    convs = demo_conversations(workdir / "convs.jsonl")
+    assert convs.returncode == 0, convs.stderr
+    snakemake(workdir)
+    return workdir
+
+
+def copy_run(run: Path, dest: Path) -> Path:
+    """A finished run's working directory copied to `dest` as a run of its own: .snakemake/
+    (Snakemake's records) included, every file's mtime kept (copy2) and links kept as links
+    (`draft` names its version relatively), so that the copy plans nothing either. Nothing that
+    Snakemake compares holds the run's absolute path (params, store.path and cache.path are
+    relative to the working directory); reports that name the target's absolute path
+    (preflight.json, train.json, the draft's verifier) say where it was, and the copy's jobs get
+    their target from their own arguments. An engine's socket is left out: between runs only its
+    placeholder is there, and a live socket cannot be copied."""
+    shutil.copytree(run, dest, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    return dest

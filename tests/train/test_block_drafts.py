@@ -137,6 +137,7 @@ def test_the_training_step_trains_a_block_drafter(world, method):
     assert all(0.0 <= record[f"full_acc_{k}"] <= 1.0 for k in range(kind.positions))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_a_block_drafter_trains_exports_and_evaluates_through_the_stages(world, tmp_path, method):
     """train.method picks the kind of draft; the train, export and evaluate stages take it from
@@ -197,6 +198,7 @@ def test_the_dspark_papers_loss_is_a_train_loss_setting(world):
     assert "kl_div_loss_sum" not in metrics
 
 
+@pytest.mark.slow
 def test_a_resumed_dspark_run_draws_the_same_anchors(world, tmp_path, monkeypatch):
     """Exact resume as for EAGLE-3: a DSpark run cut at step 6 and resumed from its step-4
     checkpoint ends with the uninterrupted run's weights, with anchors subsampled at random

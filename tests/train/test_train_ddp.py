@@ -104,6 +104,7 @@ def test_killed_ddp_run_resumes_exactly(world, killed_ddp, two_processes, tmp_pa
     assert [r["loss"] for r in metrics(two_processes[0])] == [r["loss"] for r in metrics(root)]
 
 
+@pytest.mark.slow
 def test_killed_ddp_run_resumes_in_one_process(world, killed_ddp, one_process, tmp_path):
     """The number of processes is not part of the run: 2 processes' state resumes in 1."""
     shutil.copytree(killed_ddp, tmp_path / "copy")

@@ -100,6 +100,7 @@ def test_no_folder_no_cache(monkeypatch, kept):
     assert len(kept) == 2
 
 
+@pytest.mark.slow
 @need_vllm
 def test_kept_facts_need_no_vllm_import(tmp_path):
     """In the real vLLM environment: the second process reads the first one's facts without

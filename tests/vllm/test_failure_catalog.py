@@ -289,6 +289,7 @@ def vllm_function(module: str, name: str) -> types.ModuleType:
 # ----------------------------------------------------------------------------- vLLM API changes
 
 
+@pytest.mark.slow
 @need_vllm
 def test_embed_method_renamed(facts, tmp_path):
     # vLLM 0.12 renamed get_input_embeddings to embed_input_ids: either is driven, none is refused
@@ -307,6 +308,7 @@ def test_embed_method_renamed(facts, tmp_path):
     )
 
 
+@pytest.mark.slow
 @need_vllm
 def test_layer_extra_required_param(facts, tmp_path):
     changed = with_classes(facts["deepseek"], layer_cls=DeepseekLayerExtraRequired)
@@ -316,6 +318,7 @@ def test_layer_extra_required_param(facts, tmp_path):
     assert "(positional order differs)" in problem and ADAPTER_FIX in problem
 
 
+@pytest.mark.slow
 @need_vllm
 def test_layer_positional_order(facts, tmp_path):
     # DeepSeek's adapter calls positionally: a swapped order is refused ...
@@ -335,6 +338,7 @@ def test_layer_positional_order(facts, tmp_path):
     assert real["problems"] == []
 
 
+@pytest.mark.slow
 @need_vllm
 def test_no_worker_extension(facts, tmp_path):
     gone = replace(facts["deepseek"], worker_extension=False)
@@ -347,6 +351,7 @@ def test_no_worker_extension(facts, tmp_path):
     assert got["problems"] == [] and got["report"]["extraction_path"]["chosen"] == "native"
 
 
+@pytest.mark.slow
 @need_vllm
 @pytest.mark.parametrize("version", ["0.17.1", "0.35.0"])
 def test_unsupported_vllm_version(facts, tmp_path, version):
@@ -360,6 +365,7 @@ def test_unsupported_vllm_version(facts, tmp_path, version):
     assert report["memory"] is not None and report["adapter"] == "llama"
 
 
+@pytest.mark.slow
 @need_vllm
 def test_untested_vllm_version_warns(facts, tmp_path):
     # inside the range but never tested: a warning; tested on a CPU only: a warning saying so
@@ -370,6 +376,7 @@ def test_untested_vllm_version_warns(facts, tmp_path):
     assert not [w for w in got["warnings"] if "vLLM 0.26.0" in w]
 
 
+@pytest.mark.slow
 @need_vllm
 def test_no_native_method_or_connector(facts, tmp_path):
     gone = replace(facts["llama"], native_method=False, native_connector=False)
@@ -390,6 +397,7 @@ def test_no_native_method_or_connector(facts, tmp_path):
 # ----------------------------------------------------------------------------- configs
 
 
+@pytest.mark.slow
 @need_vllm
 def test_llama_4_scaling(facts, tmp_path):
     # the function, on real torch positions, with vLLM's own helper from the installed source
@@ -436,6 +444,7 @@ def test_llama_4_scaling(facts, tmp_path):
     )
 
 
+@pytest.mark.slow
 @need_vllm
 def test_multimodal_wrapper(facts, tmp_path):
     got = run_checks(tmp_path / "ok", KIMI_K25, facts["kimi"], weights_gib=KIMI_INT4_GIB, **H200)
@@ -453,6 +462,7 @@ def test_multimodal_wrapper(facts, tmp_path):
     assert "config.json: text_config.scoring_func missing" in one(got["problems"], "scoring_func")
 
 
+@pytest.mark.slow
 @need_vllm
 def test_deepseek_native_final_layer(facts, tmp_path):
     # vLLM 0.22 captures DeepSeek states BEFORE each layer: id N (the training targets) never comes
@@ -477,6 +487,7 @@ def test_deepseek_native_final_layer(facts, tmp_path):
     )
 
 
+@pytest.mark.slow
 @need_vllm
 def test_draft_flag_vllm_ignores(facts, tmp_path):
     # the installed vLLM's speculators converter does not carry these two flags into the draft ...
@@ -568,6 +579,7 @@ def test_disk_too_small(tmp_path):
     assert "free disk, use fewer conversations or a smaller extract.storage_dtype" in problem
 
 
+@pytest.mark.slow
 @need_vllm
 def test_tensor_parallel_heads(facts, tmp_path):
     got = kimi_checks(tmp_path, facts, tensor_parallel_size=6, gpu_memory_gib=141)
@@ -578,6 +590,7 @@ def test_tensor_parallel_heads(facts, tmp_path):
     )
 
 
+@pytest.mark.slow
 @need_vllm
 def test_weights_too_large(facts, tmp_path):
     got = kimi_checks(tmp_path, facts, tensor_parallel_size=8, gpu_memory_gib=80)
@@ -592,6 +605,7 @@ def test_weights_too_large(facts, tmp_path):
     assert got["report"]["memory"]["fits"] is False
 
 
+@pytest.mark.slow
 @need_vllm
 def test_engine_memory_too_large(facts, tmp_path):
     """The rehearsal of issue 38 on an 80 GB H100: Kimi-K2.5 cut to 4 layers at full width, its
@@ -636,6 +650,7 @@ def test_engine_memory_too_large(facts, tmp_path):
     )
 
 
+@pytest.mark.slow
 @need_vllm
 def test_moe_routing_config_missing(facts, tmp_path):
     bare = {k: v for k, v in DEEPSEEK.items() if k not in ("scoring_func", "topk_method")}
@@ -654,6 +669,7 @@ def test_moe_routing_config_missing(facts, tmp_path):
     )
 
 
+@pytest.mark.slow
 @need_vllm
 def test_quantization_without_method(facts, tmp_path):
     text = {**KIMI_K25["text_config"], "quantization_config": {"format": "pack-quantized"}}
@@ -667,6 +683,7 @@ def test_quantization_without_method(facts, tmp_path):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", sorted(VLLM_ENVS))
 def test_quantization_config_unparsable(version, tmp_path):
     # vLLM's CompressedTensorsConfig.from_config reads every config_groups entry's targets: the
@@ -700,6 +717,7 @@ def test_quantization_config_unparsable(version, tmp_path):
     assert got["problems"] == [] and "parse" not in got["report"]["quantization"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", sorted(VLLM_ENVS))
 def test_config_unreadable_by_vllm(version, tmp_path):
     # vLLM's ModelConfig (its HF config, architecture, quantization method, context length)
@@ -736,6 +754,7 @@ def test_vllm_environment_missing(tmp_path):
         assert expect in problem and SETUP_FIX in problem, problem
 
 
+@pytest.mark.slow
 @need_vllm
 def test_architecture_unknown_to_vllm(facts, tmp_path):
     got = run_checks(
@@ -747,6 +766,7 @@ def test_architecture_unknown_to_vllm(facts, tmp_path):
     )
 
 
+@pytest.mark.slow
 @need_vllm
 def test_eval_target_without_eagle3(facts, tmp_path):
     got = run_checks(tmp_path, LLAMA, replace(facts["llama"], eagle3_target=False), eval_vllm=True)
@@ -755,6 +775,7 @@ def test_eval_target_without_eagle3(facts, tmp_path):
     assert "set eval.vllm: false" in problem
 
 
+@pytest.mark.slow
 @need_vllm
 def test_deepseek_final_layer_fixed(facts, tmp_path):
     # the fix (vLLM 0.26 on): the forward appends id N after the loop; running it on stub layers
@@ -767,6 +788,7 @@ def test_deepseek_final_layer_fixed(facts, tmp_path):
     assert path["layer_ids"] == [2, 30, 58, 61]
 
 
+@pytest.mark.slow
 @need_vllm
 def test_native_ids_unknown(facts, tmp_path):
     # neither the stub run nor the source tells which ids come back: unknown, never guessed
@@ -784,6 +806,7 @@ def test_native_ids_unknown(facts, tmp_path):
     assert got["problems"] == [] and got["report"]["extraction_path"]["chosen"] == "capture"
 
 
+@pytest.mark.slow
 @need_vllm
 def test_hybrid_attention_states(facts, tmp_path):
     # a connector that copies finished requests' states without finding its own KV-cache group
@@ -804,6 +827,7 @@ def test_hybrid_attention_states(facts, tmp_path):
     assert got["report"]["extraction_path"]["chosen"] == "native"
 
 
+@pytest.mark.slow
 @need_vllm
 def test_model_runner_v2_default(facts):
     # vLLM's default runner per architecture is a fact (V2 for dense targets from 0.26 on); eyrie's
@@ -812,6 +836,7 @@ def test_model_runner_v2_default(facts):
     assert facts["llama"].default_runner_how.startswith("VllmConfig.use_v2_model_runner")
 
 
+@pytest.mark.slow
 @need_vllm
 def test_runner_switch_refused(facts, tmp_path, monkeypatch):
     """vLLM 0.34 deleted the V1 model runner, and its check of the environment at every engine's
@@ -835,6 +860,7 @@ def test_runner_switch_refused(facts, tmp_path, monkeypatch):
     assert facts["llama"].engine_env_refused is None
 
 
+@pytest.mark.slow
 @need_vllm
 def test_draft_without_explicit_aux_ids(facts, tmp_path):
     # vLLM falls back to the architecture's default aux layers (2, N/2, N-3) only when a draft

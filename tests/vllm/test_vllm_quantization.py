@@ -102,6 +102,7 @@ def required(python: Path) -> dict:
     return dict(zip(CONFIGS, map(json.loads, lines), strict=True))
 
 
+@pytest.mark.slow
 @need_vllm
 def test_kimi_int4_fp8_and_unquantized_on_the_default_vllm():
     got = required(VLLM_PYTHON)
@@ -136,6 +137,7 @@ def test_kimi_int4_fp8_and_unquantized_on_the_default_vllm():
     assert got["unquantized"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", sorted(VLLM_ENVS))
 def test_humming_per_vllm_version(version):
     got = required(vllm_env(version))["kimi_int4"]
@@ -145,6 +147,7 @@ def test_humming_per_vllm_version(version):
     assert humming["requirement"].startswith("humming-kernels")  # each pins its own version
 
 
+@pytest.mark.slow
 @need_vllm
 def test_vllm_environment_without_humming_is_a_problem_with_the_fix(tmp_path):
     block = tmp_path / "block"

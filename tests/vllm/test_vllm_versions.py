@@ -190,6 +190,7 @@ def version_facts(request):
     return request.param, facts
 
 
+@pytest.mark.slow
 def test_facts_per_version(version_facts):
     version, facts = version_facts
     wrong = [
@@ -204,6 +205,7 @@ def test_facts_per_version(version_facts):
         assert facts[config].native_ids_how.startswith("forward run on a 4-layer stub stack")
 
 
+@pytest.mark.slow
 def test_preflight_path_per_version(version_facts, tmp_path):
     version, facts = version_facts
     chosen = {}
@@ -265,6 +267,7 @@ BLOCK_SERVED = {
 }
 
 
+@pytest.mark.slow
 def test_which_block_drafts_each_version_serves_as_trained(version_facts, block_configs):
     """eyrie.vllm.checks.block_draft_problems on each installed vLLM's facts and speculators'
     own saved configs: 0.22 has no DSpark, 0.26 serves a DSpark draft that samples from its
@@ -281,6 +284,7 @@ def test_which_block_drafts_each_version_serves_as_trained(version_facts, block_
         assert all(line.startswith("draft/config.json: ") for line in got)
 
 
+@pytest.mark.slow
 def test_a_dflash_draft_vllm_would_run_causal_is_refused(version_facts, block_configs):
     """speculators' own DFlash default, sliding_window_non_causal false, trains its full
     attention layers bidirectional within the block; vLLM 0.26 and later read the flag as

@@ -297,6 +297,7 @@ def test_full_disk_is_one_line_and_keeps_the_previous_output():
     assert proc.stdout.splitlines() == ["rc=2", "previous", "c.jsonl"]  # no temporary left
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_extraction_names_the_shard_and_the_free_space(tmp_path):
     """The extraction engine and its client as the rules run them, the shard's folder a 32 KiB
     tmpfs: the client's line names the shard (not the writer's temporary, not nothing), the free

@@ -17,6 +17,9 @@ from eyrie.train import checkpoint
 from eyrie.train.recipe import train
 from tests.support.train_helpers import assert_weights, train_paths, train_settings, weights
 
+# Every test trains (and resumes) real runs of 27 steps: the slow tier.
+pytestmark = pytest.mark.slow
+
 SETTINGS = train_settings(epochs=2, checkpoint_every=4)  # 27 steps; checkpoints every 4
 
 
@@ -212,7 +215,6 @@ def test_pruning_never_removes_the_last_good_checkpoint(world, full, stopped, tm
     assert_same_as_full(full, root)
 
 
-@pytest.mark.slow
 def test_under_two_processes_every_rank_resumes_from_the_checkpoint_rank_0_verified(
     world, tmp_path
 ):

@@ -1,6 +1,7 @@
-"""The real Snakemake DAG on a tiny config: one full run, then dry runs that prove only stale
-outputs rebuild (Snakemake's own planner decides; we only read its job table), and one real
-rerun after deleting hidden-state shards (one engine, one model load, only those shards)."""
+"""The real Snakemake DAG on a tiny config: the session's one full run (tests/conftest.py's
+`tiny_run`), then dry runs that prove only stale outputs rebuild (Snakemake's own planner decides;
+we only read its job table), and real reruns on copies of the run (copy_run), e.g. after deleting
+hidden-state shards (one engine, one model load, only those shards)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.stages import demo_conversations
-from tests.support.workflow import job_table, planned, run_snakemake, snakemake, write_config
+from tests.support.workflow import (
+    copy_run,
+    job_table,
+    planned,
+    run_snakemake,
+    snakemake,
+    write_config,
+)
 
 # What a changed training setting reruns, and every change upstream of training after its own jobs.
 FROM_TRAINING = {"train_draft": 1, "export_draft": 1, "evaluate_draft": 1, "all": 1}
@@ -38,16 +45,11 @@ def served_shards(log: str) -> list[str]:
     return sorted(re.findall(r"engine: request \S+/(shard_\d+)\.parquet", log))
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """A tiny workflow run to completion once; tests below dry-run against it."""
-    work = tmp_path_factory.mktemp("wf")
-    write_config(work)
-    convs = demo_conversations(work / "convs.jsonl")
-    assert convs.returncode == 0, convs.stderr
-    # Before anything is built: asking for one shard plans only what that shard needs.
-    one = planned(work, "results/tiny/hidden/shard_001.h5")
-    assert one == {
+def test_one_shard_plans_only_what_that_shard_needs(tmp_path):
+    """Before anything is built, asking for one shard plans only the jobs that shard needs."""
+    write_config(tmp_path)
+    (tmp_path / "convs.jsonl").touch()
+    assert planned(tmp_path, "results/tiny/hidden/shard_001.h5") == {
         "build_demo_conversations": 1,
         "build_demo_target": 1,
         "tokenize_conversations": 1,
@@ -55,56 +57,62 @@ def built(tmp_path_factory):
         "extract_engine": 1,
         "extract_hidden_states": 1,
     }
-    snakemake(work)
-    return work
 
 
 @pytest.mark.slow
-def test_full_run_outputs(built):
-    ev = json.loads((built / "results/tiny/eval/eval.json").read_text())
+def test_full_run_outputs(tiny_run):
+    ev = json.loads((tiny_run / "results/tiny/eval/eval.json").read_text())
     assert ev["outputs_match_target_greedy"] is True
     for which in ("trained", "untrained"):
         assert ev[which]["num_drafts"] > 0
         assert 1.0 <= ev[which]["acceptance_length"] <= 1 + ev["K"]
-    draft_cfg = json.loads((built / "results/tiny/draft/config.json").read_text())
+    draft_cfg = json.loads((tiny_run / "results/tiny/draft/config.json").read_text())
     assert draft_cfg["speculators_model_type"] == "eagle3"
     assert draft_cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-    assert (built / "results/tiny/eval/eval.png").stat().st_size > 0
-    assert (built / "logs/tiny/train_draft.log").stat().st_size > 0
+    assert (tiny_run / "results/tiny/eval/eval.png").stat().st_size > 0
+    assert (tiny_run / "logs/tiny/train_draft.log").stat().st_size > 0
 
 
 @pytest.mark.slow
-def test_full_run_loads_the_target_once_for_all_shards(built):
-    log = engine_log(built)
+def test_full_run_loads_the_target_once_for_all_shards(tiny_run):
+    log = engine_log(tiny_run)
     assert log.count("engine: loaded target") == 1
     assert served_shards(log) == ["shard_000", "shard_001", "shard_002", "shard_003"]
     # Snakemake ends the engine with SIGTERM once its last shard job is done (the rule `exec`s
     # the engine so the signal reaches it); the idle exit is only the fallback.
     assert "engine: SIGTERM received: exiting" in log and "engine: idle for" not in log
     # Snakemake removes service outputs after the group; a placeholder stands in between runs
-    sock = built / "results/tiny/hidden/engine_000.sock"
+    sock = tiny_run / "results/tiny/hidden/engine_000.sock"
     assert not sock.is_socket()
 
 
 @pytest.mark.slow
-def test_second_run_plans_nothing(built):
-    assert planned(built) == {}
+def test_second_run_plans_nothing(tiny_run):
+    assert planned(tiny_run) == {}
 
 
 @pytest.mark.slow
-def test_training_setting_reruns_only_train_export_evaluate(built):
-    assert planned_with(built, train__learning_rate=1e-3) == FROM_TRAINING
+def test_a_copy_of_the_run_plans_nothing(tiny_run, tmp_path):
+    """copy_run's copy is a finished run of its own (what the tests that run jobs work on)."""
+    assert planned(copy_run(tiny_run, tmp_path / "wf")) == {}
 
 
 @pytest.mark.slow
-def test_a_finished_eagle3_run_switched_to_block_drafters_retrains_from_its_shards(built, tmp_path):
+def test_training_setting_reruns_only_train_export_evaluate(tiny_run):
+    assert planned_with(tiny_run, train__learning_rate=1e-3) == FROM_TRAINING
+
+
+@pytest.mark.slow
+def test_a_finished_eagle3_run_switched_to_block_drafters_retrains_from_its_shards(
+    tiny_run, tmp_path
+):
     """train.method on a finished EAGLE-3 run (on a copy): dspark reruns training, export and
     evaluation only (the shards, tokenization and preflight stay), the draft exported as its
     kind and evaluated by decoding; then listing dflash and eagle3 after it trains, exports and
     evaluates those two beside it and compares the three, rerunning none of the run's draft's
     jobs; a rerun plans nothing."""
     work = tmp_path / "wf"
-    shutil.copytree(built, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    copy_run(tiny_run, work)
     shards = sorted((work / "results/tiny/hidden").glob("shard_*.h5"))
     before = [p.stat().st_mtime_ns for p in shards]
     write_config(work, train__method="dspark")
@@ -152,42 +160,42 @@ def dag_styles(workdir: Path) -> dict[str, set[str]]:
 
 
 @pytest.mark.slow
-def test_dag_draws_built_jobs_dashed(built):
-    assert all(s == {"dashed"} for s in dag_styles(built).values())
-    write_config(built, train__learning_rate=1e-3)
+def test_dag_draws_built_jobs_dashed(tiny_run):
+    assert all(s == {"dashed"} for s in dag_styles(tiny_run).values())
+    write_config(tiny_run, train__learning_rate=1e-3)
     try:
-        styles = dag_styles(built)
+        styles = dag_styles(tiny_run)
     finally:
-        write_config(built)
+        write_config(tiny_run)
     assert {r for r, s in styles.items() if s == {"solid"}} == set(FROM_TRAINING)
     # everything upstream stays dashed (the graph holds only the jobs the targets need)
     assert styles["tokenize_conversations"] == styles["preflight"] == {"dashed"}
 
 
 @pytest.mark.slow
-def test_eval_setting_reruns_only_evaluation(built):
-    assert planned_with(built, eval__max_new_tokens=12) == {"evaluate_draft": 1, "all": 1}
+def test_eval_setting_reruns_only_evaluation(tiny_run):
+    assert planned_with(tiny_run, eval__max_new_tokens=12) == {"evaluate_draft": 1, "all": 1}
 
 
 @pytest.mark.slow
-def test_vllm_evaluation_and_environment_rerun_no_extraction(built):
+def test_vllm_evaluation_and_environment_rerun_no_extraction(tiny_run):
     """Asking for the vLLM evaluation, or pointing at another vLLM environment or GPU size, reruns
     neither preflight nor what depends on it: only the new evaluation is planned."""
     jobs = planned_with(
-        built, eval__vllm=True, vllm__gpu_memory_gib=40, vllm__python="/opt/vllm/bin/python"
+        tiny_run, eval__vllm=True, vllm__gpu_memory_gib=40, vllm__python="/opt/vllm/bin/python"
     )
     assert jobs == {"evaluate_vllm": 1, "all": 1}
 
 
 @pytest.mark.slow
-def test_extract_setting_reruns_extraction_not_preflight(built):
-    jobs = planned_with(built, extract__max_tokens_per_batch=256)
+def test_extract_setting_reruns_extraction_not_preflight(tiny_run):
+    jobs = planned_with(tiny_run, extract__max_tokens_per_batch=256)
     assert jobs == {"extract_engine": 1, "extract_hidden_states": 4, **FROM_TRAINING}
 
 
 @pytest.mark.slow
-def test_aux_ids_rerun_extraction_not_tokenization(built):
-    jobs = planned_with(built, layers__aux_ids=[1, 3])
+def test_aux_ids_rerun_extraction_not_tokenization(tiny_run):
+    jobs = planned_with(tiny_run, layers__aux_ids=[1, 3])
     assert (
         jobs["extract_hidden_states"] == 4
         and jobs["extract_engine"] == 1
@@ -199,8 +207,8 @@ def test_aux_ids_rerun_extraction_not_tokenization(built):
 
 
 @pytest.mark.slow
-def test_edited_conversations_rerun_everything_downstream(built):
-    convs = built / "convs.jsonl"
+def test_edited_conversations_rerun_everything_downstream(tiny_run):
+    convs = tiny_run / "convs.jsonl"
     original = convs.read_bytes()
     extra = {
         "messages": [
@@ -210,7 +218,7 @@ def test_edited_conversations_rerun_everything_downstream(built):
     }
     convs.write_bytes(original + (json.dumps(extra) + "\n").encode())
     try:
-        jobs = planned(built)
+        jobs = planned(tiny_run)
     finally:
         convs.write_bytes(original)
     assert jobs == {
@@ -231,28 +239,28 @@ def test_edited_conversations_rerun_everything_downstream(built):
         ({"eval__prompts": "question.jsnol"}, "eval.prompts"),
     ],
 )
-def test_a_misspelt_input_after_a_finished_run_is_one_line(built, tmp_path, override, key):
+def test_a_misspelt_input_after_a_finished_run_is_one_line(tiny_run, tmp_path, override, key):
     """Snakemake runs no job whose outputs exist: a path that does not exist would pass as
     "Nothing to be done". Every input path is checked at each parse instead."""
     config = write_config(tmp_path, **override)
-    proc = run_snakemake(built, "-n", configfiles=(config,), timeout=300)
+    proc = run_snakemake(tiny_run, "-n", configfiles=(config,), timeout=300)
     missing = next(iter(override.values()))
     missing = missing[-1] if isinstance(missing, list) else missing
     assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
     assert [ln for ln in proc.stderr.splitlines() if ln.startswith("eyrie")] == [
-        f"eyrie config: error: {key}: {missing} not found (from {built}); fix the path, or "
+        f"eyrie config: error: {key}: {missing} not found (from {tiny_run}); fix the path, or "
         "give it relative to the working directory (snakemake -d)"
     ]
 
 
 @pytest.mark.slow
-def test_deleted_shard_rebuilds_alone_with_its_engine(built):
-    shard = built / "results/tiny/hidden/shard_000.h5"
+def test_deleted_shard_rebuilds_alone_with_its_engine(tiny_run):
+    shard = tiny_run / "results/tiny/hidden/shard_000.h5"
     saved = shard.with_suffix(".saved")
     shutil.copy2(shard, saved)
     shard.unlink()
     try:
-        assert planned(built, "results/tiny/hidden/shard_000.h5") == {
+        assert planned(tiny_run, "results/tiny/hidden/shard_000.h5") == {
             "extract_engine": 1,
             "extract_hidden_states": 1,
         }
@@ -262,22 +270,22 @@ def test_deleted_shard_rebuilds_alone_with_its_engine(built):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("override", [{"extract__engine_wait_s": 5}, {"extract__group_size": 8}])
-def test_scheduling_settings_rerun_nothing(built, override):
+def test_scheduling_settings_rerun_nothing(tiny_run, override):
     """engine_wait_s and group_size change no shard's content (they are not in params); a larger
     group_size that keeps every shard in its group changes no input path either."""
-    assert planned_with(built, **override) == {}
+    assert planned_with(tiny_run, **override) == {}
 
 
 @pytest.mark.slow
-def test_group_size_reruns_the_shards_that_change_group(built):
+def test_group_size_reruns_the_shards_that_change_group(tiny_run):
     """Shards 2 and 3 move from engine_000 to engine_001: their input list changed (Snakemake's
     `input` trigger), so they rerun with their new engine, and training after them."""
-    write_config(built, extract__group_size=2)
+    write_config(tiny_run, extract__group_size=2)
     try:
-        out = snakemake(built, "-n", "--list-changes", "input")
-        jobs = planned(built)
+        out = snakemake(tiny_run, "-n", "--list-changes", "input")
+        jobs = planned(tiny_run)
     finally:
-        write_config(built)
+        write_config(tiny_run)
     assert jobs == {"extract_engine": 1, "extract_hidden_states": 2, **FROM_TRAINING}
     changed = re.findall(r"^results/tiny/hidden/(shard_\d+)\.h5$", out, re.M)
     assert sorted(changed) == ["shard_002", "shard_003"]
@@ -302,11 +310,11 @@ def test_ten_thousand_shards_plan_in_a_dry_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_rerun_after_deleting_two_shards_loads_once_and_builds_only_those(built, tmp_path):
+def test_rerun_after_deleting_two_shards_loads_once_and_builds_only_those(tiny_run, tmp_path):
     """A real rerun (on a copy, so the dry runs above keep their state): one engine job, one
     model load, the two deleted shards; the other shards are not touched."""
     work = tmp_path / "wf"
-    shutil.copytree(built, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    copy_run(tiny_run, work)
     # without the output store (which would restore them:
     # tests/workflow/test_reliability_outputs.py)
     write_config(work, store__path=None)
@@ -349,13 +357,13 @@ def python_with(tmp_path: Path, name: str, script: str) -> Path:
 
 
 @pytest.mark.slow
-def test_a_service_slow_to_stop_deletes_no_shard(built, tmp_path):
+def test_a_service_slow_to_stop_deletes_no_shard(tiny_run, tmp_path):
     """The engine is a Snakemake service: terminated once its shard jobs are done, and not
     waited for. The group job must succeed and keep its shard however long the engine takes to
     exit (with a benchmark: file on the service, Snakemake waited 5 s for it, failed the group
     with MissingOutputException and deleted the good shard)."""
     work = tmp_path / "wf"
-    shutil.copytree(built, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    copy_run(tiny_run, work)
     eyrie = Path(sys.executable).parent / "eyrie"
     python = python_with(tmp_path, "eyrie", SLOW_STOPPING_ENGINE.format(eyrie=eyrie))
     shard = work / "results/tiny/hidden/shard_002.h5"
@@ -368,11 +376,11 @@ def test_a_service_slow_to_stop_deletes_no_shard(built, tmp_path):
 
 
 @pytest.mark.slow
-def test_regeneration_reruns_tokenization_on_the_targets_responses(built, tmp_path):
+def test_regeneration_reruns_tokenization_on_the_targets_responses(tiny_run, tmp_path):
     """data.regenerate switched on for a finished run (on a copy): the target preflight and one
     regenerate job per shard, then tokenization from their files; nothing else before it."""
     work = tmp_path / "wf"
-    shutil.copytree(built, work, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
+    copy_run(tiny_run, work)
     write_config(
         work, data__regenerate=True, regenerate__num_shards=2, regenerate__max_new_tokens=16
     )

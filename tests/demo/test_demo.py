@@ -218,6 +218,7 @@ def test_tiny_target_trains_and_loads(tiny_target):
     assert logits.shape == (1, ids.shape[1], len(tok)) and torch.isfinite(logits).all()
 
 
+@pytest.mark.slow
 def test_same_seed_same_weights(tiny_target, conversations_file, tmp_path):
     again = tmp_path / "again"
     train_target(conversations_file, again, {"demo": TINY})

@@ -23,12 +23,9 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    """A folder with only a tokenizer with a chat template (all the stage reads)."""
-    folder = tmp_path_factory.mktemp("eval_prompts") / "target"
-    tok = build_chat_tokenizer(TEXTS, vocab_size=200)
-    tok.save_pretrained(folder)
-    return folder, tok
+def tok():
+    """The chat tokenizer of tokenizer_only_target (tests/conftest.py)."""
+    return build_chat_tokenizer(TEXTS, vocab_size=200)
 
 
 def args(target, questions, out):
@@ -36,8 +33,8 @@ def args(target, questions, out):
             str(out), "--settings", json.dumps({"trust_remote_code": False})]  # fmt: skip
 
 
-def test_first_turns_through_the_chat_template(target, tmp_path):
-    folder, tok = target
+def test_first_turns_through_the_chat_template(tokenizer_only_target, tok, tmp_path):
+    folder = tokenizer_only_target
     questions = tmp_path / "question.jsonl"
     lines = [json.dumps(q) for q in QUESTIONS]
     questions.write_text(lines[0] + "\n\n" + lines[1] + "\n")  # a blank line is skipped
@@ -67,18 +64,20 @@ def test_first_turns_through_the_chat_template(target, tmp_path):
         ('{"question_id": 1, "turns": [" "]}', "the first turn is empty"),
     ],
 )
-def test_bad_record_is_one_line_naming_file_and_line(target, tmp_path, capsys, line, says):
+def test_bad_record_is_one_line_naming_file_and_line(
+    tokenizer_only_target, tmp_path, capsys, line, says
+):
     questions = tmp_path / "question.jsonl"
     questions.write_text(json.dumps(QUESTIONS[0]) + "\n" + line + "\n")
     out = tmp_path / "prompts.parquet"
-    assert cli.main(args(target[0], questions, out)) == 2
+    assert cli.main(args(tokenizer_only_target, questions, out)) == 2
     err = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
     assert len(err) == 1 and f"{questions}:2: " in err[0] and says in err[0], err
     assert not out.exists()
 
 
-def test_empty_file_is_an_error(target, tmp_path, capsys):
+def test_empty_file_is_an_error(tokenizer_only_target, tmp_path, capsys):
     questions = tmp_path / "question.jsonl"
     questions.write_text("\n")
-    assert cli.main(args(target[0], questions, tmp_path / "p.parquet")) == 2
+    assert cli.main(args(tokenizer_only_target, questions, tmp_path / "p.parquet")) == 2
     assert f"{questions}: no questions" in capsys.readouterr().err

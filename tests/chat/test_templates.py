@@ -175,6 +175,7 @@ def request(record: dict) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_every_context_is_the_prompt_vllm_renders(tmp_path):
     """The contexts again, against vLLM's own renderer (parse_chat_messages with its
     content-format detection and argument parsing, then safe_apply_chat_template) in the vLLM

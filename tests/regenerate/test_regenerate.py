@@ -282,14 +282,6 @@ def test_shard_file_lines_in_input_order(tok, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def target(tok, tmp_path_factory):
-    config = tiny_llama(
-        len(tok), tok, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
-    )
-    return save_target(tmp_path_factory.mktemp("target"), random_model(config), tok)
-
-
-@pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     path = tmp_path_factory.mktemp("convs") / "c.jsonl"
     records = [SINGLE, MULTI, TOOL_RECORD, {"bad": 1}, SINGLE, MULTI]
@@ -313,12 +305,12 @@ def lines_of(path):
 
 
 def test_hf_greedy_is_deterministic_and_batch_independent(
-    target, inputs, tmp_path, only_this_stage
+    random_llama_target, inputs, tmp_path, only_this_stage
 ):
     runs = []
     for name, batch in (("a", 4), ("b", 4), ("c", 1)):
         out = tmp_path / f"{name}.jsonl"
-        assert run_hf(target, inputs, out, max_new_tokens=6, batch_size=batch) == 0
+        assert run_hf(random_llama_target, inputs, out, max_new_tokens=6, batch_size=batch) == 0
         runs.append(out.read_bytes())
     assert runs[0] == runs[1]  # greedy: the same bytes
     assert runs[0] == runs[2]  # left padding changes no response
@@ -331,8 +323,10 @@ def test_hf_greedy_is_deterministic_and_batch_independent(
     assert all(x["regenerated_turns"] == 1 for x in lines)
 
 
-def test_hf_refuses_the_vllm_backend(target, inputs, tmp_path, only_this_stage, capsys):
-    assert run_hf(target, inputs, tmp_path / "x.jsonl", backend="vllm") == 2
+def test_hf_refuses_the_vllm_backend(
+    random_llama_target, inputs, tmp_path, only_this_stage, capsys
+):
+    assert run_hf(random_llama_target, inputs, tmp_path / "x.jsonl", backend="vllm") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("eyrie regenerate: error: regenerate.backend is vllm")
 
@@ -344,7 +338,8 @@ def vllm_settings(**vllm):
     return {**settings(backend="vllm", temperature=0.7, seed=3), "vllm": vllm}
 
 
-def test_vllm_settings_and_requests(target):
+def test_vllm_settings_and_requests(random_llama_target):
+    target = random_llama_target
     with pytest.raises(DataError, match="vllm: missing"):
         regenerate_vllm.parse_settings(settings(backend="vllm"))
     with pytest.raises(DataError, match="regenerate.backend is hf"):
