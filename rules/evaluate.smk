@@ -113,18 +113,20 @@ rule compare_drafts:
 
 # A rehearsal serves its draft without the Hugging Face evaluation (which reads the real weights);
 # a real run's command text stays what it was (Snakemake's code trigger compares it).
+# --runtime holds what it reads but does not compare (the settings table's read column).
+EVALUATE_VLLM_RUNTIME = settings_json(runtime_settings(config, "evaluate_vllm"))
 EVALUATE_VLLM_SHELL = (
     "{params.python} -m eyrie.cli evaluate-vllm --target {params.target} --draft {params.draft_dir}"
     " --eval-set {input.eval_set}"
     + ("" if REHEARSAL else " --hf-eval {input.hf_eval}")
-    + " --out {output.json} --gpu-memory-utilization {config[vllm][gpu_memory_utilization]}"
+    + " --out {output.json} --runtime {EVALUATE_VLLM_RUNTIME:q}"
     " --settings {params.settings:q} > {log} 2>&1"
 )
 
 
 # The same draft served by vLLM itself (eval.vllm: true; needs a GPU and the vLLM environment):
 # acceptance from vLLM's own counters, beside the Hugging Face evaluation's (docs/vllm.md).
-# gpu_memory_utilization changes no result: command text, not compared.
+# gpu_memory_utilization changes no result: --runtime (command text), not compared.
 rule evaluate_vllm:
     input:
         draft="results/{name}/draft.json",

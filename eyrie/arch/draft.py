@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from eyrie.arch.methods import BLOCK_METHODS, DRAFT_METHODS
+from eyrie.arch.verifier import random_verifier_weights
 from eyrie.core.errors import EyrieError
-from eyrie.formats.draft import BLOCK_METHODS, DRAFT_METHODS, random_verifier_weights
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Records -> conversations as the chat template sees them, and why a record cannot be used.
 
-A `RawRecord` (read from an input by eyrie.data.inputs) is named `"<file>:<line>"`;
+A `RawRecord` (read from an input by eyrie.chat.inputs) is named `"<file>:<line>"`;
 `to_conversation` turns an OpenAI- or ShareGPT-form record into a `Conversation`: messages with
 their reasoning, tool calls and tool results, and the record's tool definitions. A record that
 cannot be used raises (or carries) RecordError with a reason from REASONS.

@@ -28,14 +28,17 @@ def block_positions(method: str, block_size: int, sample_from_anchor: bool | Non
     return block_size if anchor else block_size - 1
 
 
-def draft_problems(train: dict, layers: dict, evaluation: dict, vllm: dict) -> list[str]:
+def draft_problems(
+    train: dict, layers: dict | None, evaluation: dict | None, vllm: dict | None
+) -> list[str]:
     """The sections' draft rules: train.aux_ids among the layers extracted; and for a block
     drafter (train.method dflash or dspark) what it cannot do yet or at all: the vLLM
     evaluation (and so a rehearsal, whose last stage it is) serves the run's draft (the first
     listed) only if it is of VLLM_EVALUATED, vLLM never serves a DFlash draft that samples from its
-    anchor, and K past a block's tokens."""
+    anchor, and K past a block's tokens. A section that is None (a stage's --settings lacks it)
+    leaves out the rules that read it."""
     problems = []
-    stored, read = layers.get("aux_ids"), train.get("aux_ids")
+    stored, read = (layers or {}).get("aux_ids"), train.get("aux_ids")
     if isinstance(stored, list) and isinstance(read, list) and not set(read) <= set(stored):
         problems.append(
             f"train.aux_ids: {read} names layers {sorted(set(read) - set(stored))} that "
@@ -46,8 +49,8 @@ def draft_problems(train: dict, layers: dict, evaluation: dict, vllm: dict) -> l
         return problems  # the schema names the key
     if methods[0] not in VLLM_EVALUATED:  # the run's draft, which the vLLM evaluation serves
         for key, asked in (
-            ("eval.vllm", evaluation.get("vllm")),
-            ("vllm.rehearsal", vllm.get("rehearsal")),
+            ("eval.vllm", (evaluation or {}).get("vllm")),
+            ("vllm.rehearsal", (vllm or {}).get("rehearsal")),
         ):
             if asked is True:
                 problems.append(
@@ -64,6 +67,8 @@ def draft_problems(train: dict, layers: dict, evaluation: dict, vllm: dict) -> l
             "draft's anchor as the bonus token (0.22, 0.26) or refuses the flag (0.33+); set it "
             "to null or false, or use train.method: dspark"
         )
+    if evaluation is None:
+        return problems
     block, k = train.get("block_size", 8), evaluation.get("num_speculative_tokens", 3)
     for method in methods:
         if method == "eagle3" or not isinstance(block, int) or not isinstance(k, int):

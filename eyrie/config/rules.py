@@ -298,6 +298,16 @@ def runtime_settings(config: dict, rule: str) -> dict:
     return _settings(config, rule, "read")
 
 
+def rule_keys(config: dict, rule: str) -> set[str]:
+    """The dotted keys `rule` takes under `config`'s conditions, compared or read (an added key
+    at its default included: the stage then fills the same default)."""
+    return {
+        row.key
+        for row in TABLE
+        if _takes(row.compared, rule, config) or _takes(row.read, rule, config)
+    }
+
+
 def settings_param(config: dict, rule: str) -> str:
     """params.settings of `rule`: the canonical JSON text of rule_settings."""
     return settings_json(rule_settings(config, rule))

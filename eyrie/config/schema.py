@@ -3,8 +3,8 @@
 `validate_config` checks the whole config, with the cross-field rules that can be checked before
 any job runs; `load_settings` checks a stage's `--settings` (its sections of the config,
 `trust_remote_code` at the top) against the same schema subtrees. Both fill the schema's
-defaults and report every problem at once, each naming its dotted key; a stage then checks only
-the cross-field rules a schema cannot express. `config_file` and `workflow_config` are the
+defaults, run the same cross-field rules (`cross_field_problems`) and report every problem at
+once, each naming its dotted key. `config_file` and `workflow_config` are the
 Snakefile's: one line per problem on the terminal, no traceback (rules/common.smk).
 """
 
@@ -66,7 +66,9 @@ def _problems(schema: dict, instance: Any, prefix: Sequence[str] = ()) -> list[s
     errors = Draft202012Validator(schema).iter_errors(instance)
     for err in sorted(errors, key=lambda e: list(map(str, e.absolute_path))):
         path = [*prefix, *err.absolute_path]
-        if err.validator == "additionalProperties":
+        if "propertyNames" in err.schema_path:  # a key refused by name (its fix says why)
+            problems.append(f"{_key([*path, err.instance])}: {err.schema['fix']}")
+        elif err.validator == "additionalProperties":
             allowed = sorted(err.schema.get("properties", {}))
             for name in sorted(set(err.instance) - set(allowed)):
                 problems.append(
@@ -95,19 +97,29 @@ def _ints(config: dict, *keys: str) -> list[int] | None:
     return values
 
 
-def cross_field_problems(config: dict) -> list[str]:
-    """Rules between keys that would otherwise fail only in the job that reads them."""
+def cross_field_problems(config: dict, given: set[str] | None = None) -> list[str]:
+    """Rules between keys that would otherwise fail only in the job that reads them: run on the
+    whole config when the workflow parses (`given` None), and by load_settings on a stage's
+    --settings, each rule only where `given` (the sections the settings hold) has every section
+    it reads, so that a stage refuses what the dry run refuses, in the same words."""
+
+    def has(*names: str) -> bool:
+        return given is None or set(names) <= given
+
     problems = []
-    both = _ints(config, "train.max_tokens_per_batch", "train.ttt_steps")
-    if (
-        both and both[0] < 8 * both[1]
-    ):  # as eyrie.config.sections checks it at the start of training
+    both = _ints(config, "train.max_tokens_per_batch", "train.ttt_steps") if has("train") else None
+    if both and both[0] < 8 * both[1]:
         problems.append(
             f"train.max_tokens_per_batch: {both[0]} is too small for train.ttt_steps={both[1]}; "
             f"set it to at least {8 * both[1]} (8 per TTT step) or lower train.ttt_steps"
         )
-    drafts = draft_problems(*(_section(config, n) for n in ("train", "layers", "eval", "vllm")))
-    return problems + drafts + rehearsal_problems(config) + report_problems(config)
+    sections = [
+        _section(config, n) if has(n) else None for n in ("train", "layers", "eval", "vllm")
+    ]
+    if sections[0] is not None:
+        problems += draft_problems(*sections)
+    problems += rehearsal_problems(config, has)
+    return problems + (report_problems(config) if has("train") else [])
 
 
 def _section(config: dict, name: str) -> dict:
@@ -115,8 +127,9 @@ def _section(config: dict, name: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def rehearsal_problems(config: dict) -> list[str]:
-    """What a rehearsal cannot rehearse (docs/rehearsal.md), and the name it keeps for itself."""
+def rehearsal_problems(config: dict, has=lambda *names: True) -> list[str]:
+    """What a rehearsal cannot rehearse (docs/rehearsal.md), and the name it keeps for itself;
+    `has(*sections)`: whether a rule's sections are there to check (cross_field_problems)."""
     name = _section(config, "target").get("name")
     if not rehearsal.is_rehearsal(config):
         if isinstance(name, str) and name.endswith(rehearsal.SUFFIX):
@@ -127,13 +140,13 @@ def rehearsal_problems(config: dict) -> list[str]:
         return []
     problems = []
     backend = _section(config, "extract").get("backend")
-    if backend != "vllm":
+    if has("extract") and backend != "vllm":
         problems.append(
             f"vllm.rehearsal: true but extract.backend is {backend!r}: "
             "a rehearsal runs the vLLM engines on random weights, and the hf backend would load "
             f"the real ones; set extract.backend: vllm ({rehearsal.DOC})"
         )
-    if _section(config, "data").get("regenerate") is True:
+    if has("data") and _section(config, "data").get("regenerate") is True:
         problems.append(
             "vllm.rehearsal: true with data.regenerate: true: a random-weight target's responses "
             "run to regenerate.max_new_tokens, so every record would be dropped as cut; set "
@@ -357,6 +370,7 @@ def load_settings(
     """A stage's --settings checked against the schema; a copy with the defaults filled in.
 
     Sections absent from `settings` stay absent (a stage decides which it needs: `required`);
+    the cross-field rules run on the sections given (cross_field_problems: the dry run's words);
     `also` are the caller's own problems, reported with the schema's in one `error`.
     """
     tree = _settings_schema()
@@ -373,6 +387,8 @@ def load_settings(
         elif sub.get("type") != "object" and "default" in sub:
             loaded[name] = copy.deepcopy(sub["default"])
     problems += _problems(tree, loaded)
+    given = {name for name, value in settings.items() if isinstance(value, dict)}
+    problems += cross_field_problems(loaded, given)
     if problems:
         raise error("invalid --settings: " + "; ".join(problems))
     return loaded

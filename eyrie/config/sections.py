@@ -1,9 +1,11 @@
-"""Typed config sections: `train` (the training settings) and `vllm` (every vLLM engine's), each
-a frozen object.
+"""Typed config sections: `train` (the training settings), `vllm` (every vLLM engine's) and
+`regenerate` (the regeneration stage's) and `extract` (the extraction stage's, with `layers`),
+each a frozen object built as every stage's is (eyrie.config.stages):
+`<Stage>Settings.from_settings(settings, runtime)`, `READS` the dotted keys it reads.
 
-config/schema.yaml checks types, ranges and defaults (eyrie.config.schema.load_settings); this
-module adds only the cross-field rules a schema cannot express. Fields in order make the run id
-(docs/training.md).
+config/schema.yaml checks types, ranges and defaults, and eyrie.config.schema.load_settings the
+cross-field rules (the dry run's); this module resolves the autos. TrainSettings' fields in order
+make the run id (docs/training.md).
 """
 
 from __future__ import annotations
@@ -13,17 +15,22 @@ import json
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 from eyrie.config.drafts import block_positions
 from eyrie.config.schema import (
     added_later,
     flag_problems,
     load_settings,
-    report_problems,
+    merge_settings,
     schema_default,
 )
-from eyrie.core.errors import ConfigError, EyrieError
+from eyrie.core.errors import ConfigError, DataError, ExtractError, EyrieError
+from eyrie.core.runtime import auto_device, auto_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +84,16 @@ class TrainSettings:
     log_every: int
     verify_shards: bool
     report_to: tuple[str, ...]  # where the curves go besides metrics.jsonl (eyrie.train.curves)
-    method: str  # eagle3 | dflash | dspark (eyrie.formats.draft.DRAFT_METHODS)
+    method: str  # eagle3 | dflash | dspark (eyrie.arch.methods.DRAFT_METHODS)
     block_size: int  # block drafters: positions per draft forward, the anchor's included
     sample_from_anchor: bool | None  # block drafters; None: the method's own
     mask_token_id: int | None  # block drafters; None: eyrie.arch.draft.mask_token's choice
     aux_ids: tuple[int, ...] | None  # the stored layers the draft reads; None: all of them
     fsdp: bool  # several processes shard the draft and its optimizer state (eyrie.train.sharding)
+
+    # its fields, and vllm.rehearsal (eyrie.core.rehearsal.is_rehearsal reads it beside: the fields
+    # make the run id, and a rehearsal's is apart by its folders)
+    READS: ClassVar[tuple[str, ...]]
 
     @property
     def block(self) -> bool:
@@ -112,9 +123,11 @@ class TrainSettings:
         return block_positions(self.method, self.block_size, self.sample_from_anchor)
 
     @classmethod
-    def from_settings(cls, settings: dict) -> "TrainSettings":
-        """Typed `train` section of --settings; every problem reported at once, each by key."""
-        section = load_settings(settings, ["train"], EyrieError, report_problems(settings))["train"]
+    def from_settings(cls, settings: dict, runtime: dict | None = None) -> TrainSettings:
+        """Typed `train` section of --settings (its runtime merged in; `eyrie train` has none);
+        every problem reported at once, each by key."""
+        merged = merge_settings(settings, runtime or {})
+        section = load_settings(merged, ["train"], EyrieError)["train"]
         convert = {
             "float": float,
             "float | str": lambda v: v if v == "auto" else float(v),  # learning_rate
@@ -127,18 +140,12 @@ class TrainSettings:
                 "of draft; the workflow trains each of a list (rules/train.smk)"
             )
         section = {**section, "loss": loss_spec(section["loss"])}
-        cfg = cls(
+        return cls(
             **{
                 f.name: convert.get(f.type, lambda v: v)(section[f.name])
                 for f in dataclasses.fields(cls)
             }
         )
-        if cfg.max_tokens_per_batch < 8 * cfg.ttt_steps:
-            raise EyrieError(
-                f"invalid --settings: train.max_tokens_per_batch: {cfg.max_tokens_per_batch} "
-                f"is too small for ttt_steps={cfg.ttt_steps} (use at least {8 * cfg.ttt_steps})"
-            )
-        return cfg
 
     def resolved_for(self, hidden_size: int) -> "TrainSettings":
         """These settings with learning_rate a number: `auto` resolved for a draft of width
@@ -147,6 +154,12 @@ class TrainSettings:
         if self.learning_rate != "auto":
             return self
         return dataclasses.replace(self, learning_rate=auto_learning_rate(hidden_size))
+
+
+TrainSettings.READS = (
+    *(f"train.{f.name}" for f in dataclasses.fields(TrainSettings)),
+    "vllm.rehearsal",
+)
 
 
 def auto_learning_rate(hidden_size: int) -> float:
@@ -213,22 +226,162 @@ class VllmSettings:
 
 
 def load_with_vllm(
-    settings: dict,
-    sections: Sequence[str],
-    error: type[EyrieError],
-    gpu_memory_utilization: float | None = None,
+    settings: dict, sections: Sequence[str], error: type[EyrieError]
 ) -> tuple[dict, VllmSettings]:
-    """A vLLM stage's --settings: `sections` and vllm checked by the schema together (every
-    problem at once, each naming its key), returned with the typed vllm section.
+    """A vLLM stage's settings (its runtime merged in): `sections` and vllm checked by the
+    schema together (every problem at once, each naming its key), with the typed vllm section."""
+    loaded = load_settings(settings, [*sections, "vllm"], error)
+    return loaded, VllmSettings.of(loaded["vllm"])
 
-    `gpu_memory_utilization` (the CLI flag) replaces vllm.gpu_memory_utilization: it changes no
-    result, so the workflow keeps it out of --settings (no rerun when it changes).
-    """
-    problems = flag_problems(
-        "vllm.gpu_memory_utilization", gpu_memory_utilization, "--gpu-memory-utilization"
+
+def vllm_runtime(
+    gpu_memory_utilization: float | None, error: type[EyrieError] = ConfigError
+) -> dict:
+    """A stage's --gpu-memory-utilization flag as its runtime settings ({} when not given; a bad
+    one an `error` naming the flag): it changes no result, so the workflow keeps it out of
+    --settings (no rerun when it changes)."""
+    key, flag = "vllm.gpu_memory_utilization", "--gpu-memory-utilization"
+    problems = flag_problems(key, gpu_memory_utilization, flag)
+    if problems:
+        raise error("invalid " + "; ".join(problems))
+    if gpu_memory_utilization is None:
+        return {}
+    return {"vllm": {"gpu_memory_utilization": float(gpu_memory_utilization)}}
+
+
+# the vllm keys an engine of the target (regeneration, evaluation) reads besides the rehearsal
+ENGINE_KEYS = (
+    "vllm.tensor_parallel_size",
+    "vllm.gpu_memory_utilization",
+    "vllm.enforce_eager",
+    "vllm.dtype",
+    "vllm.max_model_len",
+    "vllm.max_num_batched_tokens",
+)
+
+
+@dataclass(frozen=True)
+class RegenSettings:
+    """The `regenerate` section (and data.non_text, data.chat_template_kwargs,
+    trust_remote_code, and the vllm section for the vllm backend), schema-checked."""
+
+    num_shards: int
+    backend: str
+    device: str
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    turns: str
+    thinking: str  # auto only: replaced by chat_template_kwargs, kept for finished runs' params
+    batch_size: int
+    non_text: str = "drop"
+    trust_remote_code: bool = False
+    chat_template_kwargs: dict = field(default_factory=dict)
+    vllm: VllmSettings | None = None  # the config's vllm section (regenerate-vllm's)
+
+    READS: ClassVar[tuple[str, ...]] = (
+        *(
+            f"regenerate.{name}"
+            for name in (
+                "num_shards",
+                "backend",
+                "device",
+                "max_new_tokens",
+                "temperature",
+                "top_p",
+                "seed",
+                "turns",
+                "thinking",
+                "batch_size",
+            )
+        ),
+        "data.non_text",
+        "data.chat_template_kwargs",
+        "target.trust_remote_code",
+        *ENGINE_KEYS,
     )
-    loaded = load_settings(settings, [*sections, "vllm"], error, problems)
-    vllm = VllmSettings.of(loaded["vllm"])
-    if gpu_memory_utilization is not None:
-        vllm = dataclasses.replace(vllm, gpu_memory_utilization=float(gpu_memory_utilization))
-    return loaded, vllm
+
+    @classmethod
+    def from_settings(cls, settings: dict, runtime: dict | None = None) -> RegenSettings:
+        """The stage's --settings (its runtime merged in) checked by the schema (every problem
+        at once). `data` may be absent: the workflow passes data.non_text and
+        data.chat_template_kwargs only when they differ from their defaults."""
+        loaded = load_settings(merge_settings(settings, runtime or {}), ["regenerate"], DataError)
+        data, vllm = loaded.get("data") or {}, loaded.get("vllm")
+        return cls(
+            **loaded["regenerate"],
+            non_text=data.get("non_text", schema_default("data.non_text")),
+            trust_remote_code=loaded["trust_remote_code"],
+            chat_template_kwargs=data.get(
+                "chat_template_kwargs", schema_default("data.chat_template_kwargs")
+            ),
+            vllm=VllmSettings.of(vllm) if vllm else None,
+        )
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+
+@dataclass(frozen=True)
+class ExtractSettings:
+    """The `extract` section with layers.aux_ids and trust_remote_code (and the vllm section
+    for the vllm backend), schema-checked, the autos resolved."""
+
+    backend: str
+    device: str  # resolved: cpu | cuda
+    dtype: torch.dtype  # compute dtype (resolved)
+    storage_dtype: str  # bfloat16 | float16 | float32 | float8_e4m3
+    max_tokens_per_batch: int
+    aux_ids: list[int] | None
+    trust_remote_code: bool
+    # the config's vllm section (the vllm backend's; None: --settings has none)
+    vllm: VllmSettings | None = None
+
+    # the engine's and its shard jobs' (extract.engine_wait_s: the shard job's --engine-wait-s)
+    READS: ClassVar[tuple[str, ...]] = (
+        "extract.backend",
+        "extract.device",
+        "extract.dtype",
+        "extract.storage_dtype",
+        "extract.max_tokens_per_batch",
+        "layers.aux_ids",
+        "target.trust_remote_code",
+        "vllm.extraction_path",
+        "vllm.tensor_parallel_size",
+        "vllm.gpu_memory_utilization",
+        "vllm.enforce_eager",
+        "vllm.max_model_len",
+        "vllm.rehearsal",
+    )
+
+    @classmethod
+    def from_settings(cls, settings: dict, runtime: dict | None = None) -> ExtractSettings:
+        """The stage's settings (its runtime merged in), checked by the schema (every problem at
+        once, each naming its key), with the autos resolved."""
+        import torch
+
+        settings = merge_settings(settings, runtime or {})
+
+        # the vllm backend reads the config's vllm section: with it, --settings must carry one
+        ext, problems = settings.get("extract"), []
+        if isinstance(ext, dict) and ext.get("backend") == "vllm" and not settings.get("vllm"):
+            problems.append(
+                "extract.backend=vllm but --settings has no vllm section; pass the config's "
+                "vllm section"
+            )
+        loaded = load_settings(settings, ["extract", "layers"], ExtractError, problems)
+        ext, vllm = loaded["extract"], loaded.get("vllm")
+        device = auto_device("extract.device", ext["device"], ExtractError)
+        dtype = auto_dtype(ext["dtype"], device)
+        return cls(
+            backend=ext["backend"],
+            device=device,
+            dtype=getattr(torch, dtype),
+            storage_dtype=ext["storage_dtype"],
+            max_tokens_per_batch=ext["max_tokens_per_batch"],
+            aux_ids=loaded["layers"]["aux_ids"],
+            trust_remote_code=loaded["trust_remote_code"],
+            vllm=VllmSettings.of(vllm) if vllm else None,
+        )

@@ -5,7 +5,7 @@ when the write succeeded, so a partial output never looks complete (a killed wri
 removed by the next one); what it renames is fsynced before the rename and its folder after, so a
 machine that loses power keeps the old output or the complete new one. `write_json` writes a JSON
 file that way. `provenance(settings)` is what produced an output (command, settings, git SHA,
-package versions, host, time). docs/contracts.md.
+package versions, host, time). `file_sha256` hashes a file. docs/contracts.md.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import contextlib
 import errno
 import functools
 import glob
+import hashlib
 import json
 import os
 import platform
@@ -25,6 +26,15 @@ import time
 from importlib import metadata
 from pathlib import Path
 from typing import Iterator
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes (hex), read 1 MiB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def remove_stale_temporaries(final: str | Path) -> None:

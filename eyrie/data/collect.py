@@ -12,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from eyrie.chat.inputs import read_records
 from eyrie.chat.records import (
     REASONS,
     Conversation,
@@ -22,12 +23,11 @@ from eyrie.chat.records import (
     RecordError,
     to_conversation,
 )
-from eyrie.chat.samples import MaskSettings, masked_samples
+from eyrie.chat.samples import masked_samples
 from eyrie.chat.template import ChatTemplate
-from eyrie.config.schema import load_settings
+from eyrie.config.stages import DataSettings
 from eyrie.core.errors import DataError
-from eyrie.data.inputs import read_records
-from eyrie.data.jsonlines import read_json_lines
+from eyrie.core.jsonlines import read_json_lines
 
 log = logging.getLogger(__name__)
 
@@ -51,31 +51,6 @@ LISTED_WHEN_SEEN = (
 
 
 TOP_REASONS = 3  # reasons named in the "too few usable records" error
-
-
-@dataclass(frozen=True)
-class DataSettings:
-    max_seq_len: int
-    num_shards: int
-    num_eval: int
-    seed: int
-    strict: bool
-    mask_mode: str
-    train_reasoning: bool
-    non_text: str
-    regenerate: bool
-    chat_template_kwargs: dict
-    reasoning_parser: str | None
-
-    @classmethod
-    def from_settings(cls, settings: dict) -> "DataSettings":
-        """The `data` section, checked and defaulted by the schema (every problem at once)."""
-        data = load_settings(settings, ["data"], DataError)["data"]
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
-
-    @property
-    def mask(self) -> MaskSettings:
-        return MaskSettings(self.mask_mode, self.train_reasoning)
 
 
 @dataclass

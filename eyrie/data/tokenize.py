@@ -25,11 +25,11 @@ from eyrie.chat.samples import (
 )
 from eyrie.chat.template import ChatTemplate
 from eyrie.chat.turn import TURN_DROPS
+from eyrie.config.stages import DataSettings
 from eyrie.core.errors import DataError, TargetError
 from eyrie.core.io import atomic_path, keep_last_good, provenance
 from eyrie.data.collect import (
     TOP_REASONS,
-    DataSettings,
     Example,
     Record,
     Tally,
@@ -85,9 +85,7 @@ def tokenize(
     """The whole stage: shards, eval.parquet and report.json into `out_dir`; returns the report.
     `regenerated`: the regenerate stage's files, whose versions replace the training records."""
     cfg = DataSettings.from_settings(settings)
-    trust = settings.get("trust_remote_code", False)
-    if not isinstance(trust, bool):
-        raise DataError(f"trust_remote_code={trust!r}: must be true or false")
+    trust = cfg.trust_remote_code
     if not inputs:
         raise DataError("no input files; set data.conversations")
     if cfg.regenerate and not regenerated:

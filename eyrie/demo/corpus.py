@@ -11,7 +11,7 @@ from pathlib import Path
 
 from eyrie.config.schema import load_settings
 from eyrie.core.errors import ConversationsError, EyrieError
-from eyrie.data.jsonlines import read_json_lines
+from eyrie.core.jsonlines import read_json_lines
 
 ROLES = ("system", "user", "assistant")
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from eyrie.config.stages import EvalSettings
 from eyrie.core.errors import EvaluateError
 from eyrie.core.io import keep_last_good, provenance, write_json
 from eyrie.evaluate.inputs import (
     UNTRAINED_SEED,
     EvalPaths,
-    EvalSettings,
     build_proposers,
     check_inputs,
     load_target,

@@ -1,6 +1,6 @@
 """The evaluate stage's inputs, checked before any model is loaded, and its models.
 
-The settings (`EvalSettings.from_settings`), the preflight report, the vocabulary map, the
+The settings (eyrie.config.stages.EvalSettings), the preflight report, the vocabulary map, the
 prompts and the exported draft are each checked against the target (`check_inputs`: one error
 naming the file and the fix); then the target is loaded (eyrie.arch.loader) and the trained draft
 and an untrained baseline of its shape become proposers of its kind, EAGLE-3 or block
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from eyrie.config.schema import load_settings
+from eyrie.arch.methods import aux_key
+from eyrie.config.stages import EvalSettings
 from eyrie.core.errors import EvaluateError
 from eyrie.core.rehearsal import draft_is_rehearsal, refusal
-from eyrie.core.runtime import auto_device, auto_dtype
 from eyrie.evaluate.specdec import BlockProposer, Eagle3Proposer
 from eyrie.evaluate.vllm_check import block_width_problems, read_draft_config
-from eyrie.formats.draft import aux_key, is_block
+from eyrie.formats.draft import is_block
 from eyrie.formats.report import read_report
 from eyrie.formats.tokenized import read_prompts
 from eyrie.formats.vocab import read_vocab
@@ -30,32 +30,6 @@ log = logging.getLogger(__name__)
 
 
 UNTRAINED_SEED = 0
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    K: int
-    max_new_tokens: int
-    num_prompts: int
-    device: str  # resolved: cpu | cuda
-    dtype: str  # resolved: float32 | bfloat16 | float16, the target's and the draft's
-    temperature: float  # > 0: also decoded by speculative sampling at it
-
-    @classmethod
-    def from_settings(cls, settings: dict) -> EvalSettings:
-        """The eval settings, checked by the schema (every problem at once, each naming its
-        key), with the device resolved."""
-        ev = load_settings(settings, ["eval"], EvaluateError)["eval"]
-        device = auto_device("eval.device", ev["device"], EvaluateError)
-        dtype = auto_dtype(ev["dtype"], device)
-        return cls(
-            ev["num_speculative_tokens"],
-            ev["max_new_tokens"],
-            ev["num_prompts"],
-            device,
-            dtype,
-            float(ev["temperature"]),
-        )
 
 
 def read_preflight(path: str | Path, fingerprint: str, num_layers: int) -> list[int]:

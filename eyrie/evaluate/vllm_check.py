@@ -13,53 +13,16 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyrie.arch.methods import BLOCK_METHODS, DRAFT_METHODS, aux_key
 from eyrie.arch.target import inspect_target
 from eyrie.config.drafts import block_positions
-from eyrie.config.sections import VllmSettings, load_with_vllm
+from eyrie.config.stages import VllmEvalSettings
 from eyrie.core.errors import EvaluateError, TargetError
 from eyrie.core.rehearsal import draft_is_rehearsal, refuse_in_real_run
-from eyrie.formats.draft import (
-    BLOCK_METHODS,
-    DRAFT_ARCHS,
-    DRAFT_METHODS,
-    UNSERVABLE_FLAGS,
-    aux_key,
-)
+from eyrie.formats.draft import DRAFT_ARCHS, UNSERVABLE_FLAGS
 from eyrie.formats.tokenized import read_prompts
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class VllmEvalSettings:
-    """The eval settings this stage reads, and the vllm section."""
-
-    K: int
-    max_new_tokens: int
-    num_prompts: int
-    vllm: VllmSettings  # vllm.max_model_len None: longest prompt + max_new_tokens + K
-    temperature: float = 0.0  # > 0: the speculative engine also samples every prompt at it
-
-    @property
-    def rehearsal(self) -> bool:
-        """vllm.rehearsal: the target with random weights (docs/rehearsal.md)."""
-        return self.vllm.rehearsal
-
-    @classmethod
-    def from_settings(
-        cls, settings: dict, gpu_memory_utilization: float | None = None
-    ) -> VllmEvalSettings:
-        """The eval and vllm settings, checked by the schema (every problem at once, each naming its
-        key); `gpu_memory_utilization` (the CLI flag) replaces vllm.gpu_memory_utilization."""
-        loaded, vllm = load_with_vllm(settings, ["eval"], EvaluateError, gpu_memory_utilization)
-        ev = loaded["eval"]
-        return cls(
-            ev["num_speculative_tokens"],
-            ev["max_new_tokens"],
-            ev["num_prompts"],
-            vllm,
-            float(ev["temperature"]),
-        )
 
 
 def _posint(value) -> bool:
@@ -316,11 +279,9 @@ def check_rehearsal(paths: VllmEvalPaths, rehearsal: bool) -> None:
     refuse_in_real_run(found, "a draft", "evaluate the draft", "draft", "evaluation", EvaluateError)
 
 
-def plan_evaluation(
-    paths: VllmEvalPaths, settings: dict, gpu_memory_utilization: float | None
-) -> VllmPlan:
+def plan_evaluation(paths: VllmEvalPaths, settings: dict, runtime: dict | None = None) -> VllmPlan:
     """Every check that needs no GPU, in the order a user fixes them."""
-    cfg = VllmEvalSettings.from_settings(settings, gpu_memory_utilization)
+    cfg = VllmEvalSettings.from_settings(settings, runtime)
     try:
         info = inspect_target(paths.target)
     except TargetError as exc:

@@ -19,6 +19,7 @@ import logging
 import sys
 
 from eyrie.core.io import keep_last_good, write_json
+from eyrie.core.runtime import settings_arg
 from eyrie.evaluate.vllm_check import VllmEvalPaths, plan_evaluation
 from eyrie.evaluate.vllm_compare import check_outputs_equal
 from eyrie.evaluate.vllm_report import build_report
@@ -27,12 +28,11 @@ from eyrie.evaluate.vllm_run import EngineWorkers, run_engines, worker
 log = logging.getLogger(__name__)
 
 
-def evaluate_vllm(
-    paths: VllmEvalPaths, settings: dict, *, gpu_memory_utilization: float | None = None
-) -> dict:
-    """Run the evaluation through vLLM and write the report JSON `paths.out`; returns the report."""
+def evaluate_vllm(paths: VllmEvalPaths, settings: dict, runtime: dict | None = None) -> dict:
+    """Run the evaluation through vLLM and write the report JSON `paths.out`; returns the report.
+    `runtime`: what the workflow reads but does not compare (vllm.gpu_memory_utilization)."""
     with EngineWorkers() as workers:  # importing vLLM while the check runs
-        plan = plan_evaluation(paths, settings, gpu_memory_utilization)
+        plan = plan_evaluation(paths, settings, runtime)
         base, spec = run_engines(plan, workers)
     differ = check_outputs_equal(plan, base, spec)
     report = build_report(plan, spec, differ)
@@ -65,16 +65,17 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--out", required=True, help="eval_vllm.json to write")
     parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="replaces vllm.gpu_memory_utilization (changes no result)",
+        "--runtime",
+        type=settings_arg,
+        default={},
+        help="JSON merged into --settings: what the workflow reads but does not compare "
+        "(vllm.gpu_memory_utilization: it changes no result)",
     )
 
 
 def run(args) -> int:
     paths = VllmEvalPaths(args.target, args.draft, args.eval_set, args.hf_eval, args.out)
-    evaluate_vllm(paths, args.settings, gpu_memory_utilization=args.gpu_memory_utilization)
+    evaluate_vllm(paths, args.settings, args.runtime)
     return 0
 
 

@@ -17,19 +17,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyrie.arch.methods import BLOCK_METHODS, aux_key
 from eyrie.arch.target import fingerprint, read_config
+from eyrie.arch.verifier import random_verifier_weights
 from eyrie.config.sections import TrainSettings
 from eyrie.core.errors import ExportError
 from eyrie.core.io import provenance, write_json
 from eyrie.core.rehearsal import is_rehearsal, mark, marked, refuse_in_real_run
 from eyrie.formats.draft import (
-    BLOCK_METHODS,
     DRAFT_ARCHS,
     UNSERVABLE_FLAGS,
-    aux_key,
     expected_tensors,
     load_draft,
-    random_verifier_weights,
     validate_export,
 )
 from eyrie.formats.versions import DraftVersions

@@ -102,16 +102,11 @@ class Load:
             from eyrie.core.runtime import set_torch_threads
 
             set_torch_threads(self.torch_threads)
+        from eyrie.config.sections import vllm_runtime
         from eyrie.extract.extractor import Extractor
 
-        settings = self.settings
-        if self.gpu_memory_utilization is not None:
-            vllm = {
-                **(settings.get("vllm") or {}),
-                "gpu_memory_utilization": self.gpu_memory_utilization,
-            }
-            settings = {**settings, "vllm": vllm}
-        return Extractor(self.target, self.preflight, settings)
+        runtime = vllm_runtime(self.gpu_memory_utilization, ExtractError)
+        return Extractor(self.target, self.preflight, self.settings, runtime)
 
 
 def serve(socket_path: str | Path, load: Load, idle_exit_s: float = DEFAULT_IDLE_EXIT_S) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyrie.core.io import remove_stale_temporaries
+from eyrie.core.io import file_sha256, remove_stale_temporaries
 from eyrie.extract import protocol
 from eyrie.formats import report
 from eyrie.store import store
@@ -50,7 +50,7 @@ def store_key(shard: str, preflight: str, settings: dict) -> tuple[str, dict]:
     preflight report determines the states (the target's content, the layer ids, the vLLM path)
     and the extraction settings."""
     material = {
-        "tokenized": store.file_sha256(shard),
+        "tokenized": file_sha256(shard),
         "preflight": report.identity(report.read_report(preflight)),
         "settings": settings,
     }

@@ -15,19 +15,17 @@ import importlib
 import logging
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Protocol
 
 import numpy as np
 
 from eyrie.arch.target import inspect_target, resolve_layer_ids, tokenizer_hash
-from eyrie.config.schema import load_settings
-from eyrie.config.sections import VllmSettings
+from eyrie.config.schema import merge_settings
+from eyrie.config.sections import ExtractSettings
 from eyrie.core.errors import ExtractError
 from eyrie.core.io import provenance
 from eyrie.core.rehearsal import is_rehearsal
-from eyrie.core.runtime import auto_device, auto_dtype
 from eyrie.extract.batches import StoredBatch, Writers
 from eyrie.formats.tokenized import Tokenized, read_tokenized
 
@@ -43,52 +41,6 @@ log = logging.getLogger(__name__)
 BACKENDS = {"hf": "eyrie.extract.hf:HFBackend", "vllm": "eyrie.extract.vllm_backend:VllmBackend"}
 
 PROGRESS_EVERY_S = 5.0
-
-
-@dataclass(frozen=True)
-class ExtractSettings:
-    backend: str
-    device: str  # resolved: cpu | cuda
-    dtype: torch.dtype  # compute dtype (resolved)
-    storage_dtype: str  # bfloat16 | float16 | float32 | float8_e4m3
-    max_tokens_per_batch: int
-    aux_ids: list[int] | None
-    trust_remote_code: bool
-    # the config's vllm section (the vllm backend's; None: --settings has none)
-    vllm: VllmSettings | None = None
-
-    @classmethod
-    def from_settings(cls, settings: dict) -> ExtractSettings:
-        """The stage's settings, checked by the schema (every problem at once, each naming its key),
-        with the autos resolved."""
-        import torch
-
-        # the vllm backend reads the config's vllm section: with it, --settings must carry one
-        ext, problems = settings.get("extract"), []
-        if isinstance(ext, dict) and ext.get("backend") == "vllm" and not settings.get("vllm"):
-            problems.append(
-                "extract.backend=vllm but --settings has no vllm section; pass the config's "
-                "vllm section"
-            )
-        if is_rehearsal(settings) and isinstance(ext, dict) and ext.get("backend") != "vllm":
-            problems.append(
-                f"vllm.rehearsal: true but extract.backend is {ext.get('backend')!r}: only the "
-                "vllm backend builds the target with random weights; set extract.backend: vllm"
-            )
-        loaded = load_settings(settings, ["extract", "layers"], ExtractError, problems)
-        ext, vllm = loaded["extract"], loaded.get("vllm")
-        device = auto_device("extract.device", ext["device"], ExtractError)
-        dtype = auto_dtype(ext["dtype"], device)
-        return cls(
-            backend=ext["backend"],
-            device=device,
-            dtype=getattr(torch, dtype),
-            storage_dtype=ext["storage_dtype"],
-            max_tokens_per_batch=ext["max_tokens_per_batch"],
-            aux_ids=loaded["layers"]["aux_ids"],
-            trust_remote_code=loaded["trust_remote_code"],
-            vllm=VllmSettings.of(vllm) if vllm else None,
-        )
 
 
 class Backend(Protocol):
@@ -125,9 +77,12 @@ class Extractor:
     backend (the one model load); `extract(shard, out)` writes one HDF5 shard per call.
     """
 
-    def __init__(self, target: str | Path, preflight: str | Path, settings: dict):
-        self.target, self.settings = Path(target), settings
-        self.cfg = ExtractSettings.from_settings(settings)
+    def __init__(
+        self, target: str | Path, preflight: str | Path, settings: dict, runtime: dict | None = None
+    ):
+        # the producer records the settings with the runtime (the engine's GPU memory share)
+        self.target, self.settings = Path(target), merge_settings(settings, runtime or {})
+        self.cfg = ExtractSettings.from_settings(settings, runtime)
         self.info = inspect_target(target)
         from eyrie.formats.report import read_report
 

@@ -21,7 +21,7 @@ from eyrie.extract.batches import HostBatch, PinnedStaging, StoredBatch, plan_ba
 if TYPE_CHECKING:
     import torch
 
-    from eyrie.extract.extractor import ExtractSettings
+    from eyrie.config.sections import ExtractSettings
 
 log = logging.getLogger(__name__)
 

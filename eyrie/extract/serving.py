@@ -71,6 +71,8 @@ class StopSignals:
             raise Stop(self.signum) from exc
 
     def _on_signal(self, signum, frame) -> None:
+        if not self.signum:  # in the log before any connection closes: a client quotes it
+            log.info("engine: %s received: stopping", signal.Signals(signum).name)
         self.signum = self.signum or signum
         if self._watchdog is None:
             self._watchdog = threading.Timer(STOP_GRACE_S, self._force_exit, args=(signum,))

@@ -16,8 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from eyrie.core.io import atomic_path, sync_path
-from eyrie.store.store import file_sha256
+from eyrie.core.io import atomic_path, file_sha256, sync_path
 
 KEEP = 3
 HASHED = ("config.json", "model.safetensors")  # a version's id and the manifest's digests

@@ -13,11 +13,12 @@ import logging
 from pathlib import Path
 
 from eyrie.arch.target import inspect_target, read_config, resolve_layer_ids
-from eyrie.config.schema import load_settings, merge_settings, schema_default, vllm_uses
+from eyrie.config.schema import merge_settings, vllm_uses
 from eyrie.config.sections import VllmSettings
+from eyrie.config.stages import PreflightSettings
 from eyrie.core.errors import PreflightError, TargetError
 from eyrie.core.io import keep_last_good, provenance, write_json
-from eyrie.core.rehearsal import is_rehearsal, mark
+from eyrie.core.rehearsal import mark
 from eyrie.preflight import vllm_checks as vllm_preflight
 from eyrie.preflight.checks import (
     Check,
@@ -119,16 +120,14 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
     """Every check, all problems at once (PreflightError); returns preflight.json's content."""
     check = Check([], [])
     # read from the checked copy; the provenance records `settings` as given
-    loaded = load_settings(settings, error=PreflightError)
-    aux_setting = (loaded.get("layers") or {}).get("aux_ids")
-    extract = loaded.get("extract") or {"storage_dtype": schema_default("extract.storage_dtype")}
-    trust = loaded["trust_remote_code"]
+    cfg = PreflightSettings.from_settings(settings)
+    loaded, trust = cfg.checked, cfg.trust_remote_code
     info = read_target(target, trust, check)
-    aux_ids, final_id = layer_ids(aux_setting, info, check)
+    aux_ids, final_id = layer_ids(cfg.aux_ids, info, check)
     tied = bool(info.text_config.get("tie_word_embeddings"))
-    weights = check_weights(target, check, rehearsal=is_rehearsal(loaded), tied=tied)
+    weights = check_weights(target, check, rehearsal=cfg.rehearsal, tied=tied)
     vllm_report = None
-    if vllm_uses(loaded):
+    if cfg.vllm_uses:
         # no path is chosen for layer ids that did not resolve (that problem is reported above)
         longest = engine_longest(tokenize_report, loaded)
         vllm_target = vllm_preflight.VllmTarget(target, info, aux_ids, final_id, longest)
@@ -136,17 +135,16 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
         check.problems += got["problems"]
         check.warnings += got["warnings"]
         vllm_report = got["report"]
-    if (loaded.get("regenerate") or {}).get("backend") == "vllm":
+    if cfg.regenerate_vllm:
         check_regenerate_env(loaded, read_config(target), check)
     tok_hash, template = None, None
     if not (info.needs_remote_code and not trust):
-        kwargs = (loaded.get("data") or {}).get("chat_template_kwargs")
+        kwargs = cfg.chat_template_kwargs
         tok_hash, template = check_tokenizer(target, trust, check, kwargs) or (None, None)
     storage = None
     if tokenize_report is not None:
         tokens = training_tokens(tokenize_report, check)
-        dtype = extract["storage_dtype"]
-        volume = HiddenVolume(tokens, len(aux_ids) + 1, info.hidden_size, dtype)
+        volume = HiddenVolume(tokens, len(aux_ids) + 1, info.hidden_size, cfg.storage_dtype)
         storage = check_storage(volume, out_dir, check)
     if check.problems:
         raise PreflightError(
@@ -164,7 +162,7 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
         "vllm": vllm_report,
         "warnings": check.warnings,
         "provenance": provenance(settings),
-        **mark(is_rehearsal(loaded)),  # the GPU stages after it run on random weights
+        **mark(cfg.rehearsal),  # the GPU stages after it run on random weights
     }
 
 

@@ -48,14 +48,6 @@ def key(kind: str, material: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _link_or_copy(src: Path, dest: Path) -> None:
     try:
         os.link(src, dest)

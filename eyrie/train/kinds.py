@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eyrie.formats.draft import BLOCK_METHODS
+from eyrie.arch.methods import BLOCK_METHODS
 
 # anchors per pack whose blocks a block drafter predicts in one forward (speculators' DFlash
 # default; its DSpark's is 3072 for its longer packs)

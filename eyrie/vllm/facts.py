@@ -331,7 +331,7 @@ def _read_block_drafts() -> dict[str, dict]:
     (draft_probe.block_draft) and the class it names inspected as _read_draft_classes does."""
     from vllm.model_executor.models import ModelRegistry
 
-    from eyrie.formats.draft import BLOCK_METHODS
+    from eyrie.arch.methods import BLOCK_METHODS
 
     out = {}
     for method in BLOCK_METHODS:

@@ -447,8 +447,9 @@ def test_prepare_puts_the_caches_under_cache_path_and_keeps_a_users_own(
     """cache.path: each compilation cache of CACHES in its folder there, for every job; a
     variable the user set wins, named in one line; no cache.path sets none."""
     monkeypatch.chdir(tmp_path)
-    for var in CACHES:
-        monkeypatch.delenv(var, raising=False)
+    for var in CACHES:  # set, then deleted: monkeypatch then removes what prepare sets
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     monkeypatch.setenv("TRITON_CACHE_DIR", "/mine/triton")
     prepare(str(REPO), "/venv/bin/python", [], None, "results/cache")
     assert os.environ["TRITON_CACHE_DIR"] == "/mine/triton"

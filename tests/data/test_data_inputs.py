@@ -14,13 +14,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from eyrie import cli as cli
+from eyrie.chat import inputs as inputs_mod
 from eyrie.chat import records as records_mod
+from eyrie.chat.inputs import read_records
 from eyrie.chat.records import RecordError, content_text, to_conversation
 from eyrie.chat.samples import MaskSettings, masked_samples, template_traits
+from eyrie.config.stages import DataSettings
 from eyrie.core.errors import DataError
-from eyrie.data import inputs as inputs_mod
-from eyrie.data.collect import DataSettings, collect_records
-from eyrie.data.inputs import read_records
+from eyrie.data.collect import collect_records
 from eyrie.data.tokenize import tokenize
 from tests.support.models import config_only_llama
 from tests.support.template_cases import CASES, family_tokenizer, standin_target, trained_text
@@ -509,7 +510,7 @@ def test_template_switches_reach_training_and_evaluation_prompts(tmp_path):
         )
     # the questions of eval.prompts likewise
     from eyrie.chat.template import ChatTemplate
-    from eyrie.data.questions import question_prompts
+    from eyrie.evaluate.questions import question_prompts
 
     tpl = ChatTemplate.load(target, kwargs={"enable_thinking": False})
     ((_, ids),) = question_prompts(tpl, [("q:1", "Why?")])

@@ -13,8 +13,9 @@ from eyrie import cli as cli
 from eyrie.chat.records import REASONS, RawRecord, RecordError, content_text, to_messages
 from eyrie.chat.samples import prompt_ids, render_with_mask
 from eyrie.chat.template import load_chat_tokenizer
+from eyrie.config.stages import DataSettings
 from eyrie.core.errors import DataError
-from eyrie.data.collect import LISTED_WHEN_SEEN, DataSettings, collect_records, tokenize_record
+from eyrie.data.collect import LISTED_WHEN_SEEN, collect_records, tokenize_record
 from eyrie.demo.tokenizer import CHAT_TEMPLATE, build_chat_tokenizer
 
 TEXTS = [

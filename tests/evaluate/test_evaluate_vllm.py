@@ -21,7 +21,7 @@ from eyrie import cli as cli
 from eyrie.arch.draft import DraftSpec, build_draft
 from eyrie.arch.target import fingerprint, read_config
 from eyrie.config.schema import validate_config
-from eyrie.config.sections import VllmSettings
+from eyrie.config.sections import VllmSettings, vllm_runtime
 from eyrie.core.errors import ConfigError, EvaluateError
 from eyrie.core.io import LAST_GOOD
 from eyrie.demo.tokenizer import build_chat_tokenizer
@@ -263,9 +263,9 @@ def test_settings_every_problem_at_once():
     with pytest.raises(
         EvaluateError, match="--gpu-memory-utilization: 0 is less than or equal to the min"
     ):
-        vllm_check.VllmEvalSettings.from_settings(settings(), gpu_memory_utilization=0)
+        vllm_check.VllmEvalSettings.from_settings(settings(), vllm_runtime(0, EvaluateError))
     cfg = vllm_check.VllmEvalSettings.from_settings(
-        {"eval": settings()["eval"], "vllm": {}}, gpu_memory_utilization=0.6
+        {"eval": settings()["eval"], "vllm": {}}, vllm_runtime(0.6)
     )
     assert (cfg.K, cfg.max_new_tokens, cfg.num_prompts) == (K, MAX_NEW, NUM_PROMPTS)
     assert cfg.vllm == VllmSettings.from_section({"gpu_memory_utilization": 0.6})
@@ -326,7 +326,8 @@ def test_requests_and_report(world, tmp_path, monkeypatch):
     stale = vllm_compare.diagnostic_path(tmp_path / "eval_vllm.json")
     stale.write_text("{}")
     out = tmp_path / "eval_vllm.json"
-    assert cli.main(stage_args(world, out) + ["--gpu-memory-utilization", "0.4"]) == 0
+    runtime = json.dumps({"vllm": {"gpu_memory_utilization": 0.4}})
+    assert cli.main(stage_args(world, out) + ["--runtime", runtime]) == 0
 
     base, spec = engines.requests["baseline"], engines.requests["speculative"]
     assert base["speculative_config"] is None
@@ -473,7 +474,8 @@ def test_workflow_rule_only_when_asked(tmp_path):
     assert "evaluate_vllm" not in plans[False]
     cmd = next(line for line in plans[True].splitlines() if "evaluate-vllm" in line)
     assert f"{REPO / '.venv-vllm/bin/python'} -m eyrie.cli evaluate-vllm" in cmd
-    assert "--gpu-memory-utilization 0.5" in cmd and "--hf-eval results/tiny/eval/eval.json" in cmd
+    runtime = '--runtime \'{"vllm":{"gpu_memory_utilization":0.5}}\''
+    assert runtime in cmd and "--hf-eval results/tiny/eval/eval.json" in cmd
     # only what changes the result is compared by the params trigger
     passed = json.loads(cmd.split("--settings '", 1)[1].split("'", 1)[0])
     assert passed == {

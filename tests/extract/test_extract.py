@@ -16,10 +16,11 @@ from transformers import AutoModelForCausalLM
 
 from eyrie.arch.target import inspect_target, tokenizer_hash
 from eyrie.config.schema import validate_config
+from eyrie.config.sections import ExtractSettings
 from eyrie.core.errors import EyrieError
 from eyrie.extract import hf as extract_stage_hf
 from eyrie.extract.batches import plan_batches
-from eyrie.extract.extractor import Extractor, ExtractSettings, backend_class, extract_shard
+from eyrie.extract.extractor import Extractor, backend_class, extract_shard
 from eyrie.extract.hf import HFBackend
 from eyrie.formats.hidden import ShardReader
 from eyrie.formats.tokenized import read_tokenized

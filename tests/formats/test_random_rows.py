@@ -1,4 +1,4 @@
-"""A rehearsal's random verifier rows (eyrie.formats.draft.random_rows): the training and the
+"""A rehearsal's random verifier rows (eyrie.arch.verifier.random_rows): the training and the
 export draw them in separate processes, which may run on different numbers of threads, and must
 get the same stand-in target."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from eyrie.formats.draft import ROW_BLOCK, SEED_BLOCKS, random_rows
+from eyrie.arch.verifier import ROW_BLOCK, SEED_BLOCKS, random_rows
 
 
 def test_the_same_rows_whatever_the_threads():

@@ -3,14 +3,15 @@ functions included:
 
 - an entry module (a stage of eyrie/cli.py's STAGES, or a module run by `python -m`) is imported
   by no eyrie module: entries are leaves, only the dispatcher reaches them, by name;
-- the library folders (LIBRARY: core, config, arch, formats, store, vllm, chat) import no stage
-  folder: the imports between folders point one way, from the stages down;
+- the library folders (LIBRARY, in order: core < arch < formats < store < chat < config < vllm)
+  import no stage folder, and none imports a folder after it in that order (imports inside
+  functions and under TYPE_CHECKING included): the imports between folders point one way, down;
 - no module that runs in the vLLM environment (VLLM_ENV: eyrie.vllm, the stages the rules run
   with vllm.python, the modules vLLM loads by name) reaches eyrie.train code;
 - the shard client (`eyrie extract`) and the extraction engine start without torch, numpy, h5py,
   pyarrow or transformers; the engine's module-level imports reach only the standard library;
-- module-level imports between eyrie modules, and the modules a table names for import by name
-  (extract.backend's BACKENDS), form no cycle.
+- module-level imports between eyrie modules, those under TYPE_CHECKING, and the modules a table
+  names for import by name (extract.backend's BACKENDS), form no cycle.
 
 and the layout of the tests: every folder of the package has its test folder, tests/<folder>/.
 
@@ -47,6 +48,7 @@ class Import:
     line: int
     module_level: bool  # runs when `source` is imported (not in a function, not TYPE_CHECKING)
     by_name: bool = False  # named in a table of modules imported when asked ("eyrie.x:Class")
+    typing_only: bool = False  # under `if TYPE_CHECKING:` (outside any function)
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line}: {self.source} imports {self.target}"
@@ -72,15 +74,14 @@ def _is_type_checking(node: ast.AST) -> bool:
     )
 
 
-def _walk(node: ast.AST, module_level: bool = True):
-    """(node, module_level) for every node under `node`."""
+def _walk(node: ast.AST, in_function: bool = False, typing_only: bool = False):
+    """(node, in_function, typing_only) for every node under `node`: whether it is inside a
+    function (runs when called) or under `if TYPE_CHECKING:` (read by type checkers only)."""
     for child in ast.iter_child_nodes(node):
-        inner = module_level and not (
-            isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            or _is_type_checking(child)
-        )
-        yield child, inner
-        yield from _walk(child, inner)
+        func = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        typing = typing_only or _is_type_checking(child)
+        yield child, func, typing
+        yield from _walk(child, func, typing)
 
 
 def _absolute(source: str, node: ast.ImportFrom) -> str:
@@ -133,8 +134,8 @@ def _by_name(tree: ast.Module) -> list[tuple[str, int]]:
 def imports_of(source: str) -> list[Import]:
     path = str(MODULES[source].relative_to(REPO))
     edges = [
-        Import(source, target, path, node.lineno, module_level)
-        for node, module_level in _walk(TREES[source])
+        Import(source, target, path, node.lineno, not func and not typing, typing_only=typing)
+        for node, func, typing in _walk(TREES[source])
         for target in _targets(source, node)
     ]
     named = [Import(source, t, path, line, False, True) for t, line in _by_name(TREES[source])]
@@ -264,14 +265,27 @@ def test_every_package_folder_has_its_test_folder():
     fail_if(missing, "package folders without their test folder:")
 
 
-LIBRARY = ("core", "config", "arch", "formats", "store", "vllm", "chat")
-STAGE_FOLDERS = ("data", "demo", "preflight", "extract", "train", "export", "evaluate")
+# the library folders, each importing only the ones before it (and itself)
+LIBRARY = ("core", "arch", "formats", "store", "chat", "config", "vllm")
+STAGE_FOLDERS = (
+    "data",
+    "demo",
+    "regenerate",
+    "preflight",
+    "extract",
+    "train",
+    "export",
+    "evaluate",
+)
+
+
+def folder(module: str) -> str:
+    """The folder of eyrie.<folder>.<module> ('' for eyrie itself and its top-level modules)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LIBRARY) else ""
 
 
 def test_library_folders_import_no_stage_folder():
-    def folder(module: str) -> str:
-        return module.split(".")[1] if module.count(".") >= 1 else ""
-
     assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
         *LIBRARY,
         *STAGE_FOLDERS,
@@ -370,11 +384,24 @@ def _cycle_from(start: str, graph: dict[str, list[Import]]) -> list[Import] | No
     return None
 
 
+def test_library_folders_import_only_the_folders_before_them():
+    rank = {name: i for i, name in enumerate(LIBRARY)}
+    bad = [
+        f"{edge} ({folder(edge.source)} is before {folder(edge.target)} in {' < '.join(LIBRARY)})"
+        for edge in IMPORTS
+        if edge.target.startswith("eyrie.")
+        and folder(edge.source) in rank
+        and folder(edge.target) in rank
+        and rank[folder(edge.target)] > rank[folder(edge.source)]
+    ]
+    fail_if(bad, "library folders import a folder after them (move the shared code down):")
+
+
 def test_no_import_cycles_between_eyrie_modules():
     graph: dict[str, list[Import]] = {}
     for edge in IMPORTS:
         if (
-            (edge.module_level or edge.by_name)
+            (edge.module_level or edge.typing_only or edge.by_name)
             and edge.target in MODULES
             and edge.target != edge.source
         ):

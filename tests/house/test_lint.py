@@ -89,7 +89,10 @@ KEPT_LINTS = {
     ("preflight", OUTSIDE.format("PREFLIGHT_RUNTIME")): "runtime only",
     ("preflight_regenerate", OUTSIDE.format("PREFLIGHT_REGENERATE_RUNTIME")): "runtime only",
     ("extract_hidden_states", OUTSIDE.format("config")): "engine_wait_s: runtime only",
-    ("evaluate_vllm", OUTSIDE.format("config")): "gpu_memory_utilization: runtime only",
+    (
+        "evaluate_vllm",
+        OUTSIDE.format("EVALUATE_VLLM_RUNTIME"),
+    ): "gpu_memory_utilization: runtime only",
     # The engine is a service: any params of its own would plan it without its shard jobs
     # (docs/extraction.md), so its command comes from globals and the shard jobs carry the triggers.
     **{

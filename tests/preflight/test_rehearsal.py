@@ -23,7 +23,7 @@ import yaml
 
 from eyrie import cli
 from eyrie.config.schema import cross_field_problems, validate_config
-from eyrie.config.sections import VllmSettings
+from eyrie.config.sections import ExtractSettings, VllmSettings
 from eyrie.core.errors import ExportError, ExtractError, PreflightError, ShardError
 from eyrie.core.rehearsal import draft_is_rehearsal, engine_kwargs
 from eyrie.evaluate import vllm_check as ev
@@ -380,11 +380,13 @@ def test_extraction_marks_a_rehearsal_shard_and_keys_it_apart(world, tmp_path, m
 
 
 def test_hugging_face_extraction_refuses_the_switch():
+    """The stage refuses it in the words of the dry run (one rule: cross_field_problems)."""
     with pytest.raises(ExtractError) as err:
-        extractor_mod.ExtractSettings.from_settings(extract_settings("hf", True))
+        ExtractSettings.from_settings(extract_settings("hf", True))
     assert str(err.value) == (
-        "invalid --settings: vllm.rehearsal: true but extract.backend is 'hf': only the vllm "
-        "backend builds the target with random weights; set extract.backend: vllm"
+        "invalid --settings: vllm.rehearsal: true but extract.backend is 'hf': a rehearsal runs "
+        "the vLLM engines on random weights, and the hf backend would load the real ones; set "
+        "extract.backend: vllm (docs/rehearsal.md)"
     )
 
 

@@ -237,7 +237,7 @@ def through_a_shard(root: Path, name: str, backend, prompts: list) -> list:
 
 def run_vllm(root: Path, kind: str, path: str) -> None:
     from eyrie.arch.target import inspect_target
-    from eyrie.extract.extractor import ExtractSettings
+    from eyrie.config.sections import ExtractSettings
     from eyrie.extract.vllm_backend import VllmBackend
     from eyrie.vllm.engine import EXTRACT_EXTRA, bounds
 

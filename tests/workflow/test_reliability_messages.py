@@ -533,7 +533,7 @@ def test_a_config_json_that_is_not_json_is_named_not_the_tokenizer(tmp_path):
 def test_a_cut_or_fake_gzip_input_is_one_line_naming_the_file(tmp_path):
     import gzip
 
-    from eyrie.data.inputs import read_records
+    from eyrie.chat.inputs import read_records
 
     lines = "".join(
         json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n" for i in range(3000)
@@ -553,9 +553,9 @@ def test_a_cut_or_fake_gzip_input_is_one_line_naming_the_file(tmp_path):
 def test_records_all_cut_by_max_seq_len_offer_raising_it(tmp_path):
     from types import SimpleNamespace
 
+    from eyrie.chat.inputs import RawRecord
     from eyrie.chat.records import RecordError
     from eyrie.data.collect import Tally
-    from eyrie.data.inputs import RawRecord
     from eyrie.data.tokenize import _require_enough
 
     tally = Tally(records_read=10)

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 from eyrie.arch.target import read_config
+from eyrie.chat.inputs import read_records
 from eyrie.chat.records import RawRecord, RecordError, to_conversation
 from eyrie.chat.template import ChatTemplate
-from eyrie.config.schema import load_settings, schema_default
+from eyrie.config.sections import RegenSettings
 from eyrie.core.errors import DataError
-from eyrie.core.io import atomic_path
-from eyrie.data.inputs import read_records
-from eyrie.data.regen_jobs import Generated, Job, Request
+from eyrie.core.io import atomic_path, file_sha256
+from eyrie.regenerate.jobs import Generated, Job, Request
 from eyrie.store import store
 from eyrie.store.fingerprint import content_digest
 
@@ -37,46 +37,6 @@ log = logging.getLogger(__name__)
 
 
 CHUNK_RECORDS = 1024  # records held at once: their rounds run together, then they are written
-
-
-@dataclass(frozen=True)
-class RegenSettings:
-    """The `regenerate` section (and data.non_text, data.chat_template_kwargs,
-    trust_remote_code), schema-checked."""
-
-    num_shards: int
-    backend: str
-    device: str
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    turns: str
-    thinking: str  # auto only: replaced by chat_template_kwargs, kept for finished runs' params
-    batch_size: int
-    non_text: str = "drop"
-    trust_remote_code: bool = False
-    chat_template_kwargs: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_settings(cls, settings: dict) -> "RegenSettings":
-        """The stage's --settings checked by the schema (every problem at once). `data` may be
-        absent: the workflow passes data.non_text and data.chat_template_kwargs only when they
-        differ from their defaults."""
-        loaded = load_settings(settings, ["regenerate"], DataError)
-        data = loaded.get("data") or {}
-        return cls(
-            **loaded["regenerate"],
-            non_text=data.get("non_text", schema_default("data.non_text")),
-            trust_remote_code=loaded["trust_remote_code"],
-            chat_template_kwargs=data.get(
-                "chat_template_kwargs", schema_default("data.chat_template_kwargs")
-            ),
-        )
-
-    @property
-    def sampled(self) -> bool:
-        return self.temperature > 0
 
 
 # ----------------------------------------------------------------------------- shards
@@ -265,10 +225,10 @@ def run_shard(args: argparse.Namespace, cfg: RegenSettings, load: Callable[[], B
 def _input_sha256(path: Path) -> str:
     """A conversations file's sha256; a `datasets` folder's, over its files' names and bytes."""
     if not path.is_dir():
-        return store.file_sha256(path)
+        return file_sha256(path)
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(f"{f.relative_to(path)}\0{store.file_sha256(f)}\0".encode())
+        h.update(f"{f.relative_to(path)}\0{file_sha256(f)}\0".encode())
     return h.hexdigest()
 
 

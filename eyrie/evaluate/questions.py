@@ -16,9 +16,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eyrie.config.stages import PromptSettings
 from eyrie.core.errors import DataError
 from eyrie.core.io import atomic_path
-from eyrie.data.jsonlines import read_json_lines
+from eyrie.core.jsonlines import read_json_lines
 from eyrie.formats.tokenized import EVAL_SCHEMA
 
 FORMAT = 'one JSON object a line: {"question_id": ..., "turns": ["first user turn", ...]}'
@@ -92,8 +93,7 @@ def run(args) -> int:
     from eyrie.chat.template import ChatTemplate
 
     questions = read_questions(args.questions)
-    trust = args.settings.get("trust_remote_code", False)
-    kwargs = (args.settings.get("data") or {}).get("chat_template_kwargs")
-    template = ChatTemplate.load(args.target, trust, kwargs)
+    cfg = PromptSettings.from_settings(args.settings)
+    template = ChatTemplate.load(args.target, cfg.trust_remote_code, cfg.chat_template_kwargs)
     write_eval_set(args.out, question_prompts(template, questions))
     return 0

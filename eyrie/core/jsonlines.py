@@ -1,7 +1,7 @@
 """The one reader of a JSON-lines file eyrie writes or is given by name (question.jsonl, the
 demo's conversations, the regenerate stage's shards): one JSON value a line, blank lines skipped,
 a line that is not JSON one error naming the file and the line. Conversation inputs, which may
-be compressed and keep a bad line as a dropped record, are read by eyrie.data.inputs instead.
+be compressed and keep a bad line as a dropped record, are read by eyrie.chat.inputs instead.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A record being regenerated (`Job`): its messages so far, the assistant turns still to do, and
 each turn's prompt (`Request`); a backend's response (`Generated`) put in place of its turn, a
-leading <think> block as its reasoning_content. The round loop: eyrie.data.regeneration.
+leading <think> block as its reasoning_content. The round loop: eyrie.regenerate.regeneration.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from eyrie.chat.records import Conversation, RecordError, _one_line, content_tex
 from eyrie.chat.template import ChatTemplate
 
 if TYPE_CHECKING:
-    from eyrie.data.regeneration import RegenSettings
+    from eyrie.config.sections import RegenSettings
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 LEADING_THINK = re.compile(r"^\s*<think>(.*?)</think>", re.S)

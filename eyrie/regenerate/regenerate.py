@@ -17,11 +17,12 @@ from pathlib import Path
 
 from eyrie.arch.loader import load_causal_lm
 from eyrie.chat.template import end_token_ids, load_chat_tokenizer
+from eyrie.config.sections import RegenSettings
 from eyrie.core.errors import DataError
 from eyrie.core.io import provenance
 from eyrie.core.runtime import auto_device, auto_dtype
-from eyrie.data.regen_jobs import Generated, split_at_end
-from eyrie.data.regeneration import RegenSettings, add_shard_arguments, run_shard, target_context
+from eyrie.regenerate.jobs import Generated, split_at_end
+from eyrie.regenerate.regeneration import add_shard_arguments, run_shard, target_context
 
 log = logging.getLogger(__name__)
 

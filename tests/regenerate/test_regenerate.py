@@ -15,18 +15,18 @@ import yaml
 
 from eyrie import cli
 from eyrie.chat.records import to_conversation
+from eyrie.config.sections import RegenSettings
 from eyrie.core.errors import DataError
-from eyrie.data import regenerate_vllm
-from eyrie.data.regen_jobs import Generated, Job, opens_think, parse_response, split_at_end
-from eyrie.data.regeneration import (
-    RegenSettings,
+from eyrie.demo.tokenizer import CHAT_TEMPLATE, build_chat_tokenizer
+from eyrie.regenerate import regenerate_vllm
+from eyrie.regenerate.jobs import Generated, Job, opens_think, parse_response, split_at_end
+from eyrie.regenerate.regeneration import (
     ShardPaths,
     Stats,
     regenerate_shard,
     run_rounds,
     shard_records,
 )
-from eyrie.demo.tokenizer import CHAT_TEMPLATE, build_chat_tokenizer
 from tests.support import REPO
 from tests.support.models import random_model, save_target, spread_weights, tiny_llama
 from tests.support.stages import stage_args
@@ -511,7 +511,7 @@ def test_vllm_backend_on_a_gpu_matches_hugging_face(tok, inputs, tmp_path):
 def test_the_workflow_gives_the_vllm_backend_its_engine_settings():
     from eyrie.config.rules import settings_param
     from eyrie.config.schema import validate_config
-    from eyrie.data.regenerate_vllm import parse_settings
+    from eyrie.regenerate.regenerate_vllm import parse_settings
 
     config = validate_config(
         {

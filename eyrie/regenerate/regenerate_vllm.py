@@ -2,7 +2,7 @@
 
 `{vllm.python} -m eyrie.cli regenerate-vllm --target DIR --inputs F [F ...] --shard S --out FILE
 --settings JSON [--gpu-memory-utilization F]` writes the same `shard_SSS.jsonl` as `eyrie
-regenerate` (eyrie.data.regeneration does all but the generation): one `vllm.LLM` with
+regenerate` (eyrie.regenerate.regeneration does all but the generation): one `vllm.LLM` with
 vllm.tensor_parallel_size GPUs, each round's prompts sent as token ids at once, sampled with the
 regenerate settings; a response that stops for its length is cut. Runs in the vLLM environment:
 never imports eyrie.train. docs/data.md#regeneration, docs/vllm.md.
@@ -16,13 +16,12 @@ import logging
 from pathlib import Path
 
 from eyrie.chat.template import end_token_ids, generation_eos, load_chat_tokenizer
-from eyrie.config.sections import VllmSettings, load_with_vllm
+from eyrie.config.sections import RegenSettings, VllmSettings, vllm_runtime
 from eyrie.core.errors import DataError
 from eyrie.core.io import provenance
-from eyrie.data.regen_jobs import Generated, split_at_end
-from eyrie.data.regeneration import (
+from eyrie.regenerate.jobs import Generated, split_at_end
+from eyrie.regenerate.regeneration import (
     CHUNK_RECORDS,
-    RegenSettings,
     add_shard_arguments,
     run_shard,
     target_context,
@@ -38,8 +37,10 @@ def parse_settings(
     """The regenerate and vllm sections (schema-checked, every problem at once);
     `gpu_memory_utilization` (the CLI flag, not compared by the workflow) wins over the
     section's."""
-    _, vllm = load_with_vllm(settings, ["regenerate"], DataError, gpu_memory_utilization)
-    cfg = RegenSettings.from_settings(settings)
+    if not isinstance(settings.get("vllm"), dict):
+        raise DataError("invalid --settings: vllm: missing; pass the config's vllm section")
+    cfg = RegenSettings.from_settings(settings, vllm_runtime(gpu_memory_utilization, DataError))
+    vllm = cfg.vllm
     if cfg.backend != "vllm":
         raise DataError(
             "regenerate.backend is hf: run `eyrie regenerate` (the workflow does), or set "

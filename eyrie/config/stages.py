@@ -1,0 +1,220 @@
+"""Typed settings of the stages that read no run id: tokenize (`data`), the evaluation prompts,
+evaluate, evaluate-vllm and preflight, each a frozen object built the one way every section is,
+`<Stage>Settings.from_settings(settings, runtime)`: the stage's --settings with its --runtime
+merged in (what the workflow reads but does not compare; {} when none), checked by the schema
+with its cross-field rules (eyrie.config.schema.load_settings), the autos resolved.
+
+`READS` of each section: the dotted config keys it reads, which tests/config/test_settings.py
+holds equal to what the rules table (eyrie.config.rules.TABLE) gives its rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+from eyrie.chat.samples import MaskSettings
+from eyrie.config.schema import load_settings, merge_settings, schema_default, vllm_uses
+from eyrie.config.sections import VllmSettings, load_with_vllm
+from eyrie.core.errors import DataError, EvaluateError, PreflightError
+from eyrie.core.rehearsal import is_rehearsal
+from eyrie.core.runtime import auto_device, auto_dtype
+
+TRUST = "target.trust_remote_code"
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """The `data` section (and trust_remote_code): what `eyrie tokenize` reads."""
+
+    max_seq_len: int
+    num_shards: int
+    num_eval: int
+    seed: int
+    strict: bool
+    mask_mode: str
+    train_reasoning: bool
+    non_text: str
+    regenerate: bool
+    chat_template_kwargs: dict
+    reasoning_parser: str | None
+    trust_remote_code: bool = False
+
+    READS: ClassVar[tuple[str, ...]] = (
+        "data.max_seq_len",
+        "data.num_shards",
+        "data.num_eval",
+        "data.seed",
+        "data.strict",
+        "data.mask_mode",
+        "data.train_reasoning",
+        "data.non_text",
+        "data.regenerate",
+        "data.chat_template_kwargs",
+        "data.reasoning_parser",
+        TRUST,
+    )
+
+    @classmethod
+    def from_settings(cls, settings: dict, runtime: dict | None = None) -> DataSettings:
+        """The `data` section, checked and defaulted by the schema (every problem at once)."""
+        loaded = load_settings(merge_settings(settings, runtime or {}), ["data"], DataError)
+        data = loaded["data"]
+        names = [f.name for f in fields(cls) if f.name != "trust_remote_code"]
+        return cls(**{n: data[n] for n in names}, trust_remote_code=loaded["trust_remote_code"])
+
+    @property
+    def mask(self) -> MaskSettings:
+        return MaskSettings(self.mask_mode, self.train_reasoning)
+
+
+@dataclass(frozen=True)
+class PromptSettings:
+    """What `eyrie eval-prompts` reads: the template switches and trust_remote_code."""
+
+    chat_template_kwargs: dict
+    trust_remote_code: bool
+
+    READS: ClassVar[tuple[str, ...]] = ("data.chat_template_kwargs", TRUST)
+
+    @classmethod
+    def from_settings(cls, settings: dict, runtime: dict | None = None) -> PromptSettings:
+        """Checked by the schema (a reserved switch is refused, as in the dry run)."""
+        loaded = load_settings(merge_settings(settings, runtime or {}), (), DataError)
+        kwargs = (loaded.get("data") or {}).get("chat_template_kwargs")
+        return cls(kwargs or {}, loaded["trust_remote_code"])
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """The `eval` section as `eyrie evaluate` reads it, the device and dtype resolved."""
+
+    K: int
+    max_new_tokens: int
+    num_prompts: int
+    device: str  # resolved: cpu | cuda
+    dtype: str  # resolved: float32 | bfloat16 | float16, the target's and the draft's
+    temperature: float  # > 0: also decoded by speculative sampling at it
+
+    READS: ClassVar[tuple[str, ...]] = (
+        "eval.num_speculative_tokens",
+        "eval.max_new_tokens",
+        "eval.num_prompts",
+        "eval.device",
+        "eval.dtype",
+        "eval.temperature",
+    )
+
+    @classmethod
+    def from_settings(cls, settings: dict, runtime: dict | None = None) -> EvalSettings:
+        """The eval settings, checked by the schema (every problem at once, each naming its
+        key), with the device resolved."""
+        loaded = load_settings(merge_settings(settings, runtime or {}), ["eval"], EvaluateError)
+        ev = loaded["eval"]
+        device = auto_device("eval.device", ev["device"], EvaluateError)
+        dtype = auto_dtype(ev["dtype"], device)
+        return cls(
+            ev["num_speculative_tokens"],
+            ev["max_new_tokens"],
+            ev["num_prompts"],
+            device,
+            dtype,
+            float(ev["temperature"]),
+        )
+
+
+@dataclass(frozen=True)
+class VllmEvalSettings:
+    """The eval settings `eyrie evaluate-vllm` reads, and the vllm section."""
+
+    K: int
+    max_new_tokens: int
+    num_prompts: int
+    vllm: VllmSettings  # vllm.max_model_len None: longest prompt + max_new_tokens + K
+    temperature: float = 0.0  # > 0: the speculative engine also samples every prompt at it
+
+    READS: ClassVar[tuple[str, ...]] = (
+        "eval.num_speculative_tokens",
+        "eval.max_new_tokens",
+        "eval.num_prompts",
+        "eval.temperature",
+        "vllm.tensor_parallel_size",
+        "vllm.gpu_memory_utilization",
+        "vllm.enforce_eager",
+        "vllm.dtype",
+        "vllm.max_model_len",
+        "vllm.max_num_batched_tokens",
+        "vllm.rehearsal",
+    )
+
+    @property
+    def rehearsal(self) -> bool:
+        """vllm.rehearsal: the target with random weights (docs/rehearsal.md)."""
+        return self.vllm.rehearsal
+
+    @classmethod
+    def from_settings(cls, settings: dict, runtime: dict | None = None) -> VllmEvalSettings:
+        """The eval and vllm settings, checked by the schema (every problem at once, each naming
+        its key); `runtime`'s vllm.gpu_memory_utilization is the workflow's (not compared)."""
+        merged = merge_settings(settings, runtime or {})
+        loaded, vllm = load_with_vllm(merged, ["eval"], EvaluateError)
+        ev = loaded["eval"]
+        return cls(
+            ev["num_speculative_tokens"],
+            ev["max_new_tokens"],
+            ev["num_prompts"],
+            vllm,
+            float(ev["temperature"]),
+        )
+
+
+@dataclass(frozen=True)
+class PreflightSettings:
+    """What `eyrie preflight` reads: the layers to extract, their storage, the tokenizer's
+    switches, and what vLLM is used for (its checks read `checked`'s eval and vllm sections)."""
+
+    aux_ids: list[int] | None
+    storage_dtype: str
+    trust_remote_code: bool
+    chat_template_kwargs: dict | None
+    rehearsal: bool
+    vllm_uses: list[str]  # eyrie.config.schema.vllm_uses: "extract", "eval"
+    regenerate_vllm: bool  # regenerate.backend: vllm: the vLLM environment is checked
+    checked: dict  # the settings checked and defaulted (eyrie.preflight.vllm_checks reads them)
+
+    # preflight and preflight_regenerate (the same checks before regeneration) between them
+    READS: ClassVar[tuple[str, ...]] = (
+        "layers.aux_ids",
+        "extract.storage_dtype",
+        "extract.backend",
+        TRUST,
+        "data.chat_template_kwargs",
+        "regenerate.backend",
+        "eval.vllm",
+        "eval.num_speculative_tokens",
+        "eval.max_new_tokens",
+        "vllm.python",
+        "vllm.extraction_path",
+        "vllm.tensor_parallel_size",
+        "vllm.gpu_memory_gib",
+        "vllm.gpu_memory_utilization",
+        "vllm.max_model_len",
+        "vllm.max_num_batched_tokens",
+        "vllm.rehearsal",
+    )
+
+    @classmethod
+    def from_settings(cls, settings: dict, runtime: dict | None = None) -> PreflightSettings:
+        """The settings and runtime merged, checked by the schema (every problem at once)."""
+        loaded = load_settings(merge_settings(settings, runtime or {}), (), PreflightError)
+        extract = loaded.get("extract") or {}
+        return cls(
+            aux_ids=(loaded.get("layers") or {}).get("aux_ids"),
+            storage_dtype=extract.get("storage_dtype", schema_default("extract.storage_dtype")),
+            trust_remote_code=loaded["trust_remote_code"],
+            chat_template_kwargs=(loaded.get("data") or {}).get("chat_template_kwargs"),
+            rehearsal=is_rehearsal(loaded),
+            vllm_uses=vllm_uses(loaded),
+            regenerate_vllm=(loaded.get("regenerate") or {}).get("backend") == "vllm",
+            checked=loaded,
+        )
