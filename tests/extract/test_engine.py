@@ -350,7 +350,6 @@ def test_failed_model_load_reaches_every_client(tmp_path):
     assert placeholder_left(sock)
 
 
-@pytest.mark.slow
 def test_sigterm_during_load_exits_promptly_and_the_client_hears_it(tmp_path):
     target, shard, preflight, _, _ = build_case(tmp_path, "llama")
     sock, log = tmp_path / "e.sock", tmp_path / "engine.log"
