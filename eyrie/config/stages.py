@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from eyrie.chat.samples import MaskSettings
 from eyrie.config.schema import load_settings, merge_settings, schema_default, vllm_uses
-from eyrie.config.sections import VllmSettings, load_with_vllm
+from eyrie.config.sections import ENGINE_KEYS, VllmSettings, load_with_vllm
 from eyrie.core.errors import DataError, EvaluateError, PreflightError
 from eyrie.core.rehearsal import is_rehearsal
 from eyrie.core.runtime import auto_device, auto_dtype
@@ -138,12 +138,7 @@ class VllmEvalSettings:
         "eval.max_new_tokens",
         "eval.num_prompts",
         "eval.temperature",
-        "vllm.tensor_parallel_size",
-        "vllm.gpu_memory_utilization",
-        "vllm.enforce_eager",
-        "vllm.dtype",
-        "vllm.max_model_len",
-        "vllm.max_num_batched_tokens",
+        *ENGINE_KEYS,
         "vllm.rehearsal",
     )
 
