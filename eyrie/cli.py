@@ -1,6 +1,7 @@
 """`eyrie <stage> ...`: one entry per workflow rule. Each stage module provides
-`add_arguments(parser)` (its own arguments) and `run(args)`; this layer declares `--threads` and
-each stage's `--settings JSON` (parsed into args.settings), parses, and reports errors: an
+`add_arguments(parser)` (its own arguments) and `run(args)`; this layer declares `--threads`,
+each stage's `--settings JSON` (parsed into args.settings) and, for the stages in RUNTIME, its
+`--runtime JSON` (parsed into args.runtime), parses, and reports errors: an
 EyrieError, or an OSError the user fixes (a full disk, a read-only or forbidden folder), as one
 line with its fix (exit 2), anything else with its type and traceback (exit 1)."""
 
@@ -97,6 +98,16 @@ STAGES = {
 }
 # Stages whose --settings may be left out (default {}): preflight checks a folder by hand too.
 SETTINGS_OPTIONAL = ("preflight",)
+# Stages that take `--runtime JSON`: settings the workflow passes in the command text, not in
+# params.settings (eyrie.config.rules.runtime_settings: changing them reruns nothing), which the
+# stage merges into its --settings (`<Stage>Settings.from_settings(settings, runtime)`); and what
+# each reads there.
+RUNTIME = {
+    "preflight": "what preflight reads but the workflow does not compare (eval.vllm, "
+    "vllm.python, GPU memory)",
+    "evaluate-vllm": "what the workflow reads but does not compare "
+    "(vllm.gpu_memory_utilization: it changes no result)",
+}
 
 
 # Logged at the start of a stage when set: the SLURM job and the GPUs the job saw.
@@ -137,6 +148,8 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
             importlib.import_module(module).add_arguments(p)
             if settings_help is not None:
                 add_settings(p, settings_help, required=name not in SETTINGS_OPTIONAL)
+            if name in RUNTIME:
+                add_runtime(p, RUNTIME[name])
     return parser
 
 
@@ -145,6 +158,17 @@ def add_settings(parser: argparse.ArgumentParser, help_text: str, required: bool
     into args.settings (a dict; {} when an optional one is left out)."""
     extra = {"required": True} if required else {"default": {}}
     parser.add_argument("--settings", type=settings_arg, help=help_text, **extra)
+
+
+def add_runtime(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """A stage's `--runtime JSON`, declared here for every stage in RUNTIME the same way: parsed
+    once into args.runtime (a dict; {} when left out)."""
+    parser.add_argument(
+        "--runtime",
+        type=settings_arg,
+        default={},
+        help=f"JSON merged into --settings: {help_text}",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

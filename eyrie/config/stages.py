@@ -1,5 +1,6 @@
-"""Typed settings of the stages that read no run id: tokenize (`data`), the evaluation prompts,
-evaluate, evaluate-vllm and preflight, each a frozen object built the one way every section is,
+"""Typed settings of the stages that read no run id: the demo's two (conversations, target),
+tokenize (`data`), the vocabulary map, the evaluation prompts, evaluate, evaluate-vllm and
+preflight, each a frozen object built the one way every section is,
 `<Stage>Settings.from_settings(settings, runtime)`: the stage's --settings with its --runtime
 merged in (what the workflow reads but does not compare; {} when none), checked by the schema
 with its cross-field rules (eyrie.config.schema.load_settings), the autos resolved.
@@ -16,11 +17,90 @@ from typing import ClassVar
 from eyrie.chat.samples import MaskSettings
 from eyrie.config.schema import load_settings, merge_settings, schema_default, vllm_uses
 from eyrie.config.sections import ENGINE_KEYS, VllmSettings, load_with_vllm
-from eyrie.core.errors import DataError, EvaluateError, PreflightError
+from eyrie.core.errors import DataError, DemoError, EvaluateError, PreflightError, VocabError
 from eyrie.core.rehearsal import is_rehearsal
 from eyrie.core.runtime import auto_device, auto_dtype
 
 TRUST = "target.trust_remote_code"
+
+
+@dataclass(frozen=True)
+class DemoConversationsSettings:
+    """What `eyrie demo-conversations` reads: how many conversations, from which seed."""
+
+    seed: int
+    num_conversations: int
+
+    READS: ClassVar[tuple[str, ...]] = ("demo.seed", "demo.num_conversations")
+
+    @classmethod
+    def from_settings(
+        cls, settings: dict, runtime: dict | None = None
+    ) -> DemoConversationsSettings:
+        """The `demo` section, checked and defaulted by the schema (every problem at once)."""
+        demo = load_settings(merge_settings(settings, runtime or {}), ["demo"], DemoError)["demo"]
+        return cls(**{f.name: demo[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class DemoTargetSettings:
+    """The `demo` section as `eyrie demo-target` reads it: the small Llama and its training.
+    `device` as given (cpu | cuda | auto): the stage resolves it once the data are ready."""
+
+    seed: int
+    vocab_size: int  # the BPE's size (it may stop below it: the texts have no more merges)
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    train_steps: int
+    batch_size: int  # windows of seq_len tokens per step
+    seq_len: int
+    learning_rate: float  # AdamW's peak (warmup, then cosine decay)
+    device: str
+
+    # its fields (below the class)
+    READS: ClassVar[tuple[str, ...]]
+
+    @classmethod
+    def from_settings(cls, settings: dict, runtime: dict | None = None) -> DemoTargetSettings:
+        """The `demo` section, checked and defaulted by the schema, then the shapes a Llama
+        needs (every problem at once, each naming its keys)."""
+        demo = load_settings(merge_settings(settings, runtime or {}), ["demo"], DemoError)["demo"]
+        problems = demo_shape_problems(demo)
+        if problems:
+            raise DemoError("invalid --settings: " + "; ".join(problems))
+        return cls(**{f.name: demo[f.name] for f in fields(cls)})
+
+
+DemoTargetSettings.READS = tuple(f"demo.{f.name}" for f in fields(DemoTargetSettings))
+
+
+def demo_shape_problems(demo: dict) -> list[str]:
+    """The demo.* keys whose values cannot build a Llama, one line each."""
+    hidden, heads, kv = (
+        demo["hidden_size"],
+        demo["num_attention_heads"],
+        demo["num_key_value_heads"],
+    )
+    problems = []
+    if hidden % heads:
+        problems.append(
+            f"demo.hidden_size={hidden} is not divisible by demo.num_attention_heads={heads}; "
+            "change one of them"
+        )
+    elif (hidden // heads) % 2:
+        problems.append(
+            f"demo.hidden_size / demo.num_attention_heads = {hidden // heads} must be even "
+            "(rotary embeddings)"
+        )
+    if heads % kv:
+        problems.append(
+            f"demo.num_attention_heads={heads} is not divisible by demo.num_key_value_heads={kv}; "
+            "change one of them"
+        )
+    return problems
 
 
 @dataclass(frozen=True)
@@ -66,6 +146,21 @@ class DataSettings:
     @property
     def mask(self) -> MaskSettings:
         return MaskSettings(self.mask_mode, self.train_reasoning)
+
+
+@dataclass(frozen=True)
+class VocabSettings:
+    """What `eyrie vocab` reads: how many target ids the draft's lm_head predicts."""
+
+    draft_vocab_size: int
+
+    READS: ClassVar[tuple[str, ...]] = ("vocab.draft_vocab_size",)
+
+    @classmethod
+    def from_settings(cls, settings: dict, runtime: dict | None = None) -> VocabSettings:
+        """The `vocab` section, checked and defaulted by the schema."""
+        vocab = load_settings(merge_settings(settings, runtime or {}), ["vocab"], VocabError)
+        return cls(vocab["vocab"]["draft_vocab_size"])
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,10 @@ class ConversationsError(EyrieError):
     """The demo conversations file is missing or malformed (eyrie.demo)."""
 
 
+class DemoError(EyrieError):
+    """The embedded demo's settings, and the target it builds and trains (eyrie.demo)."""
+
+
 def os_error_of(exc: BaseException) -> tuple[int | None, object, str | None]:
     """(errno, filename, strerror) of an OSError, or of safetensors' SafetensorError, which
     carries the errno in its message only ("... (os error 28)"); (None, None, None) otherwise."""

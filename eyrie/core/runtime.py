@@ -1,7 +1,9 @@
-"""What every stage's process shares: its CPU threads, its --settings argument, its error lines.
+"""What every stage's process shares: its CPU threads, its --settings and --runtime arguments,
+its error lines.
 
 `usable_threads` / `set_torch_threads` cap torch's threads at the CPUs this process may run on;
-`settings_arg` parses a stage's `--settings JSON` (an object); `auto_device` resolves a
+`settings_arg` parses a stage's `--settings JSON` and `--runtime JSON` (an object each: the CLI
+declares both, eyrie.cli); `auto_device` resolves a
 `*.device` setting; `describe` gives an exception's message, never an empty one;
 `cache_environment` names the compilation caches' folders and `UNUSED_FRAMEWORKS` the frameworks
 no stage imports. The CLI and the stage entries use these; none imports a stage.
@@ -117,11 +119,12 @@ def describe(exc: BaseException) -> str:
 
 
 def settings_arg(text: str) -> dict:
-    """argparse type of `--settings`: a JSON object."""
+    """argparse type of `--settings` and `--runtime`: a JSON object (argparse's error names the
+    flag: `argument --runtime: not JSON: ...`)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--settings is not JSON: {exc}") from exc
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--settings must be a JSON object")
+        raise argparse.ArgumentTypeError("must be a JSON object")
     return value

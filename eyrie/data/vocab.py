@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file, save_file
 
+from eyrie.config.stages import VocabSettings
 from eyrie.core.errors import VocabError
 from eyrie.core.io import atomic_path, provenance, write_json
 
@@ -127,7 +128,7 @@ def build_vocab(
     """The whole stage: write `out` (d2t, t2d) and vocab.json beside it; return the stats."""
     from eyrie.arch.target import inspect_target
 
-    size = _draft_vocab_size(settings)
+    size = VocabSettings.from_settings(settings).draft_vocab_size
     if not shards:
         raise VocabError("no tokenized shards given; pass --shards shard_000.parquet ...")
     vocab_size = inspect_target(target).vocab_size
@@ -164,14 +165,6 @@ def build_vocab(
         out,
     )
     return stats
-
-
-def _draft_vocab_size(settings: dict) -> int:
-    vocab = settings.get("vocab")
-    size = vocab.get("draft_vocab_size") if isinstance(vocab, dict) else None
-    if type(size) is not int or size < 1:
-        raise VocabError(f"vocab.draft_vocab_size={size!r}: must be a positive integer")
-    return size
 
 
 def _coverage(counts: np.ndarray, draft_ids: np.ndarray) -> dict:

@@ -22,9 +22,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyrie.config.stages import DemoConversationsSettings
 from eyrie.core.errors import ConversationsError
 from eyrie.core.io import atomic_path, provenance, write_json
-from eyrie.demo.corpus import demo_settings, read_conversations
+from eyrie.demo.corpus import read_conversations
 
 log = logging.getLogger(__name__)
 
@@ -305,14 +306,12 @@ def make_conversations(entries: list[DocEntry], num: int, seed: int) -> list[dic
 
 # ----------------------------------------------------------------------------- CLI
 
-SETTINGS_KEYS = ("seed", "num_conversations")
-
 
 def write_conversations(out: str | Path, settings: dict) -> dict:
     """Generate and atomically write the conversations; return stats (also in the provenance)."""
-    demo = demo_settings(settings, SETTINGS_KEYS)
+    cfg = DemoConversationsSettings.from_settings(settings)
     entries, skipped = harvest()
-    conversations = make_conversations(entries, int(demo["num_conversations"]), int(demo["seed"]))
+    conversations = make_conversations(entries, cfg.num_conversations, cfg.seed)
     out = Path(out)
     with atomic_path(out) as tmp:
         with tmp.open("w", encoding="utf-8") as f:

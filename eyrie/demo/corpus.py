@@ -1,7 +1,8 @@
-"""The demo's shared pieces: its conversations file read back and its settings section.
+"""The demo's conversations file read back.
 
-Both demo stages use them (`eyrie demo-conversations` checks what it wrote, `eyrie demo-target`
+Both demo stages use it (`eyrie demo-conversations` checks what it wrote, `eyrie demo-target`
 trains on it); the file is OpenAI-form JSONL, one `{"messages": [...]}` per line (docs/data.md).
+Their settings are eyrie.config.stages' DemoConversationsSettings and DemoTargetSettings.
 """
 
 from __future__ import annotations
@@ -9,18 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eyrie.config.schema import load_settings
-from eyrie.core.errors import ConversationsError, EyrieError
+from eyrie.core.errors import ConversationsError
 from eyrie.core.jsonlines import read_json_lines
 
 ROLES = ("system", "user", "assistant")
-
-
-def demo_settings(settings: dict, keys: tuple[str, ...]) -> dict:
-    """settings["demo"] checked and defaulted by the schema: the keys given, and `keys`."""
-    demo = load_settings(settings, ["demo"], EyrieError)["demo"]
-    given = settings["demo"]
-    return {k: v for k, v in demo.items() if k in given or k in keys}
 
 
 def check_messages(messages, where: str) -> None:

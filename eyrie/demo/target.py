@@ -15,7 +15,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -26,57 +26,20 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from eyrie.core.errors import EyrieError
+from eyrie.config.stages import DemoTargetSettings
+from eyrie.core.errors import DemoError
 from eyrie.core.io import atomic_path, provenance, write_json
 from eyrie.core.runtime import auto_device
-from eyrie.demo.corpus import demo_settings, read_conversations
+from eyrie.demo.corpus import read_conversations
 from eyrie.demo.tokenizer import build_chat_tokenizer
 
 log = logging.getLogger(__name__)
 
-SETTINGS_KEYS = (
-    "seed",
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "train_steps",
-    "batch_size",
-    "seq_len",
-    "learning_rate",
-    "device",
-)
 MAX_POSITION_EMBEDDINGS = 4096  # well above any demo sequence (data.max_seq_len, eval prompts)
 HELD_OUT_FRACTION = 0.02  # conversations kept out of training for the held-out loss
 MAX_EVAL_WINDOWS = 16
 LOG_EVERY = 10
 SAMPLE_NEW_TOKENS = 64
-
-
-class DemoTargetError(EyrieError):
-    pass
-
-
-def check_shapes(demo: dict) -> None:
-    """Raise one error naming the demo.* key whose value cannot build a Llama."""
-    heads, kv = demo["num_attention_heads"], demo["num_key_value_heads"]
-    if demo["hidden_size"] % heads:
-        raise DemoTargetError(
-            f"demo.hidden_size={demo['hidden_size']} is not divisible by "
-            f"demo.num_attention_heads={heads}; change one of them"
-        )
-    if (demo["hidden_size"] // heads) % 2:
-        raise DemoTargetError(
-            f"demo.hidden_size / demo.num_attention_heads = "
-            f"{demo['hidden_size'] // heads} must be even (rotary embeddings)"
-        )
-    if heads % kv:
-        raise DemoTargetError(
-            f"demo.num_attention_heads={heads} is not divisible by "
-            f"demo.num_key_value_heads={kv}; change one of them"
-        )
 
 
 def num_threads() -> int:
@@ -87,14 +50,14 @@ def num_threads() -> int:
         return os.cpu_count() or 1
 
 
-def build_config(demo: dict, tokenizer) -> LlamaConfig:
+def build_config(demo: DemoTargetSettings, tokenizer) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=demo["hidden_size"],
-        intermediate_size=demo["intermediate_size"],
-        num_hidden_layers=demo["num_hidden_layers"],
-        num_attention_heads=demo["num_attention_heads"],
-        num_key_value_heads=demo["num_key_value_heads"],
+        hidden_size=demo.hidden_size,
+        intermediate_size=demo.intermediate_size,
+        num_hidden_layers=demo.num_hidden_layers,
+        num_attention_heads=demo.num_attention_heads,
+        num_key_value_heads=demo.num_key_value_heads,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
@@ -189,19 +152,21 @@ class DemoTraining:
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
-def prepare_data(conversations_path: str | Path, demo: dict, threads: int) -> DemoData:
+def prepare_data(
+    conversations_path: str | Path, demo: DemoTargetSettings, threads: int
+) -> DemoData:
     """Train the tokenizer, split off the held-out conversations, tokenize and pack the rest."""
-    seed, seq_len = int(demo["seed"]), int(demo["seq_len"])
+    seed, seq_len = demo.seed, demo.seq_len
     conversations = read_conversations(conversations_path)
     tokenizer = build_chat_tokenizer(
         (text for conv in conversations for m in conv for text in (m["role"], m["content"])),
-        demo["vocab_size"],
+        demo.vocab_size,
     )
-    if len(tokenizer) < demo["vocab_size"]:
+    if len(tokenizer) < demo.vocab_size:
         log.info(
             "BPE stopped at %d tokens (< demo.vocab_size=%d): the texts have no more merges",
             len(tokenizer),
-            demo["vocab_size"],
+            demo.vocab_size,
         )
     order = list(range(len(conversations)))
     random.Random(seed).shuffle(order)
@@ -210,7 +175,7 @@ def prepare_data(conversations_path: str | Path, demo: dict, threads: int) -> De
     token_lists = tokenize_conversations(tokenizer, conversations)
     windows = pack([token_lists[i] for i in train_idx], seq_len)  # [W, seq_len] int64
     if len(windows) == 0:
-        raise DemoTargetError(
+        raise DemoError(
             f"{conversations_path}: fewer than demo.seq_len={seq_len} training "
             "tokens; raise demo.num_conversations or lower demo.seq_len"
         )
@@ -229,30 +194,32 @@ def prepare_data(conversations_path: str | Path, demo: dict, threads: int) -> De
     return DemoData(conversations, tokenizer, token_lists, held_idx, train_idx, windows, num_tokens)
 
 
-def build_training(demo: dict, tokenizer, device: str = "cpu") -> DemoTraining:
+def build_training(demo: DemoTargetSettings, tokenizer, device: str = "cpu") -> DemoTraining:
     """A Llama from scratch (seeded with demo.seed) on `device`, AdamW and the warmup + cosine
     schedule."""
-    steps = int(demo["train_steps"])
-    torch.manual_seed(int(demo["seed"]))
+    steps = demo.train_steps
+    torch.manual_seed(demo.seed)
     model = LlamaForCausalLM(build_config(demo, tokenizer)).to(device)
     model.train()
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=demo["learning_rate"], betas=(0.9, 0.95), weight_decay=0.01
+        model.parameters(), lr=demo.learning_rate, betas=(0.9, 0.95), weight_decay=0.01
     )
     warmup = max(1, min(100, steps // 10))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup, steps))
     return DemoTraining(model, optimizer, scheduler)
 
 
-def train_steps(training: DemoTraining, windows: torch.Tensor, demo: dict) -> list[dict]:
+def train_steps(
+    training: DemoTraining, windows: torch.Tensor, demo: DemoTargetSettings
+) -> list[dict]:
     """demo.train_steps steps over shuffled windows (reshuffled when they run out); returns the
     loss curve (a point every LOG_EVERY steps and at the last)."""
     model, optimizer = training.model, training.optimizer
-    seed, steps = int(demo["seed"]), int(demo["train_steps"])
+    seed, steps = demo.seed, demo.train_steps
     gen = torch.Generator().manual_seed(seed)
     perm, cursor = torch.randperm(len(windows), generator=gen), 0
     curve, t_log, tokens_since = [], time.perf_counter(), 0
-    batch_size = min(int(demo["batch_size"]), len(windows))
+    batch_size = min(demo.batch_size, len(windows))
     for step in range(steps):
         if cursor + batch_size > len(perm):
             perm, cursor = torch.randperm(len(windows), generator=gen), 0
@@ -260,7 +227,7 @@ def train_steps(training: DemoTraining, windows: torch.Tensor, demo: dict) -> li
         cursor += batch_size
         loss = model(input_ids=batch, labels=batch).loss
         if not torch.isfinite(loss):
-            raise DemoTargetError(
+            raise DemoError(
                 f"demo target loss became {loss.item()} at step {step}; lower demo.learning_rate"
             )
         optimizer.zero_grad(set_to_none=True)
@@ -303,21 +270,20 @@ def held_out(model, data: DemoData, seq_len: int) -> tuple[float | None, dict | 
 
 def train_target(conversations_path: str | Path, out_dir: str | Path, settings: dict) -> dict:
     """Build, train and save the demo target; return the training summary (demo_training.json)."""
-    demo = demo_settings(settings, SETTINGS_KEYS)
-    check_shapes(demo)
+    demo = DemoTargetSettings.from_settings(settings)
     t0 = time.perf_counter()
     threads = num_threads()
     torch.set_num_threads(threads)
     data = prepare_data(conversations_path, demo, threads)
-    device = auto_device("demo.device", demo.get("device", "cpu"), DemoTargetError)
+    device = auto_device("demo.device", demo.device, DemoError)
     training = build_training(demo, data.tokenizer, device)
     model, tokenizer = training.model, data.tokenizer
     num_params = sum(p.numel() for p in model.parameters())
     curve = train_steps(training, data.windows, demo)
     train_wall = time.perf_counter() - t0
-    eval_loss, sample = held_out(model, data, int(demo["seq_len"]))
+    eval_loss, sample = held_out(model, data, demo.seq_len)
     summary = {
-        "settings": demo,
+        "settings": asdict(demo),  # as the stage read them
         "vocab_size": len(tokenizer),
         "ln_vocab": math.log(len(tokenizer)),
         "num_parameters": num_params,
@@ -365,9 +331,9 @@ def _validate_folder(path: Path, model) -> None:
     reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(path)
     if not tok.chat_template:
-        raise DemoTargetError(f"{path}: saved tokenizer has no chat template")
+        raise DemoError(f"{path}: saved tokenizer has no chat template")
     if not torch.equal(reloaded.lm_head.weight, model.lm_head.weight.cpu()):
-        raise DemoTargetError(f"{path}: reloaded weights differ from the trained ones")
+        raise DemoError(f"{path}: reloaded weights differ from the trained ones")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

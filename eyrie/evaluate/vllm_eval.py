@@ -19,7 +19,6 @@ import logging
 import sys
 
 from eyrie.core.io import keep_last_good, write_json
-from eyrie.core.runtime import settings_arg
 from eyrie.evaluate.vllm_check import VllmEvalPaths, plan_evaluation
 from eyrie.evaluate.vllm_compare import check_outputs_equal
 from eyrie.evaluate.vllm_report import build_report
@@ -54,6 +53,7 @@ def evaluate_vllm(paths: VllmEvalPaths, settings: dict, runtime: dict | None = N
 
 
 def add_arguments(parser) -> None:
+    """Its own arguments; --settings and --runtime are the CLI's (eyrie.cli)."""
     parser.add_argument("--target", required=True, help="target model folder")
     parser.add_argument("--draft", required=True, help="exported draft folder (speculators format)")
     parser.add_argument("--eval-set", required=True, help="eval.parquet with prompt_ids")
@@ -64,13 +64,6 @@ def add_arguments(parser) -> None:
         "stop token); required but in a rehearsal (vllm.rehearsal: true)",
     )
     parser.add_argument("--out", required=True, help="eval_vllm.json to write")
-    parser.add_argument(
-        "--runtime",
-        type=settings_arg,
-        default={},
-        help="JSON merged into --settings: what the workflow reads but does not compare "
-        "(vllm.gpu_memory_utilization: it changes no result)",
-    )
 
 
 def run(args) -> int:

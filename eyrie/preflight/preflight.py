@@ -167,18 +167,10 @@ def preflight(target: Path, tokenize_report: Path | None, out_dir: Path, setting
 
 
 def add_arguments(p) -> None:
-    from eyrie.core.runtime import settings_arg
-
+    """Its own arguments; --settings and --runtime are the CLI's (eyrie.cli)."""
     p.add_argument("--target", type=Path, required=True, help="target model folder")
     p.add_argument("--tokenize-report", type=Path, help="report.json of the tokenize stage")
     p.add_argument("--out", type=Path, required=True, help="preflight report (JSON)")
-    p.add_argument(
-        "--runtime",
-        type=settings_arg,
-        default={},
-        help="JSON merged into --settings: what preflight reads but the workflow does not "
-        "compare (eval.vllm, vllm.python, GPU memory)",
-    )
 
 
 def run(args) -> int:

@@ -20,10 +20,13 @@ from eyrie.config.schema import (
 from eyrie.config.sections import ExtractSettings, RegenSettings, TrainSettings
 from eyrie.config.stages import (
     DataSettings,
+    DemoConversationsSettings,
+    DemoTargetSettings,
     EvalSettings,
     PreflightSettings,
     PromptSettings,
     VllmEvalSettings,
+    VocabSettings,
 )
 from eyrie.core.errors import ConfigError, EyrieError
 
@@ -84,7 +87,10 @@ def test_a_reserved_template_keyword_fails_the_dry_run_in_one_line(tmp_path):
 
 # the section each rule's stage builds its settings into
 SECTIONS = {
+    "build_demo_conversations": DemoConversationsSettings,
+    "build_demo_target": DemoTargetSettings,
     "tokenize_conversations": DataSettings,
+    "build_vocab_map": VocabSettings,
     "regenerate_responses": RegenSettings,
     "preflight": PreflightSettings,
     "preflight_regenerate": PreflightSettings,
@@ -106,8 +112,6 @@ BESIDE = {
     # the shard job's --engine-wait-s: how long it waits for its engine
     "extract_hidden_states": {"extract.engine_wait_s"},
 }
-# the demo stages and the vocabulary map read their one section by hand (not yet sections)
-NOT_YET = {"build_demo_conversations", "build_demo_target", "build_vocab_map"}
 
 
 def every_condition() -> dict:
@@ -136,7 +140,7 @@ def test_each_rules_settings_are_what_its_section_reads():
     its stage's section reads, besides BESIDE's; a section several rules share, between them."""
     config = every_condition()
     rules = {entry.partition("?")[0] for row in TABLE for entry in (*row.compared, *row.read)}
-    assert rules == set(SECTIONS) | NOT_YET
+    assert rules == set(SECTIONS)
     taken: dict = {}
     for rule, section in SECTIONS.items():
         keys = rule_keys(config, rule) - BESIDE.get(rule, set())
@@ -159,3 +163,24 @@ def dotted(settings: dict) -> set[str]:
         for name, value in settings.items()
         for key in (value if isinstance(value, dict) else [None])
     }
+
+
+def test_the_demo_targets_shapes_are_refused_together_and_by_key():
+    shapes = {"hidden_size": 30, "num_attention_heads": 4, "num_key_value_heads": 3}
+    with pytest.raises(EyrieError) as err:
+        DemoTargetSettings.from_settings({"demo": shapes})
+    assert str(err.value) == (
+        "invalid --settings: demo.hidden_size=30 is not divisible by demo.num_attention_heads=4; "
+        "change one of them; demo.num_attention_heads=4 is not divisible by "
+        "demo.num_key_value_heads=3; change one of them"
+    )
+    with pytest.raises(EyrieError, match="demo.hidden_size / demo.num_attention_heads = 3 must"):
+        DemoTargetSettings.from_settings({"demo": {"hidden_size": 12, "num_attention_heads": 4}})
+
+
+def test_the_vocab_section_is_the_schemas():
+    assert VocabSettings.from_settings({"vocab": {}}).draft_vocab_size == 1024  # its default
+    with pytest.raises(EyrieError, match="vocab.draft_vocab_size: 1 is less than the minimum of 2"):
+        VocabSettings.from_settings({"vocab": {"draft_vocab_size": 1}})
+    with pytest.raises(EyrieError, match="vocab: missing; pass the config's vocab section"):
+        VocabSettings.from_settings({})

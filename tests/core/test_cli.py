@@ -1,5 +1,5 @@
-"""The CLI layer: thread counts never exceed the CPUs the process may use; --settings is the
-cli's, once for every stage."""
+"""The CLI layer: thread counts never exceed the CPUs the process may use; --settings and
+--runtime are the cli's, each declared once for every stage that takes it."""
 
 import argparse
 import importlib
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from eyrie.cli import STAGES, build_parser
+from eyrie.cli import RUNTIME, STAGES, build_parser
 from eyrie.core.runtime import usable_threads
 
 
@@ -36,3 +36,22 @@ def test_settings_is_declared_once_by_the_cli_after_the_stage_name():
         build_parser("vocab").parse_args([*argv, "--settings", "[1]"])
     args = build_parser("preflight").parse_args(["preflight", "--target", "t", "--out", "o"])
     assert args.settings == {}
+
+
+def test_runtime_is_declared_once_by_the_cli_for_the_stages_that_take_it():
+    """--runtime (what the workflow reads but does not compare) is parsed the same way for every
+    stage that takes it: a JSON object into args.runtime, {} when left out."""
+    assert set(RUNTIME) <= set(STAGES)
+    for stage, (module, _, _) in STAGES.items():
+        own = argparse.ArgumentParser()
+        importlib.import_module(module).add_arguments(own)
+        assert "--runtime" not in own._option_string_actions, module  # the cli declares it
+        sub = build_parser(stage)._subparsers._group_actions[0].choices[stage]
+        assert ("--runtime" in sub._option_string_actions) == (stage in RUNTIME), stage
+    argv = ["preflight", "--target", "t", "--out", "o"]
+    assert build_parser("preflight").parse_args(argv).runtime == {}
+    args = build_parser("preflight").parse_args([*argv, "--runtime", '{"eval": {"vllm": true}}'])
+    assert args.runtime == {"eval": {"vllm": True}}
+    for bad in ("[1]", "{not json"):
+        with pytest.raises(SystemExit):
+            build_parser("preflight").parse_args([*argv, "--runtime", bad])
