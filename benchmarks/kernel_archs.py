@@ -1,11 +1,10 @@
 """Which of the installed vLLM's CUDA kernels a GPU runs from machine code, and which the driver
-must first JIT-compile from PTX (the cold cost an engine pays once, or eyrie.vllm.kernel_jit ahead
-of it, and `cache.path/cuda` keeps).
+must first JIT-compile from PTX (the cold cost an engine pays once and `cache.path/cuda` keeps).
 
     .venv-vllm/bin/python benchmarks/kernel_archs.py [--arch 90] [--site DIR]
 
 Reads the `.nv_fatbin` section of every compiled library of the vLLM package (no GPU needed)
-with eyrie.vllm.kernel_jit's reader: each translation unit's entries, machine code (SASS, per SM
+with benchmarks/fatbin.py: each translation unit's entries, machine code (SASS, per SM
 arch) or PTX. A unit with no SASS the GPU can run but PTX at or below its arch is compiled by the
 driver when first used on that GPU. Prints a table per library (PTX sizes as stored, compressed,
 and as the driver compiles it) and writes
@@ -20,9 +19,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eyrie.vllm.kernel_jit import PTX, needs_jit, runs_natively, units  # noqa: E402
+from fatbin import PTX, needs_jit, runs_natively, units  # noqa: E402
 
 KINDS = {1: "PTX", 2: "SASS"}
 

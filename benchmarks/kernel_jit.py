@@ -1,13 +1,16 @@
-"""How long each PTX-only unit of the installed vLLM takes to load on this GPU with the driver's
-JIT cache as it stands (CUDA_CACHE_PATH): milliseconds for a unit compiled before (by an engine or
-by eyrie.vllm.kernel_jit ahead of it), seconds for one compiled now. Run on a copy of a cold
-rehearsal's `cache.path/cuda`, it tells which units the engines needed that kernel_jit did not
-compile ahead (with --all, the libraries it skips too); on an empty cache, what compiling them all
-costs, in parallel as kernel_jit does.
+"""What the driver's JIT costs for the installed vLLM's PTX-only kernel units on this GPU: each
+unit loaded through the driver (benchmarks/fatbin.py) against the cache as it stands
+(CUDA_CACHE_PATH): milliseconds for a unit compiled before (by an engine or an earlier run),
+seconds for one compiled now, and the cache's size after. Each unit is labelled by its kernels'
+family and first two template arguments (for Marlin: the activation and weight types, as vLLM's
+ScalarType ids; named where vllm.scalar_type imports).
 
-    CUDA_CACHE_PATH=DIR python benchmarks/kernel_jit.py [--site VLLM_PACKAGE] [--all] --name NAME
+    CUDA_CACHE_PATH=DIR python benchmarks/kernel_jit.py --name NAME [--site VLLM_PACKAGE]
+        [--lib SUBSTRING] [--match SUBSTRING] [--workers N] [--all]
 
-Prints a table per library and writes benchmarks/results/kernel_jit-NAME.json.
+`--lib`/`--match` keep the units of matching libraries / with a matching kernel label; `--all`
+adds the libraries fatbin.SKIP_DIRS leaves out. Prints a row per unit and writes
+benchmarks/results/kernel_jit-NAME.json.
 """
 
 from __future__ import annotations
@@ -15,15 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eyrie.vllm.kernel_jit import (  # noqa: E402
+from fatbin import (  # noqa: E402
     Driver,
     compile_units,
+    kernel_names,
     libraries,
     pending,
     vllm_root,
@@ -33,48 +38,94 @@ from eyrie.vllm.kernel_jit import (  # noqa: E402
 CACHED_S = 0.5  # a load from the cache takes milliseconds; a compilation seconds
 
 
+def type_names() -> dict[int, str]:
+    """vLLM's ScalarType ids by name, where vllm.scalar_type imports ({} elsewhere)."""
+    try:
+        from vllm.scalar_type import scalar_types
+    except Exception:  # noqa: BLE001 - labels only
+        return {}
+    found = {}
+    for name in dir(scalar_types):
+        kind = getattr(scalar_types, name)
+        if not name.startswith("_") and hasattr(kind, "id"):
+            found.setdefault(kind.id, name)
+    return found
+
+
+def label(names: list[str], types: dict[int, str]) -> str:
+    """A unit's first kernel: its namespace and function (from the mangled name) and its first two
+    template integers."""
+    if not names:
+        return "?"
+    first, parts, i = names[0], [], 3  # _ZN<len><name><len><name>...
+    while first.startswith("_ZN") and len(parts) < 2 and i < len(first) and first[i].isdigit():
+        digits = re.match(r"\d+", first[i:])[0]
+        i += len(digits)
+        parts.append(first[i : i + int(digits)])
+        i += int(digits)
+    family = "::".join(parts) or first[:40]
+    ids = [int(x) for x in re.findall(r"Ll(\d+)E", first)[:2]]
+    return f"{family}<{', '.join(types.get(i, str(i)) for i in ids)}>" if ids else family
+
+
+def cache_mib() -> float:
+    root = Path(os.environ.get("CUDA_CACHE_PATH") or os.path.expanduser("~/.nv/ComputeCache"))
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) / 2**20
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--site", type=Path, help="the vllm package folder (default: found)")
-    parser.add_argument("--all", action="store_true", help="every library, the skipped ones too")
     parser.add_argument("--name", required=True, help="the results file's name")
+    parser.add_argument("--site", type=Path, help="the vllm package folder (default: found)")
+    parser.add_argument("--lib", default="", help="only libraries whose path has this")
+    parser.add_argument("--match", default="", help="only units whose label has this")
+    parser.add_argument("--workers", type=int, help="processes (default: one per unit, CPUs)")
+    parser.add_argument("--all", action="store_true", help="the libraries SKIP_DIRS leaves out")
     args = parser.parse_args()
     root = args.site or vllm_root()
     libs = sorted(root.rglob("*.so")) if args.all else libraries(root)
-    arch = Driver().arch()
-    todo = pending(root, arch, libs)
+    arch, types = Driver().arch(), type_names()
+    todo = pending(root, arch, [p for p in libs if args.lib in str(p)])
+    for unit in todo:
+        unit["label"] = label(kernel_names(unit["lib"], unit), types)
+    todo = [u for u in todo if args.match in u["label"]]
+    workers = workers_for(len(todo), args.workers)
+    before = cache_mib()
     start = time.perf_counter()
-    seconds = compile_units(todo)
+    seconds = compile_units(todo, workers) if todo else []
     wall = time.perf_counter() - start
-    rows: dict[str, dict] = {}
+    cache = os.environ.get("CUDA_CACHE_PATH")
+    print(f"sm_{arch}, cache {cache} ({before:.1f} MiB), {workers} workers")
+    print("| library | unit offset | kernels | PTX (MB) | s | from the cache |")
+    print("|---|---|---|---|---|---|")
+    rows = []
     for unit, s in zip(todo, seconds, strict=True):
-        row = rows.setdefault(
-            str(Path(unit["lib"]).relative_to(root.parent)),
+        lib = str(Path(unit["lib"]).relative_to(root.parent))
+        rows.append(
             {
-                "units": 0,
-                "cached": 0,
-                "compiled": 0,
-                "ptx_mb": 0.0,
-                "seconds": 0.0,
-                "longest_s": 0.0,
-            },
+                "lib": lib,
+                "offset": unit["offset"],
+                "label": unit["label"],
+                "ptx_mb": round(unit["ptx_bytes"] / 1e6, 1),
+                "s": round(s, 2),
+                "cached": s < CACHED_S,
+            }
         )
-        row["units"] += 1
-        row["cached" if s < CACHED_S else "compiled"] += 1
-        row["ptx_mb"] += unit["ptx_bytes"] / 1e6
-        row["seconds"] += s
-        row["longest_s"] = max(row["longest_s"], s)
-    print(f"sm_{arch}, cache {os.environ.get('CUDA_CACHE_PATH')}, {workers_for(len(todo))} workers")
-    print("| library | units | from the cache | compiled now | PTX (MB) | s (sum) | longest s |")
-    print("|---|---|---|---|---|---|---|")
-    for name, r in rows.items():
+        r = rows[-1]
         print(
-            f"| {name} | {r['units']} | {r['cached']} | {r['compiled']} | {r['ptx_mb']:.1f} | "
-            f"{r['seconds']:.1f} | {r['longest_s']:.1f} |"
+            f"| {lib} | {r['offset']} | {r['label']} | {r['ptx_mb']} | {r['s']} | {r['cached']} |"
         )
-    print(f"wall {wall:.1f} s")
+    after = cache_mib()
+    print(f"wall {wall:.1f} s; cache {before:.1f} -> {after:.1f} MiB")
     out = Path(__file__).resolve().parent / "results" / f"kernel_jit-{args.name}.json"
-    result = {"arch": arch, "command": " ".join(sys.argv), "wall_s": round(wall, 1), "libs": rows}
+    result = {
+        "arch": arch,
+        "command": " ".join(sys.argv),
+        "workers": workers,
+        "wall_s": round(wall, 1),
+        "cache_mib": [round(before, 1), round(after, 1)],
+        "units": rows,
+    }
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

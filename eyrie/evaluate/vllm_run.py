@@ -20,7 +20,6 @@ from eyrie.core.io import write_json
 from eyrie.core.rehearsal import DRAFT_LOAD_CONFIG
 from eyrie.evaluate.specdec import SAMPLE_SEED, SpecStats
 from eyrie.evaluate.vllm_check import VllmPlan
-from eyrie.vllm import kernel_jit
 from eyrie.vllm.engine import bound_kwargs, bounds, engine_args
 
 log = logging.getLogger(__name__)
@@ -190,9 +189,7 @@ def worker(request_path: str, result_path: str) -> int:
         start = time.perf_counter()
         # the slow part, done while the parent plans or the other engine runs: `import vllm`
         # alone defers the engine's modules to the first use of vllm.LLM, and vllm.LLM the
-        # platform (on a GPU its compiled ops) to the first engine built; the kernels this GPU
-        # runs only from PTX compile beside the import (eyrie.vllm.kernel_jit)
-        jit = kernel_jit.start()
+        # platform (on a GPU its compiled ops) to the first engine built
         from vllm import LLM, SamplingParams  # noqa: F401
         from vllm.platforms import current_platform
 
@@ -201,7 +198,6 @@ def worker(request_path: str, result_path: str) -> int:
             time.perf_counter() - start,
             current_platform.device_type,
         )
-        kernel_jit.finish(jit)
         request = wait_for_request(Path(request_path), os.getppid())
         if request is None:
             return 0

@@ -30,7 +30,6 @@ from eyrie.core.errors import ExtractError
 from eyrie.extract.batches import WRITERS, FileBatch, HostBatch, PinnedStaging, StoredBatch
 from eyrie.extract.requestfile import BAD, TOKEN_IDS, RequestFile, request_path
 from eyrie.formats.codecs import HIDDEN, bytes_per_token
-from eyrie.vllm import kernel_jit
 from eyrie.vllm.adapters import request_key
 from eyrie.vllm.checks import ExtractLayers, choose_path, config_problems, version_problems
 from eyrie.vllm.engine import bound_kwargs, engine_args
@@ -114,13 +113,11 @@ class VllmBackend:
         warning."""
         # vLLM forks its engine core unless CUDA is initialised here: the device was resolved
         # through NVML (eyrie.core.runtime.cuda_visible), and nothing touches CUDA before LLM();
-        # a spawned engine core would import vLLM again (BENCHMARKS.md, issue 38); the kernels
-        # this GPU runs only from PTX compile beside the import (eyrie.vllm.kernel_jit)
-        jit, start = kernel_jit.start(), time.perf_counter()
+        # a spawned engine core would import vLLM again (BENCHMARKS.md, issue 38)
+        start = time.perf_counter()
         from vllm import LLM
 
         log.info("vLLM imported in %.1f s", time.perf_counter() - start)
-        kernel_jit.finish(jit)
 
         self.cfg = cfg
         self.vllm = cfg.vllm

@@ -26,7 +26,6 @@ from eyrie.regenerate.regeneration import (
     run_shard,
     target_context,
 )
-from eyrie.vllm import kernel_jit
 from eyrie.vllm.engine import bound_kwargs, bounds, engine_args
 
 log = logging.getLogger(__name__)
@@ -114,10 +113,7 @@ class VllmBackend:
 
 
 def load_backend(target: str | Path, cfg: RegenSettings, vllm: VllmSettings) -> VllmBackend:
-    jit = kernel_jit.start()  # the kernels this GPU runs only from PTX, beside the import
     from vllm import LLM, SamplingParams
-
-    kernel_jit.finish(jit)
 
     tokenizer = load_chat_tokenizer(target, cfg.trust_remote_code)
     ends = end_token_ids(tokenizer, generation_eos(target))

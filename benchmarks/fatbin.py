@@ -1,53 +1,34 @@
-"""The installed vLLM's CUDA kernels that this GPU can run only from PTX, compiled in parallel into
-the driver's JIT cache before an engine starts.
+"""The CUDA fatbins inside the installed vLLM's libraries, read without a GPU, and loaded through
+the driver in a pool of processes (benchmarks/kernel_archs.py, benchmarks/kernel_jit.py).
 
-vLLM 0.22-0.26 ship their Marlin MoE kernels (int4 experts: Kimi-K2.5) as sm_80 PTX with no sm_90
-machine code, so on an H100 or H200 the driver compiles them on first use, module after module,
-inside the engine's initialisation (~80 s; BENCHMARKS.md, issue 38). `start()` launches a process
-that loads each such module (a fatbin unit of one of vLLM's libraries, read from the library's
-`.nv_fatbin` section) through the driver API in a pool of worker processes, one unit at a time per
-worker, the largest first; the driver keeps what it compiles in its cache (CUDA_CACHE_PATH, one of
-cache.path's folders), where the engine then finds it. The engine process imports vLLM meanwhile
-and calls `finish()` before it builds the engine. A stamp in the cache folder, named for the
-libraries, the GPU's arch and the driver, makes every later call a no-op; a lock keeps two engines
-of one node from compiling the same units at once. Without an NVIDIA GPU it does nothing; with
-CUDA_CACHE_DISABLE=1 or on a failure it logs one line and leaves the engine to compile as before.
-
-    python -m eyrie.vllm.jit_ahead [--site DIR]   (one JSON line: what was compiled, how long)
-
-Imports neither vLLM nor torch: it runs beside `import vllm`, not after it.
+A library's `.nv_fatbin` section holds one fatbin per translation unit: its entries are machine
+code (SASS) per SM arch or PTX, stored zstd-compressed by recent nvcc. A unit without SASS a GPU
+runs but with PTX at or below its arch is compiled by the driver when first loaded (its JIT,
+kept in CUDA_CACHE_PATH). vLLM 0.22-0.26 build the Marlin MoE kernels `8.0+PTX` (no sm_90 code),
+so an H100 compiles them; `kernel_names` reads a unit's PTX entry points (through libzstd), whose
+template arguments name the activation and weight types (vLLM's ScalarType ids) of each kernel.
+Imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import fcntl
-import hashlib
 import importlib.util
-import json
-import logging
 import multiprocessing
 import os
+import re
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-log = logging.getLogger(__name__)
-
 FATBIN_MAGIC = 0xBA55ED50
 PTX, SASS = 1, 2
-# vLLM's libraries whose PTX-only units are compiled ahead: every kernel library but the attention
-# back-ends' (vllm_flash_attn: vLLM picks FlashAttention 3, built for sm_90a, on Hopper; FA2's
-# sm_80 PTX would be compiled for nothing) and DeepGEMM's (its own JIT, DG_JIT_CACHE_DIR)
+# libraries left out unless asked for: the attention back-ends' (vllm_flash_attn: vLLM picks
+# FlashAttention 3, built for sm_90a, on Hopper) and DeepGEMM's (its own JIT, DG_JIT_CACHE_DIR)
 SKIP_DIRS = {"vllm_flash_attn", "deep_gemm"}
 # the driver's CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR
 CC_MAJOR, CC_MINOR = 75, 76
-STAMP = "eyrie-kernel-jit-{key}.json"
-# longer than compiling every unit of vLLM 0.22's libraries one after another on one core
-TIMEOUT_S = 900
 
 
 def fatbin_section(path: Path) -> tuple[int, int]:
@@ -116,7 +97,7 @@ def needs_jit(entries: list[dict], arch: int) -> bool:
 
 
 def libraries(root: Path) -> list[Path]:
-    """vLLM's compiled libraries whose units are compiled ahead (see SKIP_DIRS)."""
+    """vLLM's compiled libraries but those of SKIP_DIRS."""
     return sorted(p for p in root.rglob("*.so") if not SKIP_DIRS & set(p.relative_to(root).parts))
 
 
@@ -198,75 +179,62 @@ def _compile(unit: dict) -> float:
     return time.perf_counter() - start
 
 
-def compile_units(todo: list[dict]) -> list[float]:
-    """Load each unit in a pool of workers_for(len(todo)) processes (device 0, its primary
-    context); the seconds each took (milliseconds where the driver's cache has it)."""
+def compile_units(todo: list[dict], workers: int) -> list[float]:
+    """Load each unit in a pool of `workers` processes (device 0, its primary context), the
+    order given; the seconds each took (milliseconds where the driver's cache has it)."""
     # spawned, not forked: the caller may have initialised CUDA; a worker whose driver fails
-    # breaks the pool (BrokenProcessPool, a RuntimeError) instead of being started again
+    # breaks the pool (BrokenProcessPool, a RuntimeError) instead of being started again; eager
+    # module loading: a module compiles whole when loaded, not kernel by kernel when first used
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
     with concurrent.futures.ProcessPoolExecutor(
-        workers_for(len(todo)),
+        workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_worker_start,
     ) as pool:
         return list(pool.map(_compile, todo))
 
 
-def cache_folder() -> Path | None:
-    """The driver's JIT cache folder (CUDA_CACHE_PATH, else its default); None when the cache is
-    off (CUDA_CACHE_DISABLE=1), as then nothing compiled here would last."""
-    if os.environ.get("CUDA_CACHE_DISABLE") == "1":
-        return None
-    path = os.environ.get("CUDA_CACHE_PATH") or os.path.expanduser("~/.nv/ComputeCache")
-    return Path(path)
-
-
-def stamp_key(libs: list[Path], arch: int, driver: int) -> str:
-    """What the cache's contents depend on: each library (path, size, mtime), the arch, the
-    driver."""
-    parts = [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in libs]
-    return hashlib.sha256("\n".join([*parts, str(arch), str(driver)]).encode()).hexdigest()[:16]
-
-
-def workers_for(n: int) -> int:
-    """One worker per unit, at most the CPUs this process may use but one (the engine process
-    imports vLLM meanwhile)."""
+def workers_for(n: int, most: int | None = None) -> int:
+    """One worker per unit, at most `most` and the CPUs this process may use."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(n, (cpus or 1) - 1))
+    return max(1, min(n, cpus or 1, most or n))
 
 
-def compile_ahead(root: Path) -> dict:
-    """Compile every pending unit of vLLM at `root` into the driver's cache (see the module's
-    docstring); what was done, as a dict."""
-    cache = cache_folder()
-    if cache is None:
-        return {"skipped": "CUDA_CACHE_DISABLE=1: the driver keeps nothing it compiles"}
-    driver = Driver()
-    arch, version = driver.arch(), driver.version()
-    libs = libraries(root)
-    cache.mkdir(parents=True, exist_ok=True)
-    stamp = cache / STAMP.format(key=stamp_key(libs, arch, version))
-    with open(cache / "eyrie-kernel-jit.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another engine of this node compiling: wait for it
-        if stamp.exists():
-            return {"skipped": f"compiled before ({stamp.name})", "arch": arch}
-        start = time.perf_counter()
-        todo = pending(root, arch)
-        done = {
-            "arch": arch,
-            "driver": version,
-            "units": len(todo),
-            "ptx_mb": round(sum(u["ptx_bytes"] for u in todo) / 1e6, 1),
-        }
-        if todo:
-            seconds = compile_units(todo)
-            done.update(
-                workers=workers_for(len(todo)),
-                longest_s=round(max(seconds), 1),
-                compile_s=round(sum(seconds), 1),
-            )
-        done["wall_s"] = round(time.perf_counter() - start, 1)
-        stamp.write_text(json.dumps(done) + "\n")
-        return done
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def kernel_names(lib: str | Path, unit: dict) -> list[str]:
+    """The mangled names of a unit's PTX entry points ([] where its PTX is stored in another
+    compression than zstd's)."""
+    with open(lib, "rb") as f:
+        f.seek(unit["offset"])
+        data = f.read(unit["length"])
+    (head,) = struct.unpack_from("<H", data, 6)
+    p, names = head, []
+    while p + 32 <= len(data):
+        kind, _, ehead = struct.unpack_from("<HHI", data, p)
+        (stored,) = struct.unpack_from("<Q", data, p + 8)
+        (plain,) = struct.unpack_from("<Q", data, p + 56) if ehead >= 64 else (stored,)
+        payload = data[p + ehead : p + ehead + stored]
+        if kind == PTX:
+            ptx = _unzstd(payload, plain) if payload[:4] == ZSTD_MAGIC else payload
+            names += [m.decode() for m in re.findall(rb"\.entry\s+(\w+)\(", ptx)]
+        p += ehead + stored
+    return names
+
+
+def _unzstd(payload: bytes, size: int) -> bytes:
+    """One zstd frame (an entry is padded after it) through libzstd."""
+    zstd = ctypes.CDLL("libzstd.so.1")
+    for fn in (zstd.ZSTD_decompress, zstd.ZSTD_findFrameCompressedSize):
+        fn.restype = ctypes.c_size_t
+    zstd.ZSTD_isError.argtypes = [ctypes.c_size_t]
+    frame = zstd.ZSTD_findFrameCompressedSize(payload, ctypes.c_size_t(len(payload)))
+    out = ctypes.create_string_buffer(size)
+    n = 0 if zstd.ZSTD_isError(frame) else zstd.ZSTD_decompress(out, size, payload, frame)
+    if not n or zstd.ZSTD_isError(n):
+        raise RuntimeError("zstd could not decompress a PTX entry")
+    return out.raw[:n]
 
 
 def vllm_root() -> Path | None:
@@ -275,38 +243,3 @@ def vllm_root() -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(next(iter(spec.submodule_search_locations)))
-
-
-def start() -> subprocess.Popen | None:
-    """Launch the compilation beside this process (None where there is no vLLM or no GPU)."""
-    root = vllm_root()
-    if root is None or not Path("/dev/nvidiactl").exists():
-        return None
-    env = dict(os.environ, CUDA_MODULE_LOADING="EAGER")  # a module compiles whole when loaded
-    cmd = [sys.executable, "-m", "eyrie.vllm.jit_ahead", "--site", str(root)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-
-
-def finish(proc: subprocess.Popen | None) -> dict | None:
-    """Wait for `start()`'s process; log one line of what it did (or why it failed: the engine
-    then compiles the kernels itself, as without it)."""
-    if proc is None:
-        return None
-    start_wait = time.perf_counter()
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        err += f"\nstopped after {TIMEOUT_S} s"
-    waited = time.perf_counter() - start_wait
-    try:
-        done = json.loads(out.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        tail = (err.strip().splitlines() or ["no output"])[-1]
-        log.warning(
-            "kernel JIT ahead failed (exit %s: %s); the engine compiles them", proc.returncode, tail
-        )
-        return None
-    log.info("vLLM kernels compiled ahead from PTX: %s; waited %.1f s for it", done, waited)
-    return done
