@@ -19,6 +19,8 @@ rule all:
         [] if REHEARSAL else [f"{RESULTS}/eval/eval.json", f"{RESULTS}/eval/eval.png"],
         # evaluation through vLLM itself: needs a GPU and .venv-vllm (docs/vllm.md)
         [f"{RESULTS}/eval/eval_vllm.json"] if VLLM_EVAL else [],
+        # vLLM's PTX-only kernels of the target, compiled beside the CPU jobs (rules/extract.smk)
+        [f"{RESULTS}/kernels.json"] if VLLM_EXTRACT or VLLM_EVAL else [],
         # the other kinds train.method lists, compared with the run's draft (docs/training.md);
         # a rehearsal rehearses the run's draft alone
         [] if REHEARSAL or not ALSO else f"{RESULTS}/compare/compare.json",

@@ -4,7 +4,7 @@ must first JIT-compile from PTX (the cold cost an engine pays once and `cache.pa
     .venv-vllm/bin/python benchmarks/kernel_archs.py [--arch 90] [--site DIR]
 
 Reads the `.nv_fatbin` section of every compiled library of the vLLM package (no GPU needed)
-with benchmarks/fatbin.py: each translation unit's entries, machine code (SASS, per SM
+with eyrie.vllm.fatbin: each translation unit's entries, machine code (SASS, per SM
 arch) or PTX. A unit with no SASS the GPU can run but PTX at or below its arch is compiled by the
 driver when first used on that GPU. Prints a table per library (PTX sizes as stored, compressed,
 and as the driver compiles it) and writes
@@ -19,9 +19,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fatbin import PTX, needs_jit, runs_natively, units  # noqa: E402
+from eyrie.vllm.fatbin import PTX, needs_jit, runs_natively, units  # noqa: E402
 
 KINDS = {1: "PTX", 2: "SASS"}
 

@@ -1,5 +1,5 @@
 """What the driver's JIT costs for the installed vLLM's PTX-only kernel units on this GPU: each
-unit loaded through the driver (benchmarks/fatbin.py) against the cache as it stands
+unit loaded through the driver (eyrie.vllm.fatbin) against the cache as it stands
 (CUDA_CACHE_PATH): milliseconds for a unit compiled before (by an engine or an earlier run),
 seconds for one compiled now, and the cache's size after. Each unit is labelled by its kernels'
 family and first two template arguments (for Marlin: the activation and weight types, as vLLM's
@@ -9,7 +9,7 @@ ScalarType ids; named where vllm.scalar_type imports).
         [--lib SUBSTRING] [--match SUBSTRING] [--workers N] [--all]
 
 `--lib`/`--match` keep the units of matching libraries / with a matching kernel label; `--all`
-adds the libraries fatbin.SKIP_DIRS leaves out. Prints a row per unit and writes
+adds the libraries eyrie.vllm.fatbin.SKIP_DIRS leaves out. Prints a row per unit and writes
 benchmarks/results/kernel_jit-NAME.json.
 """
 
@@ -18,17 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fatbin import (  # noqa: E402
+from eyrie.vllm.fatbin import (  # noqa: E402
     Driver,
     compile_units,
     kernel_names,
+    label,
     libraries,
     pending,
     vllm_root,
@@ -50,22 +50,6 @@ def type_names() -> dict[int, str]:
         if not name.startswith("_") and hasattr(kind, "id"):
             found.setdefault(kind.id, name)
     return found
-
-
-def label(names: list[str], types: dict[int, str]) -> str:
-    """A unit's first kernel: its namespace and function (from the mangled name) and its first two
-    template integers."""
-    if not names:
-        return "?"
-    first, parts, i = names[0], [], 3  # _ZN<len><name><len><name>...
-    while first.startswith("_ZN") and len(parts) < 2 and i < len(first) and first[i].isdigit():
-        digits = re.match(r"\d+", first[i:])[0]
-        i += len(digits)
-        parts.append(first[i : i + int(digits)])
-        i += int(digits)
-    family = "::".join(parts) or first[:40]
-    ids = [int(x) for x in re.findall(r"Ll(\d+)E", first)[:2]]
-    return f"{family}<{', '.join(types.get(i, str(i)) for i in ids)}>" if ids else family
 
 
 def cache_mib() -> float:

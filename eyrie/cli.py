@@ -63,6 +63,11 @@ STAGES = {
         "target hidden states of one tokenized shard into HDF5",
         "JSON object with the extract, layers and trust_remote_code settings",
     ),
+    "compile-kernels": (
+        "eyrie.extract.kernels",
+        "compile the target's PTX-only vLLM kernels into the driver's cache (vLLM environment)",
+        None,
+    ),
     "extract-engine": (
         "eyrie.extract.engine",
         "load the target once, extract the shards sent over a socket",

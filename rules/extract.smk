@@ -14,6 +14,30 @@ ENGINE_COMMAND = (
 )
 
 
+# The target's vLLM kernels this GPU can only compile from PTX (vLLM 0.22-0.26 ship the Marlin MoE
+# kernels of int4 experts without sm_90 code), compiled into cache.path's driver cache while
+# tokenization and preflight run; engines take the cache's lock, then load them instead of
+# compiling them on one thread inside their start (docs/rehearsal.md). Only `all` asks for it: no
+# job waits on it but through that lock, and a rerun of it reruns nothing.
+rule compile_kernels:
+    input:
+        f"{TARGET}/config.json",
+    output:
+        "results/{name}/kernels.json",
+    log:
+        "logs/{name}/compile_kernels.log",
+    threads: 1
+    resources:
+        gpu=1,
+    params:
+        # compared: another environment may be another vLLM, with other kernels
+        python=VLLM_PYTHON_ARG,
+        target=target_dir,
+    shell:
+        "{params.python} -m eyrie.cli compile-kernels --target {params.target} --out {output}"
+        " > {log} 2>&1"
+
+
 # No params and ancient() inputs: an engine found stale by its own triggers would be planned
 # without its shards (docs/extraction.md); the shard jobs carry the triggers.
 rule extract_engine:

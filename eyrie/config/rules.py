@@ -209,8 +209,14 @@ TABLE = (
     Row("eval.vllm", read=VLLM_READ, other="`all` asks for eval_vllm.json"),
     Row(
         "vllm.python",
-        read=(*VLLM_READ, *ENGINE_READ, *VLLM_REGENERATE, "preflight_regenerate?vllm_regenerate"),
-        other="evaluate_vllm compares it as params.python (another environment: another vLLM)",
+        read=(
+            *VLLM_READ,
+            *ENGINE_READ,
+            *VLLM_REGENERATE,
+            "preflight_regenerate?vllm_regenerate",
+        ),
+        other="evaluate_vllm and compile_kernels compare it as params.python (another "
+        "environment: another vLLM)",
     ),
     Row(
         "vllm.extraction_path",

@@ -20,6 +20,7 @@ from eyrie.core.io import write_json
 from eyrie.core.rehearsal import DRAFT_LOAD_CONFIG
 from eyrie.evaluate.specdec import SAMPLE_SEED, SpecStats
 from eyrie.evaluate.vllm_check import VllmPlan
+from eyrie.vllm import fatbin
 from eyrie.vllm.engine import bound_kwargs, bounds, engine_args
 
 log = logging.getLogger(__name__)
@@ -223,6 +224,9 @@ def generate(request: dict) -> dict:
     import vllm
     from vllm import LLM
 
+    waited = fatbin.wait_for_compilation()  # compile-kernels compiling this target's kernels
+    if waited > 0.5:
+        log.info("waited %.1f s for compile-kernels (its kernels load from the cache)", waited)
     start = time.perf_counter()
     llm = LLM(**request["engine"], speculative_config=request["speculative_config"])
     log.info("engine built in %.1f s", time.perf_counter() - start)

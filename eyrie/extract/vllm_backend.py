@@ -30,6 +30,7 @@ from eyrie.core.errors import ExtractError
 from eyrie.extract.batches import WRITERS, FileBatch, HostBatch, PinnedStaging, StoredBatch
 from eyrie.extract.requestfile import BAD, TOKEN_IDS, RequestFile, request_path
 from eyrie.formats.codecs import HIDDEN, bytes_per_token
+from eyrie.vllm import fatbin
 from eyrie.vllm.adapters import request_key
 from eyrie.vllm.checks import ExtractLayers, choose_path, config_problems, version_problems
 from eyrie.vllm.engine import bound_kwargs, engine_args
@@ -153,6 +154,9 @@ class VllmBackend:
             engine or "vLLM's defaults",
             self.scratch,
         )
+        waited = fatbin.wait_for_compilation()  # compile-kernels compiling this target's kernels
+        if waited > 0.5:
+            log.info("waited %.1f s for compile-kernels (its kernels load from the cache)", waited)
         self.llm = LLM(**kwargs)
         if self.path == "capture":
             info_ranks = self.llm.collective_rpc(

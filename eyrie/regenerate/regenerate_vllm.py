@@ -26,6 +26,7 @@ from eyrie.regenerate.regeneration import (
     run_shard,
     target_context,
 )
+from eyrie.vllm import fatbin
 from eyrie.vllm.engine import bound_kwargs, bounds, engine_args
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,9 @@ def load_backend(target: str | Path, cfg: RegenSettings, vllm: VllmSettings) -> 
             f"{target}: neither the tokenizer nor generation_config.json names an eos token; "
             "a response would only ever stop at regenerate.max_new_tokens"
         )
+    waited = fatbin.wait_for_compilation()  # compile-kernels compiling this target's kernels
+    if waited > 0.5:
+        log.info("waited %.1f s for compile-kernels (its kernels load from the cache)", waited)
     llm = LLM(**engine_kwargs(target, cfg, vllm))
     params = SamplingParams(**sampling_kwargs(cfg, ends))
     context = vllm.max_model_len or target_context(target)

@@ -302,7 +302,7 @@ def test_library_folders_import_no_stage_folder():
 
 # stages the rules run with vllm.python (rules/*.smk), and what runs inside vLLM's processes: the
 # facts gatherer (`python -m`) and the capture worker extension (named in LLM(...))
-VLLM_STAGES = ("regenerate-vllm", "extract-engine", "evaluate-vllm")
+VLLM_STAGES = ("regenerate-vllm", "extract-engine", "evaluate-vllm", "compile-kernels")
 VLLM_ENV = sorted(
     {m for m in MODULES if m.startswith("eyrie.vllm.")}
     | {stages()[s] for s in VLLM_STAGES}

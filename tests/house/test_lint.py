@@ -73,6 +73,7 @@ KEPT_LINTS = {
             "preflight",
             "extract_engine",
             "extract_hidden_states",
+            "compile_kernels",
             "train_draft",
             "export_draft",
             "tokenize_eval_prompts",

@@ -515,6 +515,7 @@ def test_rehearsal_dag_lives_apart(tmp_path):
         "tokenize_conversations": 1,
         "build_vocab_map": 1,
         "preflight": 1,
+        "compile_kernels": 1,
         "extract_engine": 1,
         "extract_hidden_states": 1,
         "train_draft": 1,

@@ -1,4 +1,4 @@
-"""benchmarks/fatbin.py on the installed vLLM 0.22's own libraries: the fatbin units it reads are
+"""eyrie.vllm.fatbin on the installed vLLM 0.22's own libraries: the fatbin units it reads are
 the ones pyelftools finds (an independent ELF reader); the units an sm_90 GPU compiles from PTX are
 those vLLM's CMakeLists.txt builds without sm_90 code (the Marlin MoE kernels,
 `MARLIN_MOE_ARCHS "8.0+PTX;12.0f"`), never FlashAttention 3 (sm_90a only); and the kernel names
@@ -11,16 +11,10 @@ from __future__ import annotations
 import json
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
-from tests.support import REPO
+from eyrie.vllm import fatbin
 from tests.support.vllm_helpers import VLLM_PYTHON, need_vllm
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import fatbin  # noqa: E402
-from kernel_jit import label  # noqa: E402
 
 FIND = "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])"
 
@@ -88,7 +82,7 @@ def test_kernel_names_carry_vllms_scalar_type_ids():
     ids = json.loads(proc.stdout.strip().splitlines()[-1])
     root = vllm_root()
     labels = [
-        label(fatbin.kernel_names(u["lib"], u), {})
+        fatbin.label(fatbin.kernel_names(u["lib"], u), {})
         for u in fatbin.pending(root, 90, [root / "_moe_C.abi3.so"])
     ]
     for act in ("bfloat16", "float16"):

@@ -1,25 +1,31 @@
-"""The CUDA fatbins inside the installed vLLM's libraries, read without a GPU, and loaded through
-the driver in a pool of processes (benchmarks/kernel_archs.py, benchmarks/kernel_jit.py).
+"""The CUDA kernels inside the installed vLLM's libraries that a GPU runs only from PTX: found
+without a GPU, and compiled through the driver into its JIT cache (CUDA_CACHE_PATH, one of
+cache.path's folders) by `eyrie compile-kernels` while the workflow's CPU jobs run.
 
 A library's `.nv_fatbin` section holds one fatbin per translation unit: its entries are machine
-code (SASS) per SM arch or PTX, stored zstd-compressed by recent nvcc. A unit without SASS a GPU
-runs but with PTX at or below its arch is compiled by the driver when first loaded (its JIT,
-kept in CUDA_CACHE_PATH). vLLM 0.22-0.26 build the Marlin MoE kernels `8.0+PTX` (no sm_90 code),
-so an H100 compiles them; `kernel_names` reads a unit's PTX entry points (through libzstd), whose
-template arguments name the activation and weight types (vLLM's ScalarType ids) of each kernel.
-Imports neither vLLM nor torch.
+code (SASS) per SM arch or PTX, stored zstd-compressed by recent nvcc. A unit without SASS the GPU
+runs but with PTX at or below its arch is compiled by the driver, whole and on one thread, when
+first loaded. vLLM 0.22-0.26 build the Marlin MoE kernels `8.0+PTX` (no sm_90 code): one unit per
+activation x weight type, whose PTX entry points (`kernel_names`, through libzstd) carry vLLM's
+ScalarType ids as template arguments. An engine's first forward loads the unit its target needs
+(bf16 x uint4b8 for Kimi-K2.5's int4 experts: 52 s on an H100; BENCHMARKS.md); engines take the
+compilation lock (`wait_for_compilation`) so that they load it from the cache instead of compiling
+it a second time. Imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
+import fcntl
 import importlib.util
 import multiprocessing
 import os
 import re
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 FATBIN_MAGIC = 0xBA55ED50
@@ -243,3 +249,84 @@ def vllm_root() -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(next(iter(spec.submodule_search_locations)))
+
+
+def template_ids(name: str) -> list[int]:
+    """The integer template arguments of a mangled kernel name, in order."""
+    return [int(x) for x in re.findall(r"Ll(\d+)E", name)]
+
+
+def namespaces(name: str, most: int = 2) -> list[str]:
+    """The first `most` components of a mangled name (`_ZN<len><name>...`)."""
+    parts, i = [], 3
+    while name.startswith("_ZN") and len(parts) < most and i < len(name) and name[i].isdigit():
+        digits = re.match(r"\d+", name[i:])[0]
+        i += len(digits)
+        parts.append(name[i : i + int(digits)])
+        i += int(digits)
+    return parts
+
+
+def label(names: list[str], types: dict[int, str] | None = None) -> str:
+    """A unit's first kernel: namespace::function<first two template integers>, each integer by
+    its ScalarType name where `types` has it."""
+    if not names:
+        return "?"
+    family = "::".join(namespaces(names[0])) or names[0][:40]
+    ids = template_ids(names[0])[:2]
+    types = types or {}
+    return f"{family}<{', '.join(types.get(i, str(i)) for i in ids)}>" if ids else family
+
+
+LOCK = "eyrie-kernel-jit.lock"
+
+
+def cache_folder() -> Path | None:
+    """The driver's JIT cache folder (CUDA_CACHE_PATH, else its default); None when the cache is
+    off (CUDA_CACHE_DISABLE=1): nothing compiled ahead would last."""
+    if os.environ.get("CUDA_CACHE_DISABLE") == "1":
+        return None
+    return Path(os.environ.get("CUDA_CACHE_PATH") or os.path.expanduser("~/.nv/ComputeCache"))
+
+
+@contextlib.contextmanager
+def compilation_lock(exclusive: bool, wait_s: float | None = None) -> Iterator[bool]:
+    """The cache folder's lock: exclusive while compile-kernels compiles, shared for an engine
+    about to load what it compiled; yields whether it holds it (False: no cache folder, no
+    lockable file, or still held by another after `wait_s` seconds)."""
+    cache = cache_folder()
+    try:
+        if cache is None:
+            raise OSError("no cache")
+        cache.mkdir(parents=True, exist_ok=True)
+        handle = open(cache / LOCK, "a+")
+    except OSError:
+        yield False
+        return
+    with handle:
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(handle, mode | (0 if deadline is None else fcntl.LOCK_NB))
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.2)
+        yield True
+
+
+# an engine waits this long at most (longer than compiling vLLM 0.22's largest PTX-only unit on an
+# H100, BENCHMARKS.md), then starts and compiles what it needs itself
+WAIT_S = 600
+
+
+def wait_for_compilation(wait_s: float = WAIT_S) -> float:
+    """Wait while compile-kernels compiles this target's kernels into the cache (an engine calls
+    this before it starts, then loads them from the cache); the seconds waited."""
+    start = time.perf_counter()
+    with compilation_lock(exclusive=False, wait_s=wait_s):
+        pass
+    return time.perf_counter() - start

@@ -1,0 +1,132 @@
+"""`eyrie compile-kernels`: compile, on this GPU, the vLLM kernels the target's engines will load
+from PTX only, into the driver's JIT cache (cache.path/cuda), while the workflow's CPU jobs
+(tokenization, preflight) run. vLLM 0.22-0.26 ship the Marlin MoE kernels of int4 experts without
+sm_90 code; the driver compiles the target's unit on one thread when the first engine's first
+forward loads it (52 s for Kimi-K2.5's on an H100: the cold rehearsal's extraction engine waited
+for it). Engines take the cache's lock before they start (eyrie.vllm.fatbin.wait_for_compilation)
+and load the unit compiled here. Writes what it compiled, or why nothing, to --out; a target that
+runs no Marlin kernel, a machine without a GPU or an engine that needs another unit than chosen
+here cost nothing but this job: the engine compiles what it needs, as without it. Runs in the
+vLLM environment (it reads vLLM's ScalarType ids and libraries). docs/rehearsal.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+from eyrie.core.io import write_json
+from eyrie.vllm import fatbin
+from eyrie.vllm.quantization import quantization_config
+
+log = logging.getLogger(__name__)
+
+# the weight types of vLLM's Marlin kernels by (bits, symmetric): GPTQ-style symmetric ints carry a
+# bias (uint4b8: 4-bit values minus 8), asymmetric ones a zero point beside them (uint4)
+WEIGHT_TYPES = {(4, True): "uint4b8", (4, False): "uint4", (8, True): "uint8b128"}
+ACTIVATIONS = {"bfloat16": "bfloat16", "float16": "float16"}
+
+
+def marlin_types(config: dict) -> tuple[str, str] | str:
+    """(activation, weight) ScalarType names of the Marlin kernels a target of this config.json
+    runs in vLLM (weight-only int4/int8: compressed-tensors, GPTQ, AWQ), else why none."""
+    where, q = quantization_config(config)
+    if not q:
+        return "the target is not quantized"
+    text = config.get("text_config") or config
+    dtype = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype")
+    method = q.get("quant_method")
+    if method == "compressed-tensors":
+        groups = list((q.get("config_groups") or {}).values())
+        if not groups or any(g.get("input_activations") for g in groups):
+            return f"{where}: not a weight-only scheme"
+        weights = groups[0].get("weights") or {}
+        if weights.get("type") != "int":
+            return f"{where}: {weights.get('type')} weights"
+        bits, symmetric = weights.get("num_bits"), weights.get("symmetric", True)
+    elif method in ("gptq", "awq"):
+        bits = q.get("bits") or q.get("w_bit")
+        symmetric = method == "gptq" and q.get("sym", True)
+    else:
+        return f"{where}: quant_method {method!r}"
+    weight, act = WEIGHT_TYPES.get((bits, bool(symmetric))), ACTIVATIONS.get(str(dtype))
+    if weight is None or act is None:
+        return f"{where}: {bits}-bit weights with {dtype} activations"
+    return act, weight
+
+
+def is_moe(config: dict) -> bool:
+    text = config.get("text_config") or config
+    return any(text.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
+
+
+def chosen_units(root: Path, arch: int, config: dict) -> tuple[list[dict], str]:
+    """The units of vLLM at `root` (PTX only on an sm_`arch` GPU) whose Marlin kernels the target
+    runs: its MoE kernels (namespace marlin_moe_*) for a mixture of experts, else the dense ones;
+    and what was chosen, in words."""
+    types = marlin_types(config)
+    if isinstance(types, str):
+        return [], f"no Marlin kernel: {types}"
+    from vllm.scalar_type import scalar_types  # the ids the kernels' names carry
+
+    ids = [getattr(scalar_types, name).id for name in types]
+    moe = is_moe(config)
+    chosen = []
+    for unit in fatbin.pending(root, arch):
+        names = fatbin.kernel_names(unit["lib"], unit)
+        family = fatbin.namespaces(names[0]) if names else []
+        if family[-1:] != ["Marlin"] or ("moe" in family[0]) != moe:
+            continue
+        if fatbin.template_ids(names[0])[:2] == ids:
+            chosen.append({**unit, "label": fatbin.label(names, dict(zip(ids, types)))})
+    return chosen, f"{'MoE' if moe else 'dense'} Marlin kernels for {types[0]} x {types[1]}"
+
+
+def compile_kernels(target: str | Path) -> dict:
+    """Compile the target's PTX-only kernels into the driver's cache; what was done."""
+    root, cache = fatbin.vllm_root(), fatbin.cache_folder()
+    if root is None or cache is None or not Path("/dev/nvidiactl").exists():
+        why = "no vLLM" if root is None else "no driver cache" if cache is None else "no GPU"
+        return {"compiled": [], "why": f"nothing to compile: {why} here"}
+    config = json.loads((Path(target) / "config.json").read_text())
+    arch = fatbin.Driver().arch()
+    units, chosen = chosen_units(root, arch, config)
+    done = {"arch": arch, "cache": str(cache), "why": chosen, "compiled": []}
+    start = time.perf_counter()
+    with fatbin.compilation_lock(exclusive=True):
+        seconds = fatbin.compile_units(units, len(units)) if units else []
+    for unit, s in zip(units, seconds, strict=True):
+        lib = str(Path(unit["lib"]).relative_to(root.parent))
+        done["compiled"].append(
+            {
+                "lib": lib,
+                "kernels": unit["label"],
+                "ptx_mb": round(unit["ptx_bytes"] / 1e6, 1),
+                "s": round(s, 1),
+                "from_cache": s < 0.5,
+            }
+        )
+    done["wall_s"] = round(time.perf_counter() - start, 1)
+    return done
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="the target folder (its config.json)")
+    parser.add_argument("--out", required=True, help="kernels.json: what was compiled")
+
+
+def run(args: argparse.Namespace) -> int:
+    done = compile_kernels(args.target)
+    log.info(
+        "compile-kernels: %s; %s",
+        done["why"],
+        ", ".join(
+            f"{u['kernels']} ({u['ptx_mb']} MB of PTX) in {u['s']} s" for u in done["compiled"]
+        )
+        or "none compiled",
+    )
+    write_json(args.out, done)
+    return 0
