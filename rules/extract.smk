@@ -26,7 +26,10 @@ rule compile_kernels:
         "results/{name}/kernels.json",
     log:
         "logs/{name}/compile_kernels.log",
-    threads: 1
+    # 0: locally it takes none of the cores the extraction engine claims (all of them), so the
+    # engine starts as soon as preflight passed and waits on the lock, not on this job; the
+    # compilation is one thread (the slurm-gpu profile gives the job 2 CPUs)
+    threads: 0
     resources:
         gpu=1,
     params:

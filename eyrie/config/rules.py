@@ -28,7 +28,7 @@ from eyrie.config.schema import (
     schema_default,
     settings_json,
 )
-from eyrie.core.runtime import cache_environment
+from eyrie.core.runtime import cache_environment, launch_environment
 from eyrie.store.store import ENV as STORE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -353,7 +353,8 @@ def prepare(
     under SLURM, scripts/slurm-shims (the SLURM plugin mistakes sacct's "CANCELLED by <uid>" for a
     running job) on the PATH; the output store's folder in EYRIE_STORE (store.path; every job
     parses the workflow again, so SLURM jobs get it too); the compilation caches' folders under
-    cache.path (eyrie.core.runtime.CACHES; a variable already set wins, named in one line); an
+    cache.path (eyrie.core.runtime.CACHES; a variable the user set before Snakemake started wins,
+    named in one line, one a library set since does not); an
     empty placeholder for each missing engine socket (a service output counts as missing, so the
     shard jobs take it as ancient() input: docs/extraction.md)."""
     path = os.path.dirname(python) + os.pathsep + os.environ.get("PATH", "")
@@ -364,9 +365,11 @@ def prepare(
         os.environ[STORE_ENV] = os.path.abspath(store)
     else:
         os.environ.pop(STORE_ENV, None)
-    kept = []
+    kept, launched = [], launch_environment()
     for var, folder in (cache_environment(cache) if cache else {}).items():
-        if os.environ.setdefault(var, folder) != folder:
+        # the user's own setting wins; one an import of this process made (torch's) does not
+        os.environ[var] = launched.get(var, folder)
+        if os.environ[var] != folder:
             kept.append(f"{var}={os.environ[var]}")
     if kept:  # the job then writes that cache where the real run on another node may not look
         print(

@@ -42,6 +42,19 @@ CACHES = {
 UNUSED_FRAMEWORKS = {"USE_JAX": "0", "USE_TF": "0"}
 
 
+def launch_environment() -> dict[str, str]:
+    """The environment this process was started with (Linux: /proc/self/environ), not what a
+    library imported since has put in os.environ: `import torch._inductor.config` sets
+    TORCHINDUCTOR_CACHE_DIR to /tmp/torchinductor_<user> (the GPU image's Snakemake process
+    imports it before the workflow reads cache.path). Elsewhere, os.environ."""
+    try:
+        raw = open("/proc/self/environ", "rb").read()
+    except OSError:
+        return dict(os.environ)
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
 def cache_environment(path: str | os.PathLike) -> dict[str, str]:
     """The environment variables that put each cache of CACHES under `path` (absolute)."""
     root = os.path.abspath(path)

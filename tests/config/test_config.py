@@ -3,8 +3,11 @@ table of which rule compares which key (eyrie.config.rules) and the parse-time s
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -441,23 +444,39 @@ def test_prepare_puts_eyrie_on_the_path_and_makes_the_socket_placeholders(tmp_pa
     assert all((tmp_path / s).read_text() == "" for s in sockets[1:])
 
 
-def test_prepare_puts_the_caches_under_cache_path_and_keeps_a_users_own(
-    tmp_path, monkeypatch, capsys
-):
+PREPARE = """
+import json, os, sys
+from eyrie.config.rules import prepare
+import torch._inductor.config  # sets TORCHINDUCTOR_CACHE_DIR, as the GPU image's Snakemake does
+prepare(sys.argv[1], "/venv/bin/python", [], None, "results/cache")
+names = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "HUMMING_CACHE_DIR")
+print(json.dumps({v: os.environ.get(v) for v in names}))
+"""
+
+
+def test_prepare_puts_the_caches_under_cache_path_and_keeps_a_users_own(tmp_path, monkeypatch):
     """cache.path: each compilation cache of CACHES in its folder there, for every job; a
-    variable the user set wins, named in one line; no cache.path sets none."""
+    variable the user set before Snakemake started wins, named in one line; one an import set
+    since (torch's inductor: /tmp/torchinductor_<user>) does not; no cache.path sets none."""
+    env = {k: v for k, v in os.environ.items() if k not in CACHES}
+    env["TRITON_CACHE_DIR"] = "/mine/triton"
+    proc = subprocess.run(
+        [sys.executable, "-c", PREPARE, str(REPO)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "TRITON_CACHE_DIR": "/mine/triton",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "results/cache/inductor"),
+        "HUMMING_CACHE_DIR": str(tmp_path / "results/cache/humming"),
+    }
+    assert "kept from the environment, outside it: TRITON_CACHE_DIR=/mine/triton (" in proc.stderr
+    assert "TORCHINDUCTOR" not in proc.stderr
     monkeypatch.chdir(tmp_path)
-    for var in CACHES:  # set, then deleted: monkeypatch then removes what prepare sets
-        monkeypatch.setenv(var, "")
-        monkeypatch.delenv(var)
-    monkeypatch.setenv("TRITON_CACHE_DIR", "/mine/triton")
-    prepare(str(REPO), "/venv/bin/python", [], None, "results/cache")
-    assert os.environ["TRITON_CACHE_DIR"] == "/mine/triton"
-    assert "outside it: TRITON_CACHE_DIR=/mine/triton (" in capsys.readouterr().err
-    assert os.environ["HUMMING_CACHE_DIR"] == str(tmp_path / "results/cache/humming")
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "results/cache/inductor")
-    assert os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / "results/cache/vllm")
-    monkeypatch.delenv("VLLM_CACHE_ROOT")
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
     prepare(str(REPO), "/venv/bin/python", [], None, None)
     assert "VLLM_CACHE_ROOT" not in os.environ
 
