@@ -191,13 +191,20 @@ def compile_units(todo: list[dict], workers: int) -> list[float]:
     # spawned, not forked: the caller may have initialised CUDA; a worker whose driver fails
     # breaks the pool (BrokenProcessPool, a RuntimeError) instead of being started again; eager
     # module loading: a module compiles whole when loaded, not kernel by kernel when first used
-    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
-    with concurrent.futures.ProcessPoolExecutor(
-        workers,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_worker_start,
-    ) as pool:
-        return list(pool.map(_compile, todo))
+    before = os.environ.get("CUDA_MODULE_LOADING")
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"  # the workers inherit it when they start
+    try:
+        with concurrent.futures.ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_worker_start,
+        ) as pool:
+            return list(pool.map(_compile, todo))
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_MODULE_LOADING", None)
+        else:
+            os.environ["CUDA_MODULE_LOADING"] = before
 
 
 def workers_for(n: int, most: int | None = None) -> int:
