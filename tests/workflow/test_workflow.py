@@ -180,11 +180,12 @@ def test_eval_setting_reruns_only_evaluation(tiny_run):
 @pytest.mark.slow
 def test_vllm_evaluation_and_environment_rerun_no_extraction(tiny_run):
     """Asking for the vLLM evaluation, or pointing at another vLLM environment or GPU size, reruns
-    neither preflight nor what depends on it: only the new evaluation is planned."""
+    neither preflight nor what depends on it: only the new evaluation is planned, with the job
+    that compiles the target's PTX-only vLLM kernels beside it (`all` asks for its kernels.json)."""
     jobs = planned_with(
         tiny_run, eval__vllm=True, vllm__gpu_memory_gib=40, vllm__python="/opt/vllm/bin/python"
     )
-    assert jobs == {"evaluate_vllm": 1, "all": 1}
+    assert jobs == {"compile_kernels": 1, "evaluate_vllm": 1, "all": 1}
 
 
 @pytest.mark.slow
