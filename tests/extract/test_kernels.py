@@ -70,6 +70,7 @@ print(json.dumps([why, [[Path(u["lib"]).name, u["label"]] for u in units]]))
 
 @need_vllm
 @pytest.mark.vllm_env
+@pytest.mark.slow  # reads every PTX-only unit's PTX, three times
 def test_on_an_h100_the_kimi_target_compiles_one_moe_unit_and_a_dense_fp16_gptq_target_one():
     # stand-ins: a dense GPTQ target in fp16 and in bf16 (vLLM builds bf16 dense Marlin for sm_90)
     gptq = {"quant_method": "gptq", "bits": 4, "sym": True}

@@ -13,6 +13,8 @@ import struct
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from eyrie.vllm import fatbin
 from tests.support.vllm_helpers import VLLM_PYTHON, need_vllm
 
@@ -72,6 +74,7 @@ def test_on_sm90_the_marlin_moe_units_need_the_jit_and_flash_attention_3_does_no
 
 
 @need_vllm
+@pytest.mark.slow  # imports vLLM's scalar types, reads every MoE unit's PTX
 def test_kernel_names_carry_vllms_scalar_type_ids():
     probe = (
         "import json; from vllm.scalar_type import scalar_types as s; "
