@@ -101,30 +101,26 @@ def test_on_an_h100_the_kimi_target_compiles_one_moe_unit_and_a_dense_fp16_gptq_
     ]
 
 
+def compile_stage(target, out, env=None) -> dict:
+    """`eyrie compile-kernels` in the vLLM environment; its kernels.json."""
+    cmd = [str(VLLM_PYTHON), "-m", "eyrie.cli", "compile-kernels", "--target", str(target)]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], capture_output=True, text=True, env=env, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 @need_vllm
 @pytest.mark.vllm_env
 def test_without_a_gpu_the_stage_compiles_nothing_and_says_why(tmp_path):
     if os.path.exists("/dev/nvidiactl"):
         pytest.skip("this machine has an NVIDIA driver")
     (tmp_path / "config.json").write_text(json.dumps(KIMI_K25_INT4))
-    out = tmp_path / "kernels.json"
-    proc = subprocess.run(
-        [
-            str(VLLM_PYTHON),
-            "-m",
-            "eyrie.cli",
-            "compile-kernels",
-            "--target",
-            str(tmp_path),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(out.read_text()) == {"compiled": [], "why": "nothing to compile: no GPU here"}
+    assert compile_stage(tmp_path, tmp_path / "kernels.json") == {
+        "compiled": [],
+        "why": "nothing to compile: no GPU here",
+    }
 
 
 HOLD = """
@@ -163,22 +159,7 @@ def test_an_engine_waits_while_the_lock_is_held_and_not_past_its_wait(tmp_path, 
 def test_on_a_gpu_the_kimi_unit_compiles_once_then_loads_from_the_cache(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(KIMI_K25_INT4))
     env = dict(os.environ, CUDA_CACHE_PATH=str(tmp_path / "cuda"))
-    runs = []
-    for n in (1, 2):
-        out = tmp_path / f"kernels{n}.json"
-        cmd = [
-            str(VLLM_PYTHON),
-            "-m",
-            "eyrie.cli",
-            "compile-kernels",
-            "--target",
-            str(tmp_path),
-            "--out",
-            str(out),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs.append(json.loads(out.read_text()))
+    runs = [compile_stage(tmp_path, tmp_path / f"kernels{n}.json", env) for n in (1, 2)]
     first, again = (r["compiled"] for r in runs)
     assert [u["kernels"] for u in first] == ["marlin_moe_wna16::Marlin<bfloat16, uint4b8>"]
     assert not first[0]["from_cache"] and again[0]["from_cache"]
