@@ -17,8 +17,9 @@ ENGINE_COMMAND = (
 # The target's vLLM kernels this GPU can only compile from PTX (vLLM 0.22-0.26 ship the Marlin MoE
 # kernels of int4 experts without sm_90 code), compiled into cache.path's driver cache while
 # tokenization and preflight run; engines take the cache's lock, then load them instead of
-# compiling them on one thread inside their start (docs/rehearsal.md). Only `all` asks for it: no
-# job waits on it but through that lock, and a rerun of it reruns nothing.
+# compiling them on one thread inside their start (docs/rehearsal.md). Beside it, the vLLM facts
+# preflight reads, under their own lock. Only `all` asks for it: no job waits on it but through
+# those locks, and a rerun of it reruns nothing.
 rule compile_kernels:
     input:
         f"{TARGET}/config.json",
@@ -38,6 +39,7 @@ rule compile_kernels:
         target=target_dir,
     shell:
         "{params.python} -m eyrie.cli compile-kernels --target {params.target} --out {output}"
+        " --python {params.python}"
         " > {log} 2>&1"
 
 

@@ -175,3 +175,34 @@ def provenance(settings: dict | None = None) -> dict:
         "host": platform.node(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, exclusive: bool, wait_s: float | None = None) -> Iterator[bool]:
+    """flock(2) on `path` (created): exclusive or shared, released with the block or when the
+    process dies. Yields whether it is held: False when the file cannot be opened or another
+    still holds it after `wait_s` seconds (None: wait as long as it takes)."""
+    import fcntl
+
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+")
+    except OSError:
+        yield False
+        return
+    with handle:
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(handle, mode | (0 if deadline is None else fcntl.LOCK_NB))
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.2)
+            except OSError:  # a file system without flock (some network mounts): go on unlocked
+                yield False
+                return
+        yield True

@@ -8,6 +8,11 @@ and load the unit compiled here. Writes what it compiled, or why nothing, to --o
 runs no Marlin kernel, a machine without a GPU or an engine that needs another unit than chosen
 here cost nothing but this job: the engine compiles what it needs, as without it. Runs in the
 vLLM environment (it reads vLLM's ScalarType ids and libraries). docs/rehearsal.md.
+
+Beside the compilation it reads the installed vLLM's facts for the target into cache.path, as
+preflight's probe would (the same subprocess, so the same cache entry), holding their lock:
+preflight, which starts once tokenization is done, then loads them instead of importing vLLM
+itself (16-22 s of the rehearsal's chain on an H100).
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
 from eyrie.core.io import write_json
+from eyrie.preflight.vllm_env import facts_for, resolve_python
 from eyrie.vllm import fatbin
 from eyrie.vllm.quantization import quantization_config
 
@@ -85,13 +92,21 @@ def chosen_units(root: Path, arch: int, config: dict) -> tuple[list[dict], str]:
     return chosen, f"{'MoE' if moe else 'dense'} Marlin kernels for {types[0]} x {types[1]}"
 
 
-def compile_kernels(target: str | Path) -> dict:
-    """Compile the target's PTX-only kernels into the driver's cache; what was done."""
+def compile_kernels(target: str | Path, python: str | None = None) -> dict:
+    """Compile the target's PTX-only kernels into the driver's cache, reading the vLLM facts of
+    `python` (the vLLM environment's, as the rules name it) beside it; what was done."""
+    config = json.loads((Path(target) / "config.json").read_text())
+    facts = FactsReader(python, config)
+    done = compile_units(config)
+    done["facts"] = facts.result()
+    return done
+
+
+def compile_units(config: dict) -> dict:
     root, cache = fatbin.vllm_root(), fatbin.cache_folder()
     if root is None or cache is None or not Path("/dev/nvidiactl").exists():
         why = "no vLLM" if root is None else "no driver cache" if cache is None else "no GPU"
         return {"compiled": [], "why": f"nothing to compile: {why} here"}
-    config = json.loads((Path(target) / "config.json").read_text())
     arch = fatbin.Driver().arch()
     units, chosen = chosen_units(root, arch, config)
     done = {"arch": arch, "cache": str(cache), "why": chosen, "compiled": []}
@@ -113,15 +128,48 @@ def compile_kernels(target: str | Path) -> dict:
     return done
 
 
+class FactsReader:
+    """preflight's facts probe for `config`, started now on a thread (the child does the work);
+    `result()` waits for it and says what happened. Its failure is preflight's to report."""
+
+    def __init__(self, python: str | None, config: dict):
+        self.outcome: dict = {"read": False, "why": "no --python given"}
+        self.thread = threading.Thread(target=self._read, args=(python, config), daemon=True)
+        if python:
+            self.thread.start()
+
+    def _read(self, python: str, config: dict) -> None:
+        start = time.perf_counter()
+        try:
+            got = facts_for(resolve_python(python), [config])[0]
+        except Exception as exc:  # preflight reads them again and says why, with the fix
+            self.outcome = {"read": False, "why": f"{type(exc).__name__}: {exc}"}
+            return
+        why = got.get("error") or f"vLLM {got.get('version')}, kept for preflight"
+        self.outcome = {"read": "error" not in got, "why": why}
+        self.outcome["s"] = round(time.perf_counter() - start, 1)
+
+    def result(self) -> dict:
+        if self.thread.ident is not None:  # started
+            self.thread.join()
+        return self.outcome
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="the target folder (its config.json)")
     parser.add_argument("--out", required=True, help="kernels.json: what was compiled")
+    parser.add_argument(
+        "--python",
+        help="the vLLM environment's Python as vllm.python names it: its facts for the target are "
+        "read into cache.path beside the compilation, for preflight",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    done = compile_kernels(args.target)
+    done = compile_kernels(args.target, args.python)
     log.info(
-        "compile-kernels: %s; %s",
+        "compile-kernels: vLLM facts: %s; %s; %s",
+        done["facts"]["why"],
         done["why"],
         ", ".join(
             f"{u['kernels']} ({u['ptx_mb']} MB of PTX) in {u['s']} s" for u in done["compiled"]

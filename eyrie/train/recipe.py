@@ -46,10 +46,10 @@ from eyrie.train.inputs import (
     verify_shards,
 )
 from eyrie.train.launch import Dist, stop
-from eyrie.train.metrics import fmt, mean, write_outputs
+from eyrie.train.metrics import fmt, mean, start_font_list, write_outputs
 from eyrie.train.model import build_trainable, resolve_device, wrap_ddp
 from eyrie.train.packing import BatchSpec, PackedShards, Plan, Prefetcher
-from eyrie.train.report import LoopState, Reporter, read_metrics
+from eyrie.train.report import LoopState, Reporter, compile_breakdown, read_metrics
 from eyrie.train.sharding import full_states, is_sharded
 from eyrie.train.step import Stepper
 
@@ -284,7 +284,13 @@ class TrainRecipe:
             state.waited += wait
             sums, grad_norm = stepper.step(batches)
             if n == 0:  # torch.compile builds the draft's graphs (or loads them) in this step
-                log.info("first step launched in %.1f s", time.monotonic() - state.started)
+                log.info(
+                    "first step launched in %.1f s%s",
+                    time.monotonic() - state.started,
+                    compile_breakdown(),
+                )
+                if self.dist.main:  # the curves' font list, built while the steps run
+                    start_font_list()
             if n + 1 < len(self.schedule):  # read while the device still works on this step
                 staged = stepper.stage(self.loader)
             tokens = [sum(t) for t in zip(*(self.data.tokens(p) for p in packs))]  # [all, loss]

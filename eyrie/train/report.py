@@ -146,3 +146,27 @@ class Reporter:
             state.position["tokens"] / max(state.position["wall_s"], 1e-9),
             100 * state.waited / max(time.monotonic() - state.started, 1e-9),
         )
+
+
+# torch.compile's own timers (torch._dynamo.utils.compile_times) worth a line: tracing the draft,
+# lowering the forward and backward graphs to kernels, and waiting for the kernels' compilation
+COMPILE_PHASES = {
+    "bytecode_tracing": "traced",
+    "compile_fx.<locals>.fw_compiler_base": "forward lowered",
+    "compile_fx.<locals>.bw_compiler": "backward lowered",
+    "async_compile.wait": "kernels waited for",
+}
+
+
+def compile_breakdown() -> str:
+    """Where the first step's torch.compile spent its time, in words ('' when torch keeps no
+    timers: an eager run, or a torch whose private timers moved)."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        names, values = compile_times(repr="csv", aggregate=True)
+    except Exception:  # a private API: its absence costs the line, nothing else
+        return ""
+    got = dict(zip(names, values))
+    parts = [f"{what} {float(got[k]):.1f} s" for k, what in COMPILE_PHASES.items() if k in got]
+    return f" (torch.compile: {', '.join(parts)})" if parts else ""

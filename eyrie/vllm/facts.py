@@ -153,13 +153,16 @@ def inspect_helpers(module) -> tuple[dict[str, bool], dict[str, list[str] | None
 
 def gather_facts(config: dict) -> VllmFacts:
     """What the installed vLLM offers for this target config: kept facts (facts_cache) where a
-    job read them before in this very environment, else read_facts."""
+    job read them before in this very environment (or is reading them now), else read_facts."""
     kept = facts_cache.load(config)
-    if kept is not None:
-        return VllmFacts.from_json(kept)
-    facts = read_facts(config)
-    facts_cache.store(config, facts.to_json())
-    return facts
+    if kept is None:
+        with facts_cache.reading(config):  # another job reading them now: wait, then load
+            kept = facts_cache.load(config)
+            if kept is None:
+                facts = read_facts(config)
+                facts_cache.store(config, facts.to_json())
+                return facts
+    return VllmFacts.from_json(kept)
 
 
 def read_facts(config: dict) -> VllmFacts:

@@ -5,13 +5,14 @@ preflight and evaluate-vllm of every run, and each extraction engine, read the s
 folder is EYRIE_VLLM_FACTS_CACHE (cache.path/vllm-facts through eyrie.core.runtime.CACHES; unset:
 no cache). An entry's name is a digest of everything the facts are read from: the config, this
 Python and its search path, every installed distribution (name, version, its RECORD of files and
-digests), eyrie's own source, the VLLM_* variables and whether NVIDIA devices are present. An
-upgrade, a reinstall or an edit of eyrie therefore reads the facts again; an entry is never
-updated in place.
+digests), eyrie's own source, the VLLM_* variables (but logging's) and whether NVIDIA devices are
+present. An upgrade, a reinstall or an edit of eyrie therefore reads the facts again; an entry is
+never updated in place. One job reads an entry at a time (`reading`); the others wait, then load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import hashlib
@@ -20,9 +21,10 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from eyrie.core.io import write_json
+from eyrie.core.io import file_lock, write_json
 from eyrie.core.runtime import VLLM_FACTS_CACHE as ENV
 
 log = logging.getLogger(__name__)
@@ -57,9 +59,17 @@ def environment_key() -> str:
         add(name, version, record)
     for path in sorted(EYRIE_SOURCE.rglob("*.py")):  # an editable eyrie has no RECORD of them
         add(path.relative_to(EYRIE_SOURCE), hashlib.sha256(path.read_bytes()).hexdigest())
-    add(*sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("VLLM_")))
+    add(
+        *sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("VLLM_") and not quiet(k))
+    )
     add(bool(glob.glob("/dev/nvidia[0-9]*")))
     return h.hexdigest()
+
+
+def quiet(name: str) -> bool:
+    """A VLLM_* variable that shapes only vLLM's logging (preflight's probe sets
+    VLLM_LOGGING_LEVEL=ERROR): out of the key, so the engines' jobs find the facts it kept."""
+    return name.startswith(("VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING"))
 
 
 def entry_path(config: dict) -> Path | None:
@@ -70,6 +80,24 @@ def entry_path(config: dict) -> Path | None:
     h = hashlib.sha256(environment_key().encode())
     h.update(json.dumps(config, sort_keys=True).encode())
     return root / f"{h.hexdigest()[:32]}.json"
+
+
+# a job waits this long at most for another that reads the same facts (16-22 s), then reads them
+LOCK_WAIT_S = 120
+
+
+@contextlib.contextmanager
+def reading(config: dict) -> Iterator[None]:
+    """Held while one job reads the facts of `config`: another job asking for the same ones
+    meanwhile (preflight's probe while compile-kernels reads them at the workflow's start) waits,
+    then loads them instead of importing vLLM a second time. Without a cache, or after
+    LOCK_WAIT_S, it goes on without the lock: both read, the same facts."""
+    path = entry_path(config)
+    if path is None:
+        yield
+        return
+    with file_lock(path.with_suffix(".lock"), exclusive=True, wait_s=LOCK_WAIT_S):
+        yield
 
 
 def load(config: dict) -> dict | None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
-import fcntl
 import importlib.util
 import multiprocessing
 import os
@@ -27,6 +26,8 @@ import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from eyrie.core.io import file_lock
 
 FATBIN_MAGIC = 0xBA55ED50
 PTX, SASS = 1, 2
@@ -302,27 +303,11 @@ def compilation_lock(exclusive: bool, wait_s: float | None = None) -> Iterator[b
     about to load what it compiled; yields whether it holds it (False: no cache folder, no
     lockable file, or still held by another after `wait_s` seconds)."""
     cache = cache_folder()
-    try:
-        if cache is None:
-            raise OSError("no cache")
-        cache.mkdir(parents=True, exist_ok=True)
-        handle = open(cache / LOCK, "a+")
-    except OSError:
+    if cache is None:
         yield False
         return
-    with handle:
-        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-        deadline = None if wait_s is None else time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(handle, mode | (0 if deadline is None else fcntl.LOCK_NB))
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    yield False
-                    return
-                time.sleep(0.2)
-        yield True
+    with file_lock(cache / LOCK, exclusive, wait_s) as held:
+        yield held
 
 
 # an engine waits this long at most (longer than compiling vLLM 0.22's largest PTX-only unit on an

@@ -12,10 +12,12 @@ import os
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
 
 from eyrie.extract.kernels import is_moe, marlin_types
+from eyrie.preflight.vllm_env import run_gatherer
 from eyrie.vllm import fatbin
 from tests.support import REPO
 from tests.support.vllm_helpers import KIMI_K25, LLAMA, VLLM_PYTHON, need_vllm
@@ -102,25 +104,35 @@ def test_on_an_h100_the_kimi_target_compiles_one_moe_unit_and_a_dense_fp16_gptq_
 
 
 def compile_stage(target, out, env=None) -> dict:
-    """`eyrie compile-kernels` in the vLLM environment; its kernels.json."""
+    """`eyrie compile-kernels` in the vLLM environment, as the rule runs it; its kernels.json."""
     cmd = [str(VLLM_PYTHON), "-m", "eyrie.cli", "compile-kernels", "--target", str(target)]
-    proc = subprocess.run(
-        [*cmd, "--out", str(out)], capture_output=True, text=True, env=env, cwd=REPO
-    )
+    cmd += ["--out", str(out), "--python", str(VLLM_PYTHON)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 @need_vllm
 @pytest.mark.vllm_env
+@pytest.mark.slow  # imports vLLM in two processes (18 s here)
 def test_without_a_gpu_the_stage_compiles_nothing_and_says_why(tmp_path):
     if os.path.exists("/dev/nvidiactl"):
         pytest.skip("this machine has an NVIDIA driver")
     (tmp_path / "config.json").write_text(json.dumps(KIMI_K25_INT4))
-    assert compile_stage(tmp_path, tmp_path / "kernels.json") == {
+    facts = tmp_path / "facts"
+    env = dict(os.environ, EYRIE_VLLM_FACTS_CACHE=str(facts))
+    done = compile_stage(tmp_path, tmp_path / "kernels.json", env)
+    assert {k: done[k] for k in ("compiled", "why")} == {
         "compiled": [],
         "why": "nothing to compile: no GPU here",
     }
+    assert done["facts"]["read"] and "kept for preflight" in done["facts"]["why"]
+    # preflight's probe finds them: the same entry, not a second one
+    kept = sorted(facts.glob("*.json"))
+    with mock.patch.dict(os.environ, {"EYRIE_VLLM_FACTS_CACHE": str(facts)}):
+        got = run_gatherer(VLLM_PYTHON, [KIMI_K25_INT4])[0]
+    assert sorted(facts.glob("*.json")) == kept and len(kept) == 1
+    assert got == json.loads(kept[0].read_text())["facts"]
 
 
 HOLD = """

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -55,6 +57,10 @@ def test_read_once_per_config(kept, tmp_path):
 
 def test_vllm_variables_and_eyrie_source_are_in_the_key(kept, monkeypatch, tmp_path):
     facts_mod.gather_facts(LLAMA)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")  # preflight's probe sets it: logging only
+    facts_cache.environment_key.cache_clear()
+    facts_mod.gather_facts(LLAMA)
+    assert len(kept) == 1
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     facts_cache.environment_key.cache_clear()
     facts_mod.gather_facts(LLAMA)
@@ -73,6 +79,25 @@ def test_vllm_variables_and_eyrie_source_are_in_the_key(kept, monkeypatch, tmp_p
     facts_cache.environment_key.cache_clear()
     facts_mod.gather_facts(LLAMA)
     assert len(kept) == 3
+
+
+def test_a_job_asking_while_another_reads_them_waits_then_loads_them(kept, monkeypatch):
+    # compile-kernels reads them at the workflow's start; preflight's probe asks meanwhile
+    reader = facts_mod.read_facts
+
+    def slow(config):
+        time.sleep(1.0)
+        return reader(config)
+
+    monkeypatch.setattr(facts_mod, "read_facts", slow)
+    first = threading.Thread(target=facts_mod.gather_facts, args=(LLAMA,))
+    first.start()
+    time.sleep(0.3)  # the first holds the lock now
+    start = time.monotonic()
+    got = facts_mod.gather_facts(LLAMA)
+    waited = time.monotonic() - start
+    first.join()
+    assert len(kept) == 1 and got.version == FACTS["version"] and waited > 0.4
 
 
 def test_a_damaged_entry_is_read_again(kept):
