@@ -112,6 +112,8 @@ RUNTIME = {
     "vllm.python, GPU memory)",
     "evaluate-vllm": "what the workflow reads but does not compare "
     "(vllm.gpu_memory_utilization: it changes no result)",
+    "extract-engine": "what the workflow reads but does not compare "
+    "(vllm.gpu_memory_utilization of the vLLM backend: it changes no shard)",
 }
 
 

@@ -12,7 +12,14 @@ from eyrie.chat.keywords import folder_templates, keyword_problems
 from eyrie.config.drafts import draft_methods
 from eyrie.config.schema import config_file, settings_json, workflow_config
 from eyrie.store.fingerprint import demo_weights_changed, track_target
-from eyrie.config.rules import ComparedAs, engine_sockets, prepare, runtime_settings, settings_param
+from eyrie.config.rules import (
+    ComparedAs,
+    engine_sockets,
+    prepare,
+    runtime_settings,
+    settings_param,
+    vllm_stage_runtime,
+)
 
 
 configfile: config_file(os.path.join(workflow.basedir, "config", "config.yaml"))

@@ -5,10 +5,12 @@
 
 # The engine's --settings are its shard jobs' params.settings (a client must match its engine).
 EXTRACT_SETTINGS = settings("extract_hidden_states")
+# --runtime holds what the engine reads but does not compare (the settings table's read column):
+# the vLLM engine's GPU memory share. Changing it reruns nothing.
+ENGINE_RUNTIME = settings_json(vllm_stage_runtime(config, "extract_engine"))
 # The engine runs in the environment of its backend: vLLM pins its own torch (envs/vllm.txt).
 ENGINE_COMMAND = (
-    f"{VLLM_PYTHON_ARG} -m eyrie.cli extract-engine"
-    f" --gpu-memory-utilization {config['vllm']['gpu_memory_utilization']}"
+    f"{VLLM_PYTHON_ARG} -m eyrie.cli extract-engine --runtime {shlex.quote(ENGINE_RUNTIME)}"
     if VLLM_EXTRACT
     else "eyrie extract-engine"
 )
@@ -95,7 +97,8 @@ rule extract_hidden_states:
         target=target_dir,
         shard="results/{name}/tokenized/shard_{shard}.parquet",
         engine_log=engine_log,
-    # engine_wait_s: command text, not compared (changing it reruns nothing)
+    # engine_wait_s: command text, not compared (changing it reruns nothing); a flag, not in
+    # --runtime: another command text would rerun every finished shard once (docs/contracts.md)
     shell:
         "eyrie extract --engine {input.engine} --engine-log {params.engine_log}"
         " --engine-wait-s {config[extract][engine_wait_s]} --target {params.target} --shard {params.shard}"

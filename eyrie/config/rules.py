@@ -14,6 +14,7 @@ Only the rule files and tests import this module.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 import shutil
@@ -302,6 +303,18 @@ def rule_settings(config: dict, rule: str) -> dict:
 def runtime_settings(config: dict, rule: str) -> dict:
     """The settings `rule` reads but does not compare (command text: no rerun when they change)."""
     return _settings(config, rule, "read")
+
+
+def vllm_stage_runtime(config: dict, rule: str) -> dict:
+    """runtime_settings of a rule whose command runs in the vLLM environment (extract_engine):
+    without vllm.python, which its command runs in, not a setting its stage reads (a shard would
+    record the interpreter's path)."""
+    runtime = copy.deepcopy(runtime_settings(config, rule))
+    vllm = runtime.get("vllm", {})
+    vllm.pop("python", None)
+    if "vllm" in runtime and not vllm:
+        del runtime["vllm"]
+    return runtime
 
 
 def rule_keys(config: dict, rule: str) -> set[str]:

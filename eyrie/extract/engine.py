@@ -87,14 +87,15 @@ def _extract_handler(extractor, settings: dict) -> Callable[[dict], Reply]:
 @dataclass(frozen=True)
 class Load:
     """What an engine loads: the target, its passed preflight report and the extraction settings,
-    which every client must send alike. `gpu_memory_utilization` (vLLM backend) changes no
-    shard, so it stays out of `settings` and only reaches the backend."""
+    which every client must send alike. `runtime` (--runtime: the vLLM backend's
+    gpu_memory_utilization) changes no shard, so it stays out of `settings` and only reaches the
+    backend."""
 
     target: str | Path
     preflight: str | Path
     settings: dict
     torch_threads: int | None = None
-    gpu_memory_utilization: float | None = None
+    runtime: dict | None = None
 
     def extractor(self):
         """The loaded Extractor (the one model load)."""
@@ -102,11 +103,9 @@ class Load:
             from eyrie.core.runtime import set_torch_threads
 
             set_torch_threads(self.torch_threads)
-        from eyrie.config.sections import vllm_runtime
         from eyrie.extract.extractor import Extractor
 
-        runtime = vllm_runtime(self.gpu_memory_utilization, ExtractError)
-        return Extractor(self.target, self.preflight, self.settings, runtime)
+        return Extractor(self.target, self.preflight, self.settings, self.runtime)
 
 
 def serve(socket_path: str | Path, load: Load, idle_exit_s: float = DEFAULT_IDLE_EXIT_S) -> int:
@@ -206,13 +205,6 @@ def add_arguments(parser) -> None:
         help="torch CPU threads, set after the socket is bound (the global "
         "--threads would import torch before binding)",
     )
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="vLLM backend: fraction of GPU memory the engine may use (kept out "
-        "of --settings: it changes no shard)",
-    )
 
 
 def run(args) -> int:
@@ -221,6 +213,6 @@ def run(args) -> int:
         args.preflight,
         args.settings,
         torch_threads=args.torch_threads,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        runtime=args.runtime,
     )
     return serve(args.socket, load, idle_exit_s=args.idle_exit_s)

@@ -401,3 +401,25 @@ def test_long_socket_path_binds_and_connects(tmp_path):
     served.join(timeout=10)
     engine.close()
     assert reply["ok"] and placeholder_left(sock)
+
+
+def test_the_vllm_engine_gets_its_memory_share_in_runtime_without_the_interpreter():
+    from eyrie.config.rules import vllm_stage_runtime
+    from eyrie.config.schema import validate_config
+
+    config = validate_config({"target": {"name": "t"}, "extract": {"backend": "vllm"}})
+    share = config["vllm"]["gpu_memory_utilization"]
+    assert vllm_stage_runtime(config, "extract_engine") == {
+        "vllm": {"gpu_memory_utilization": share}
+    }
+    config = validate_config({"target": {"name": "t"}})  # the hf engine reads nothing more
+    assert vllm_stage_runtime(config, "extract_engine") == {}
+    # the engine's command line as the rule writes it: --runtime parsed into what Load passes on
+    from eyrie import cli
+
+    argv = ["--socket", "e.sock", "--target", "t", "--preflight", "p.json", "--settings", "{}"]
+    runtime = '{"vllm": {"gpu_memory_utilization": 0.5}}'
+    args = cli.build_parser("extract-engine").parse_args(
+        ["extract-engine", *argv, "--runtime", runtime]
+    )
+    assert args.runtime == {"vllm": {"gpu_memory_utilization": 0.5}}
