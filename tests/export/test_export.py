@@ -166,11 +166,21 @@ def test_validation_catches_changed_weights_and_tensor_sets(trained, tmp_path):
         )
 
     tensors = load_file(str(out / "model.safetensors"))
-    tensors["fc.weight"] = tensors["fc.weight"].clone()
+    original = tensors["fc.weight"]
+    tensors["fc.weight"] = original.clone()
     tensors["fc.weight"][0, 0] += 1e-3
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ExportError, match="gives different"):
+    with pytest.raises(ExportError, match=r"\['fc.weight'\] differ from the trained draft's"):
         validate_export(out, reference, 2, expect)
+    # equal weights, another behaviour: the outputs tell (a config flag the export must keep)
+    tensors["fc.weight"] = original
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    validate_export(out, reference, 2, expect)
+    config = json.loads((out / "config.json").read_text())
+    config["norm_before_residual"] = not config.get("norm_before_residual", False)
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="gives different"):
+        validate_export(out, reference, 2, {})
 
     tensors["verifier_norm.weight"] = torch.ones(HIDDEN)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
