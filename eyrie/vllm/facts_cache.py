@@ -83,7 +83,8 @@ def entry_path(config: dict) -> Path | None:
 
 
 # a job waits this long at most for another that reads the same facts (16-22 s), then reads them
-LOCK_WAIT_S = 120
+# itself: within preflight's 120 s for the whole probe (eyrie.preflight.vllm_env.FACTS_TIMEOUT_S)
+LOCK_WAIT_S = 90
 
 
 @contextlib.contextmanager
