@@ -18,8 +18,10 @@ itself (16-22 s of the rehearsal's chain on an H100).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
+import sys
 import threading
 import time
 from pathlib import Path
@@ -70,6 +72,26 @@ def is_moe(config: dict) -> bool:
     return any(text.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
 
 
+def scalar_types(root: Path):
+    """vLLM's `scalar_types` (the ids its kernels' names carry), read from `root`/scalar_type.py
+    alone: that module needs only the standard library (vLLM 0.22-0.34), while importing the
+    vllm package first takes 6-10 s the compilation, on the way to the extraction engine, would
+    wait for. A vLLM whose module needs more is imported as usual."""
+    name = "eyrie_vllm_scalar_type"
+    try:
+        spec = importlib.util.spec_from_file_location(name, root / "scalar_type.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # its dataclasses look their module up by name
+        spec.loader.exec_module(module)
+        return module.scalar_types
+    except Exception:  # another layout or imports of its own: the package's way
+        from vllm.scalar_type import scalar_types as types
+
+        return types
+    finally:
+        sys.modules.pop(name, None)
+
+
 def chosen_units(root: Path, arch: int, config: dict) -> tuple[list[dict], str]:
     """The units of vLLM at `root` (PTX only on an sm_`arch` GPU) whose Marlin kernels the target
     runs: its MoE kernels (namespace marlin_moe_*) for a mixture of experts, else the dense ones;
@@ -77,9 +99,7 @@ def chosen_units(root: Path, arch: int, config: dict) -> tuple[list[dict], str]:
     types = marlin_types(config)
     if isinstance(types, str):
         return [], f"no Marlin kernel: {types}"
-    from vllm.scalar_type import scalar_types  # the ids the kernels' names carry
-
-    ids = [getattr(scalar_types, name).id for name in types]
+    ids = [getattr(scalar_types(root), name).id for name in types]
     moe = is_moe(config)
     chosen = []
     for unit in fatbin.pending(root, arch):

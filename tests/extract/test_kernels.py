@@ -60,6 +60,29 @@ def test_targets_without_marlin_kernels_say_why():
     assert marlin_types(w4a8) == "quantization_config: not a weight-only scheme"
 
 
+SCALAR_IDS = """
+import json
+from eyrie.extract.kernels import scalar_types
+from eyrie.vllm.fatbin import vllm_root
+names = ("bfloat16", "float16", "uint4b8", "uint4", "uint8b128")
+alone = {n: getattr(scalar_types(vllm_root()), n).id for n in names}
+from vllm.scalar_type import scalar_types as imported
+print(json.dumps([alone, {n: getattr(imported, n).id for n in names}]))
+"""
+
+
+@need_vllm
+@pytest.mark.vllm_env
+@pytest.mark.slow  # imports vLLM (6 s here)
+def test_the_scalar_type_ids_read_without_importing_vllm_are_vllms_own():
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-c", SCALAR_IDS], capture_output=True, text=True, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    alone, imported = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert alone == imported and len(set(alone.values())) == 5
+
+
 CHOOSE = """
 import json, sys
 from pathlib import Path
