@@ -159,8 +159,9 @@ COMPILE_PHASES = {
 
 
 def compile_breakdown() -> str:
-    """Where the first step's torch.compile spent its time, in words ('' when torch keeps no
-    timers: an eager run, or a torch whose private timers moved)."""
+    """Where the first step's torch.compile spent its time, in words: graphs loaded from the
+    cache show no lowering ('' when torch keeps no timers: an eager run, or a torch whose
+    private timers moved)."""
     try:
         from torch._dynamo.utils import compile_times
 
