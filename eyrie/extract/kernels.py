@@ -99,7 +99,8 @@ def chosen_units(root: Path, arch: int, config: dict) -> tuple[list[dict], str]:
     types = marlin_types(config)
     if isinstance(types, str):
         return [], f"no Marlin kernel: {types}"
-    ids = [getattr(scalar_types(root), name).id for name in types]
+    known = scalar_types(root)
+    ids = [getattr(known, name).id for name in types]
     moe = is_moe(config)
     chosen = []
     for unit in fatbin.pending(root, arch):
