@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "tests" / "support"))
 import failure  # noqa: E402  (benchmarks/failure.py: each failed job's rule and cause)
 from quality import PRESETS  # noqa: E402
 
-from eyrie.core.runtime import CACHES  # noqa: E402
+from eyrie.core.runtime import CACHES, launch_environment  # noqa: E402
 
 LARGE = PRESETS["large"]["demo"]  # the larger demo target of quality.py --preset large
 
@@ -87,7 +87,8 @@ def caches(cache: Path) -> dict:
     and the CACHES variables the environment had already set (those win over cache.path)."""
     import glob
 
-    preset = {var: os.environ[var] for var in CACHES if var in os.environ}
+    launched = launch_environment()
+    preset = {var: launched[var] for var in CACHES if var in launched}
     outside = [Path(p) for pat in ELSEWHERE for p in glob.glob(os.path.expanduser(pat))]
     return {
         "preset_in_environment": preset,
@@ -116,11 +117,20 @@ def job_times(log: str) -> list[dict]:
     return out
 
 
+def child_environment() -> dict[str, str]:
+    """This process's environment without the cache variables an import here set since it
+    started (`quality` imports torch, which on the GPU image sets TORCHINDUCTOR_CACHE_DIR): passed
+    on, they would look like the user's own to the workflow, which then keeps that cache outside
+    cache.path (the seventh pass found training's graphs in /tmp/torchinductor_root)."""
+    launched = launch_environment()
+    return {k: v for k, v in os.environ.items() if k not in CACHES or k in launched}
+
+
 def snakemake(workdir: Path, config: Path, *args: str) -> tuple[str, float]:
     cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir)]
     cmd += [*args, "--rerun-incomplete", "-c", "all", "--configfile", str(config)]
     began = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_environment())
     took = time.perf_counter() - began
     out = proc.stdout + proc.stderr
     log = workdir / f"snakemake-{int(time.time())}.log"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 from pathlib import Path
 
 import torch
@@ -88,20 +87,6 @@ def mean(records: list[dict], key: str) -> float | None:
 
 def fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4f}"
-
-
-def start_font_list() -> threading.Thread:
-    """Import matplotlib's font manager on a thread while the steps run: cold, it builds the font
-    list from every font the system has (11 s on the GPU machine's image, BENCHMARKS.md) before
-    the outputs can be written. plot_curves' import waits for it (Python's import lock) if the
-    steps finish first."""
-
-    def build() -> None:
-        import matplotlib.font_manager  # noqa: F401 (builds or loads the font list)
-
-    thread = threading.Thread(target=build, name="font-list", daemon=True)
-    thread.start()
-    return thread
 
 
 def plot_curves(records: list[dict], positions: int, path: Path) -> None:

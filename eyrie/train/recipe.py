@@ -46,7 +46,7 @@ from eyrie.train.inputs import (
     verify_shards,
 )
 from eyrie.train.launch import Dist, stop
-from eyrie.train.metrics import fmt, mean, start_font_list, write_outputs
+from eyrie.train.metrics import fmt, mean, write_outputs
 from eyrie.train.model import build_trainable, resolve_device, wrap_ddp
 from eyrie.train.packing import BatchSpec, PackedShards, Plan, Prefetcher
 from eyrie.train.report import LoopState, Reporter, compile_breakdown, read_metrics
@@ -289,8 +289,6 @@ class TrainRecipe:
                     time.monotonic() - state.started,
                     compile_breakdown(),
                 )
-                if self.dist.main:  # the curves' font list, built while the steps run
-                    start_font_list()
             if n + 1 < len(self.schedule):  # read while the device still works on this step
                 staged = stepper.stage(self.loader)
             tokens = [sum(t) for t in zip(*(self.data.tokens(p) for p in packs))]  # [all, loss]

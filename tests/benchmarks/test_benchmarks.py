@@ -337,3 +337,24 @@ def test_the_vllm_extraction_benchmark_checks_the_disk_before_its_shards(tmp_pat
         bench.check_disk(tmp_path, shard_bytes=free // 2 + 1, shards=3)
     with pytest.raises(RuntimeError, match=r"free; give --work a larger disk, or fewer --prompts"):
         bench.check_disk(tmp_path, shard_bytes=free + 1, shards=1)
+
+
+def test_the_workflow_benchmark_passes_on_only_the_cache_variables_it_was_started_with():
+    """benchmarks/workflow_gpu.py imports torch (through quality.py), which on the GPU image sets
+    TORCHINDUCTOR_CACHE_DIR in its own environment; Snakemake, started from it, must not take
+    that for the user's setting (the workflow would keep training's graphs outside cache.path),
+    while a variable given at the start still reaches it."""
+    code = (
+        "import os, sys; sys.path.insert(0, 'benchmarks'); import workflow_gpu as w; "
+        "os.environ['TORCHINDUCTOR_CACHE_DIR'] = '/tmp/torchinductor_set_by_an_import'; "
+        "env = w.child_environment(); "
+        "print(env.get('TORCHINDUCTOR_CACHE_DIR'), env.get('TRITON_CACHE_DIR'), "
+        "env.get('EYRIE_UNRELATED'), w.caches(w.Path('.'))['preset_in_environment'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(TRITON_CACHE_DIR="/users/triton", EYRIE_UNRELATED="kept")
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out[:3] == ["None", "/users/triton", "kept"]
+    assert "torchinductor_set_by_an_import" not in " ".join(out[3:])
